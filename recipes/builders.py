@@ -1,0 +1,202 @@
+"""Builders for the PPO recipe: the only place that reads the Hydra config.
+
+Each ``make_*`` turns one config group into library objects with explicit keyword arguments.
+:func:`check_config` validates everything cheap before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from rlhf_torchrl import functional as F
+from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+from rlhf_torchrl.data import check_prompts, load_prompts
+from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, load_tokenizer, make_critic
+from rlhf_torchrl.objectives import ResponseGAE, make_ppo_loss
+from rlhf_torchrl.rewards import (
+    KLRewardShaper,
+    RewardModel,
+    Scorer,
+    load_reward_function,
+    make_kl_controller,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Batch sizes derived once from the config, with exact division."""
+
+    batch_size: int
+    mini_batch_size: int
+    micro_batch_size: int
+    optimizer_steps: int  # over the whole run
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    if b <= 0 or a % b:
+        raise ValueError(f"{what}: {a} is not divisible by {b}.")
+    return a // b
+
+
+def check_config(cfg: DictConfig) -> Sizes:
+    """Validate the config before any work starts; returns the derived sizes."""
+    p = cfg.ppo
+    for name in ("batch_size", "num_mini_batches", "gradient_accumulation_steps", "num_ppo_epochs",
+                 "num_iterations", "forward_batch_size"):
+        if int(p[name]) < 1:
+            raise ValueError(f"ppo.{name} must be >= 1, got {p[name]}.")
+    mini = exact_div(p.batch_size, p.num_mini_batches,
+                     "ppo.batch_size must split into ppo.num_mini_batches equal minibatches")
+    micro = exact_div(mini, p.gradient_accumulation_steps,
+                      f"the minibatch size ({mini} = batch_size / num_mini_batches) must split into "
+                      "ppo.gradient_accumulation_steps micro-batches")
+    if p.kl_estimator not in F.KL_ESTIMATORS:
+        raise ValueError(
+            f"Unknown ppo.kl_estimator {p.kl_estimator!r}: choose one of {F.KL_ESTIMATORS} "
+            "(k1 = log-ratio, k2 = squared log-ratio / 2, k3 = (r - 1) - log r)."
+        )
+    if cfg.generation.temperature <= 0:
+        raise ValueError("generation.temperature must be > 0 (PPO needs sampling).")
+    if cfg.generation.max_new_tokens < 1:
+        raise ValueError("generation.max_new_tokens must be >= 1.")
+    if cfg.optim.lr_schedule not in ("linear", "constant"):
+        raise ValueError(f"optim.lr_schedule must be 'linear' or 'constant', got {cfg.optim.lr_schedule!r}.")
+    if not cfg.reward.model and not cfg.reward.functions:
+        raise ValueError(
+            "No reward: set reward.model (a sequence classifier) and/or reward.functions "
+            "(dotted paths)."
+        )
+    weights = cfg.reward.function_weights
+    if weights is not None and len(weights) != len(cfg.reward.functions or []):
+        raise ValueError(
+            f"reward.function_weights has {len(weights)} entries for "
+            f"{len(cfg.reward.functions or [])} reward.functions: give one weight per function."
+        )
+    steps = p.num_iterations * p.num_ppo_epochs * p.num_mini_batches
+    return Sizes(p.batch_size, mini, micro, steps)
+
+
+def make_reward_functions(cfg: DictConfig) -> dict:
+    """Import the reward functions (fails before any model is loaded)."""
+    weights = cfg.reward.function_weights or [1.0] * len(cfg.reward.functions or [])
+    return {path.replace(":", ".").rsplit(".", 1)[-1]: (load_reward_function(path), float(w))
+            for path, w in zip(cfg.reward.functions or [], weights)}
+
+
+def make_prompts(cfg: DictConfig, tokenizer) -> list[str]:
+    d = cfg.data
+    prompts = load_prompts(d.source, split=d.split, column=d.column, template=d.template, limit=d.limit)
+    prompts, n_truncated = check_prompts(
+        prompts, tokenizer, max_prompt_length=d.max_prompt_length, truncate=d.truncate_prompts,
+        system_prompt=d.system_prompt,
+    )
+    if n_truncated:
+        log.warning("Truncated %d of %d prompts from the left to %d tokens.",
+                    n_truncated, len(prompts), d.max_prompt_length)
+    if len(prompts) < cfg.ppo.batch_size:
+        raise ValueError(
+            f"The prompt set has {len(prompts)} prompts, fewer than ppo.batch_size="
+            f"{cfg.ppo.batch_size}: add prompts or lower the batch size."
+        )
+    return prompts
+
+
+def make_tokenizer(cfg: DictConfig):
+    """The policy's tokenizer: left padding, a pad token distinct from EOS."""
+    return load_tokenizer(cfg.model.policy)
+
+
+def make_models(cfg: DictConfig, tokenizer):
+    """Policy, frozen reference and critic (dropout off everywhere)."""
+    policy = load_causal_lm(cfg.model.policy, tokenizer, dtype=cfg.model.dtype)
+    if cfg.model.reference:
+        reference = load_causal_lm(cfg.model.reference, tokenizer, dtype=cfg.model.dtype)
+    else:
+        reference = copy.deepcopy(policy)
+    reference.eval().requires_grad_(False)
+    v = cfg.value_model
+    source = v.name_or_path or (cfg.reward.model if v.init == "reward_model" else cfg.model.policy)
+    critic = make_critic(policy=policy, tokenizer=tokenizer, init=v.init, name_or_path=source,
+                         dtype=cfg.model.dtype)
+    return policy, reference, critic
+
+
+def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
+    token = cfg.generation.stop_token
+    if token is None:
+        return [tokenizer.eos_token_id]
+    ids = tokenizer.convert_tokens_to_ids([token])
+    if ids[0] is None or ids[0] == tokenizer.unk_token_id:
+        raise ValueError(f"generation.stop_token {token!r} is not a single token of the tokenizer.")
+    return ids
+
+
+def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids) -> RolloutCollector:
+    env = make_generation_env(prompts, tokenizer, batch_size=cfg.ppo.batch_size, seed=cfg.seed,
+                              system_prompt=cfg.data.system_prompt)
+    g = cfg.generation
+    gen_policy = make_generation_policy(
+        policy, tokenizer, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+        top_k=g.top_k, top_p=g.top_p, stop_token_ids=stop_ids,
+    )
+    return RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=cfg.ppo.batch_size,
+                            stop_token_ids=stop_ids)
+
+
+def make_scorer(cfg: DictConfig, reward_functions: dict) -> Scorer:
+    rewards = dict(reward_functions)
+    if cfg.reward.model:
+        rewards["reward_model"] = (
+            RewardModel.from_pretrained(cfg.reward.model, batch_size=cfg.reward.model_batch_size),
+            float(cfg.reward.model_weight),
+        )
+    return Scorer(rewards, missing_eos_penalty=cfg.reward.missing_eos_penalty)
+
+
+def make_shaper(cfg: DictConfig) -> KLRewardShaper:
+    p, r = cfg.ppo, cfg.reward
+    controller = make_kl_controller(p.kl_coef, target=p.kl_target, horizon=p.kl_horizon)
+    return KLRewardShaper(controller, kl_estimator=p.kl_estimator, whiten_scores=r.whiten_scores,
+                          score_clip=r.score_clip)
+
+
+def make_actors(cfg: DictConfig, policy, reference):
+    t = cfg.generation.temperature
+    return (TokenLevelActor(policy, temperature=t),
+            TokenLevelActor(reference, temperature=t, out_key=("ref_log_probs", "response")))
+
+
+def make_advantage(cfg: DictConfig) -> ResponseGAE:
+    return ResponseGAE(gamma=cfg.ppo.gamma, lmbda=cfg.ppo.lmbda,
+                       whiten_advantages=cfg.ppo.whiten_advantages)
+
+
+def make_loss(cfg: DictConfig, actor, critic):
+    p = cfg.ppo
+    return make_ppo_loss(actor, critic, clip_epsilon=p.clip_epsilon, clip_value=p.clip_value,
+                         vf_coef=p.vf_coef, entropy_coef=p.entropy_coef)
+
+
+def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):
+    """AdamW over the policy and the critic (shared parameters counted once), and its schedule."""
+    o = cfg.optim
+    policy_params = [p for p in policy.parameters() if p.requires_grad]
+    seen = {id(p) for p in policy_params}
+    critic_params = [p for p in critic.parameters() if p.requires_grad and id(p) not in seen]
+    groups = [{"params": policy_params, "lr": o.lr}]
+    if critic_params:
+        groups.append({"params": critic_params, "lr": o.critic_lr or o.lr})
+    optimizer = torch.optim.AdamW(groups, weight_decay=o.weight_decay, eps=o.eps)
+    if o.lr_schedule == "linear":
+        total = sizes.optimizer_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total)
+    else:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return optimizer, scheduler

@@ -1,0 +1,159 @@
+"""PPO-RLHF with TorchRL: collect, score, evaluate, shape rewards, advantages, optimise, log.
+
+    python recipes/ppo.py                                  # offline default (SmolLM2 + VADER)
+    python recipes/ppo.py model.policy=gpt2 ppo.batch_size=64 reward.model=./my_rm
+
+Every setting lives in ``recipes/config/ppo.yaml``; ``builders.py`` turns config into objects.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import builders  # noqa: E402
+
+from rlhf_torchrl import keys as K  # noqa: E402
+from rlhf_torchrl.metrics import MetricsWriter, rollout_metrics  # noqa: E402
+from rlhf_torchrl.modules import evaluate_rollout  # noqa: E402
+from rlhf_torchrl.objectives import ppo_update  # noqa: E402
+
+log = logging.getLogger("ppo")
+
+
+@contextmanager
+def timed(times: dict, name: str):
+    start = time.perf_counter()
+    yield
+    times[f"time/{name}"] = time.perf_counter() - start
+
+
+@hydra.main(config_path="config", config_name="ppo", version_base=None)
+def main(cfg: DictConfig) -> dict:
+    # Everything cheap is checked before any model is loaded.
+    sizes = builders.check_config(cfg)
+    reward_functions = builders.make_reward_functions(cfg)
+    torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+    tokenizer = builders.make_tokenizer(cfg)
+    prompts = builders.make_prompts(cfg, tokenizer)
+    scorer = builders.make_scorer(cfg, reward_functions)
+    scorer.check(prompts)
+    policy, reference, critic = builders.make_models(cfg, tokenizer)
+    stop_ids = builders.stop_token_ids(cfg, tokenizer)
+    collector = builders.make_collector(cfg, prompts, tokenizer, policy, stop_ids)
+    actor, ref_actor = builders.make_actors(cfg, policy, reference)
+    shaper = builders.make_shaper(cfg)
+    advantage = builders.make_advantage(cfg)
+    loss_module = builders.make_loss(cfg, actor, critic)
+    optimizer, scheduler = builders.make_optimizer(cfg, policy, critic, sizes)
+    writer = MetricsWriter(cfg.output_dir, logger=cfg.logging.logger)
+    log.info("Output directory: %s", cfg.output_dir)
+
+    p = cfg.ppo
+    history, first_samples, rollout = [], None, None
+    rollouts = iter(collector)
+    bar = tqdm(range(p.num_iterations), desc="PPO", disable=not cfg.logging.progress_bar)
+    for iteration in bar:
+        times: dict[str, float] = {}
+        start = time.perf_counter()
+        policy.eval()
+        # 1. Collect: sample responses for a batch of prompts, truncate after the stop token.
+        with timed(times, "generation"):
+            rollout = next(rollouts)
+        # 2. Score: one scalar per response (reward model / functions, missing-EOS penalty).
+        with timed(times, "scoring"):
+            scorer(rollout)
+        # 3. Old quantities, no grad: policy and reference log-probs (fp32, temperature), values.
+        with timed(times, "evaluation"):
+            evaluate_rollout(rollout, actor=actor, reference=ref_actor, critic=critic,
+                             chunk_size=p.forward_batch_size)
+        # 4-5. Per-token rewards (-kl_coef * KL, + score at the end), then GAE advantages.
+        with timed(times, "advantages"):
+            shaper(rollout)
+            advantage(rollout)
+        # 6. PPO epochs over shuffled minibatches.
+        with timed(times, "update"):
+            stats = ppo_update(
+                rollout, loss_module, optimizer,
+                num_ppo_epochs=p.num_ppo_epochs, num_mini_batches=p.num_mini_batches,
+                gradient_accumulation_steps=p.gradient_accumulation_steps,
+                max_grad_norm=cfg.optim.max_grad_norm, scheduler=scheduler,
+            )
+        # 7. Log.
+        metrics = rollout_metrics(rollout, kl_coef=shaper.kl_coef)
+        shaper.update_kl_coef(rollout)
+        times["time/total"] = time.perf_counter() - start
+        n_tokens = float(rollout.get(K.RESPONSE_MASK).sum())
+        times["time/tokens_per_second"] = n_tokens / max(times["time/generation"], 1e-9)
+        metrics.update(stats)
+        metrics.update(times)
+        metrics["lr"] = optimizer.param_groups[0]["lr"]
+        metrics["episode"] = (iteration + 1) * p.batch_size
+        writer.log(iteration, metrics)
+        history.append(metrics)
+        if first_samples is None:
+            first_samples = _samples(rollout, cfg.logging.num_samples)
+        bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+    collector.shutdown()
+    writer.close()
+    report = _report(history, first_samples, _samples(rollout, cfg.logging.num_samples))
+    with open(os.path.join(cfg.output_dir, "report.json"), "w") as f:
+        json.dump({"config": OmegaConf.to_container(cfg, resolve=True), **report}, f, indent=1)
+    return report
+
+
+def _samples(rollout, n: int) -> list[dict]:
+    prompts, responses = rollout.get(K.PROMPT_TEXT).tolist(), rollout.get(K.RESPONSE_TEXT).tolist()
+    scores = rollout.get(K.SCORE).tolist()
+    return [{"prompt": prompts[i], "response": responses[i], "score": scores[i]}
+            for i in range(min(n, len(scores)))]
+
+
+def _report(history: list[dict], before: list[dict], after: list[dict]) -> dict:
+    """Print and return initial vs final score and KL, with a few responses from each end."""
+    k = max(1, min(3, len(history) // 4))  # average the ends over a few iterations: less noise
+    def avg(rows, key):
+        return sum(r[key] for r in rows) / len(rows)
+    report = {
+        "initial_score": avg(history[:k], "objective/scores"),
+        "final_score": avg(history[-k:], "objective/scores"),
+        "initial_kl": avg(history[:k], "objective/kl"),
+        "final_kl": avg(history[-k:], "objective/kl"),
+        "seconds_per_iteration": avg(history, "time/total"),
+        "iterations": len(history),
+        "samples_before": before,
+        "samples_after": after,
+    }
+    lines = [
+        "",
+        "=" * 72,
+        f"PPO report: {len(history)} iterations, {report['seconds_per_iteration']:.1f} s/iteration",
+        f"  mean score: {report['initial_score']:+.3f} -> {report['final_score']:+.3f}"
+        f"   (first/last {k} iteration{'s' if k > 1 else ''})",
+        f"  KL to reference: {report['initial_kl']:.3f} -> {report['final_kl']:.3f}",
+    ]
+    for title, samples in (("before", before), ("after", after)):
+        lines.append(f"  responses {title} training:")
+        for s in samples:
+            lines.append(f"    [{s['score']:+.2f}] {s['response'].strip()[:150]!r}")
+    lines.append("=" * 72)
+    print("\n".join(lines), flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""PPO-based RLHF for language models as a composable TorchRL pipeline."""
+
+from . import functional, keys
+from .collectors import RolloutCollector, make_generation_env, make_generation_policy, to_rollout
+from .modules import TokenCritic, TokenLevelActor, evaluate_rollout, make_critic
+from .objectives import ResponseGAE, make_ppo_loss, ppo_update
+from .rewards import KLRewardShaper, RewardModel, Scorer, load_reward_function, make_kl_controller
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KLRewardShaper",
+    "ResponseGAE",
+    "RewardModel",
+    "RolloutCollector",
+    "Scorer",
+    "TokenCritic",
+    "TokenLevelActor",
+    "evaluate_rollout",
+    "functional",
+    "keys",
+    "load_reward_function",
+    "make_critic",
+    "make_generation_env",
+    "make_generation_policy",
+    "make_kl_controller",
+    "make_ppo_loss",
+    "ppo_update",
+    "to_rollout",
+]

@@ -1,0 +1,196 @@
+"""Generation as a TorchRL environment and collector that emit dense rollout TensorDicts.
+
+TorchRL pieces: ``ChatEnv.from_dataloader(input_mode="text")`` serves batches of prompts (the chat
+template is applied by the env), ``StepCounter(max_steps=1)`` ends each episode after one response
+so every batch starts from fresh prompts, ``TransformersWrapper(generate=True)`` samples, and
+``LLMCollector`` runs them. :class:`RolloutCollector` turns each ragged, lazily-stacked batch into
+the dense layout of :mod:`rlhf_torchrl.keys` and truncates responses after the first stop token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch.utils.data import DataLoader
+
+from . import functional as F
+from . import keys as K
+
+
+def make_generation_env(
+    prompts: Sequence[str],
+    tokenizer,
+    *,
+    batch_size: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    system_prompt: str | None = None,
+):
+    """A TorchRL ``ChatEnv`` that yields ``batch_size`` prompts per reset, cycling forever.
+
+    Prompts are plain user messages; the env applies ``tokenizer``'s chat template (a
+    pass-through template for base models, see :func:`~rlhf_torchrl.modules.load_tokenizer`).
+    """
+    from torchrl.envs import InitTracker, StepCounter
+    from torchrl.envs.llm import ChatEnv
+
+    if len(prompts) < batch_size:
+        raise ValueError(
+            f"The prompt set has {len(prompts)} prompts, fewer than one batch "
+            f"(batch_size={batch_size}): add prompts or lower the batch size."
+        )
+    generator = torch.Generator().manual_seed(seed)
+    loader = DataLoader(
+        list(prompts),
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=True,
+        generator=generator,
+        collate_fn=lambda batch: {"query": list(batch)},
+    )
+    env = ChatEnv.from_dataloader(
+        loader,
+        batch_size=(batch_size,),
+        tokenizer=tokenizer,
+        input_mode="text",
+        data_key="query",
+        system_prompt=system_prompt,
+    )
+    # InitTracker: the transform TransformersWrapper expects on the env (LLMCollector checks it)
+    return env.append_transform(StepCounter(max_steps=1)).append_transform(InitTracker())
+
+
+def make_generation_policy(
+    model,
+    tokenizer,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_token_ids: Sequence[int] | None = None,
+):
+    """TorchRL's ``TransformersWrapper`` set up for sampling responses.
+
+    ``top_k=0`` and ``top_p=1.0`` sample from the full (temperature-scaled) distribution, the one
+    the PPO log-probs are computed under. Its own log-probs are not requested: they are wrong for
+    PPO (see :mod:`rlhf_torchrl.modules.actor_critic`).
+    """
+    from torchrl.modules.llm import TransformersWrapper
+
+    gen_kwargs = {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": True,
+        "temperature": temperature,
+        "top_p": top_p,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": list(stop_token_ids or [tokenizer.eos_token_id]),
+    }
+    # TorchRL's kwarg validation rejects top_k=0; HF reads top_k=None as "off"
+    model.generation_config.top_k = None
+    if top_k:
+        gen_kwargs["top_k"] = top_k
+    return TransformersWrapper(
+        model,
+        tokenizer=tokenizer,
+        input_mode="text",
+        generate=True,
+        return_log_probs=False,
+        pad_output=True,
+        generate_kwargs=gen_kwargs,
+    )
+
+
+def to_rollout(
+    batch: TensorDictBase, *, pad_token_id: int, stop_token_ids: Sequence[int], tokenizer=None
+) -> TensorDict:
+    """Dense rollout from one ``LLMCollector`` batch of shape ``[B, 1]``.
+
+    Keys written (see :mod:`rlhf_torchrl.keys`): prompt tokens/mask (B, P) left-padded, response
+    tokens/mask (B, R) right-padded and truncated after the first stop token, ``has_stop_token``
+    (B,), and with ``tokenizer`` the decoded prompt and response text.
+    """
+    batch = batch.reshape(-1)
+    prompt = batch.get(K.PROMPT_TOKENS)
+    response = batch.get(K.RESPONSE_TOKENS)
+    if not isinstance(prompt, torch.Tensor):  # ragged lazy stack: pad it ourselves
+        prompt = batch.get(K.PROMPT_TOKENS, as_padded_tensor=True, padding_side="left",
+                           padding_value=pad_token_id)
+        response = batch.get(K.RESPONSE_TOKENS, as_padded_tensor=True, padding_side="right",
+                             padding_value=pad_token_id)
+    n_prompt = prompt.shape[-1]
+    full_mask = batch.get(("masks", "all_attention_mask"), as_padded_tensor=True,
+                          padding_side="left", padding_value=0)
+    prompt_mask = full_mask[:, :n_prompt].bool()
+    response, response_mask, has_stop = F.truncate_after_stop(response, stop_token_ids, pad_token_id)
+    # drop columns that are padding in every row (responses that all stopped early)
+    width = int(response_mask.sum(-1).max().clamp_min(1))
+    response, response_mask = response[:, :width], response_mask[:, :width]
+    out = TensorDict(
+        {
+            K.PROMPT_TOKENS: prompt,
+            K.PROMPT_MASK: prompt_mask,
+            K.RESPONSE_TOKENS: response,
+            K.RESPONSE_MASK: response_mask,
+            K.HAS_STOP: has_stop,
+        },
+        batch_size=[prompt.shape[0]],
+    )
+    if tokenizer is not None:
+        out.set(K.PROMPT_TEXT, decode(tokenizer, prompt, prompt_mask))
+        out.set(K.RESPONSE_TEXT, decode(tokenizer, response, response_mask, skip_special=True))
+    return out
+
+
+def decode(tokenizer, tokens: torch.Tensor, mask: torch.Tensor, skip_special: bool = False) -> list[str]:
+    """Decode the masked tokens of each row."""
+    return [
+        tokenizer.decode(row[m].tolist(), skip_special_tokens=skip_special)
+        for row, m in zip(tokens, mask.bool())
+    ]
+
+
+class RolloutCollector:
+    """Iterable of dense rollouts: TorchRL's ``LLMCollector`` plus stop-token truncation.
+
+    Each item is a TensorDict of ``batch_size=[B]`` with the keys of :func:`to_rollout`. The
+    collector samples with the live policy weights (the wrapped model is the trained one).
+
+    Example:
+        >>> collector = RolloutCollector(env, policy, tokenizer=tok, batch_size=16)
+        >>> rollout = next(iter(collector))
+        >>> rollout[("tokens", "response")].shape  # (16, R)
+    """
+
+    def __init__(
+        self,
+        env,
+        policy,
+        *,
+        tokenizer,
+        batch_size: int,
+        stop_token_ids: Sequence[int] | None = None,
+        total_batches: int = -1,
+    ):
+        from torchrl.collectors.llm import LLMCollector
+
+        self.tokenizer = tokenizer
+        self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
+        total = -1 if total_batches < 0 else total_batches * batch_size
+        self.collector = LLMCollector(
+            env, policy=policy, dialog_turns_per_batch=batch_size, total_dialog_turns=total
+        )
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        for batch in self.collector:
+            yield to_rollout(
+                batch,
+                pad_token_id=self.tokenizer.pad_token_id,
+                stop_token_ids=self.stop_token_ids,
+                tokenizer=self.tokenizer,
+            )
+
+    def shutdown(self) -> None:
+        self.collector.shutdown()

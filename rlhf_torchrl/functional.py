@@ -1,0 +1,235 @@
+"""Pure tensor math for token-level PPO-RLHF.
+
+Conventions: response tensors are ``(B, R)``, right-padded; ``mask`` is True (or 1) on valid
+response tokens. Prompts are ``(B, P)``, left-padded. Nothing here knows about TensorDicts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchrl.objectives.value.functional import generalized_advantage_estimate
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is true.
+
+    ``sum(x * m) / sum(m)``; an all-false mask gives 0 rather than NaN.
+
+    Shapes: ``x`` and ``mask`` broadcastable; reduces ``dim`` (all dims when None).
+
+    Example:
+        >>> masked_mean(torch.tensor([1.0, 2.0, 9.0]), torch.tensor([1, 1, 0]))
+        tensor(1.5000)
+    """
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp_min(1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over the masked positions (all dims).
+
+    ``sum(m * (x - mean)^2) / (n - 1)`` with Bessel's correction when ``unbiased``, else ``/ n``.
+
+    Example:
+        >>> masked_var(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([1, 1, 0]))
+        tensor(2.)
+    """
+    mean = masked_mean(x, mask)
+    n = mask.to(x.dtype).sum()
+    sq = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        if n < 2:
+            raise ValueError(
+                f"masked_var(unbiased=True) needs at least 2 valid elements, got {int(n)}."
+            )
+        sq = sq * n / (n - 1)
+    return sq
+
+
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """Normalise ``x`` to unit variance (and zero mean) over the masked positions.
+
+    ``(x - mean) / sqrt(var + eps)``; with ``shift_mean=False`` the mean is added back, which is
+    how rewards are whitened without changing their sign (N+ details, §whitening). Positions outside
+    the mask are returned as 0.
+
+    Example:
+        >>> masked_whiten(torch.tensor([1.0, 3.0, 7.0]), torch.tensor([1, 1, 0]))
+        tensor([-0.7071,  0.7071,  0.0000])
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+def kl_estimate(
+    log_prob: torch.Tensor, ref_log_prob: torch.Tensor, estimator: str = "k1"
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the log-probs of sampled tokens.
+
+    With ``log r = ref_log_prob - log_prob`` (tokens sampled from ``pi``), after Schulman (2020),
+    "Approximating KL divergence":
+
+    - ``k1 = -log r``               (unbiased, can be negative)
+    - ``k2 = (log r)^2 / 2``        (biased, low variance, >= 0)
+    - ``k3 = (r - 1) - log r``      (unbiased, low variance, >= 0)
+
+    Shapes: any; elementwise.
+
+    Example:
+        >>> kl_estimate(torch.tensor([0.0]), torch.tensor([0.0]), "k3")
+        tensor([0.])
+    """
+    log_r = ref_log_prob - log_prob
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(
+        f"Unknown KL estimator {estimator!r}: choose one of {KL_ESTIMATORS} "
+        "(k1 = log-ratio, k2 = squared log-ratio / 2, k3 = (r - 1) - log r)."
+    )
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last valid position in each row of a right-padded ``(B, R)`` mask.
+
+    Rows with no valid token give index 0.
+    """
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.zeros_like(positions)).amax(-1)
+
+
+def per_token_rewards(
+    score: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token RLHF reward: a KL penalty on every response token plus the score at the last.
+
+    ``r[t] = -kl_coef * KL[t] * m[t] + score * [t == last valid token]``
+    (Ziegler et al. 2019, §2.2; the score enters once, where the episode ends).
+
+    Shapes: ``score`` (B,), ``kl`` and ``mask`` (B, R). Returns ``(reward, non_score_reward)``,
+    both (B, R), zero outside the mask.
+
+    Example:
+        >>> r, _ = per_token_rewards(torch.tensor([1.0]), torch.tensor([[0.5, 0.5, 9.0]]),
+        ...                          torch.tensor([[1, 1, 0]]), kl_coef=0.1)
+        >>> r
+        tensor([[-0.0500,  0.9500,  0.0000]])
+    """
+    mask_f = mask.to(kl.dtype)
+    non_score = -kl_coef * kl * mask_f
+    last = last_token_index(mask)
+    has_any = mask.bool().any(-1)
+    reward = non_score.clone()
+    reward[torch.arange(reward.shape[0], device=reward.device), last] += torch.where(
+        has_any, score.to(reward.dtype), torch.zeros_like(score, dtype=reward.dtype)
+    )
+    return reward, non_score
+
+
+def truncate_after_stop(
+    tokens: torch.Tensor, stop_token_ids: list[int] | torch.Tensor, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut each response after its first stop token and fill the rest with pad.
+
+    The stop token itself is kept and counts as a response token (the policy chose it; the
+    reward model reads the sequence up to it). N+ details, §"truncate at EOS".
+
+    Shapes: ``tokens`` (B, R) right-padded. Returns ``(tokens, mask, has_stop)`` with shapes
+    (B, R), (B, R) bool and (B,) bool.
+
+    Example:
+        >>> truncate_after_stop(torch.tensor([[5, 2, 7, 8]]), [2], pad_token_id=0)[0]
+        tensor([[5, 2, 0, 0]])
+    """
+    stop = torch.as_tensor(stop_token_ids, device=tokens.device).reshape(-1)
+    is_stop = torch.isin(tokens, stop)
+    # number of stop tokens strictly before t; valid while none has occurred yet
+    stops_before = torch.cumsum(is_stop.long(), dim=-1) - is_stop.long()
+    mask = stops_before == 0
+    has_stop = is_stop.any(-1)
+    out = torch.where(mask, tokens, torch.full_like(tokens, pad_token_id))
+    return out, mask, has_stop
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that start at 0 on the first real token of each left-padded row.
+
+    ``pos[t] = (sum_{s<=t} m[s]) - 1`` clamped at 0; pads get 0 (they are masked anyway). With
+    these, a left-padded row gets the same logits as the unpadded sequence.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probability of the chosen tokens, in fp32, without a full log-softmax.
+
+    ``log p(y_t) = z_t[y_t] - logsumexp(z_t)``: one gather and one logsumexp, so no (B, R, V)
+    log-softmax tensor is kept alive.
+
+    Shapes: ``logits`` (B, R, V), ``tokens`` (B, R). Returns (B, R) float32.
+    """
+    logits = logits.float()
+    chosen = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    return chosen - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution given by ``logits``, in fp32.
+
+    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``.
+
+    Shapes: (..., V) -> (...).
+    """
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lmbda: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over the response tokens of each row.
+
+    ``delta_t = r_t + gamma * V_{t+1} * (1 - done_t) - V_t``,
+    ``A_t = delta_t + gamma * lmbda * (1 - done_t) * A_{t+1}``, with ``done`` true at the last
+    valid token (the episode ends there; nothing is bootstrapped past it). Returns
+    ``(advantages, returns)`` with ``returns = advantages + values``, zero outside the mask.
+    A thin layer over TorchRL's ``generalized_advantage_estimate``.
+
+    Shapes: ``rewards``, ``values``, ``mask``: (B, R). Returns two (B, R) tensors.
+    """
+    mask = mask.bool()
+    values = torch.where(mask, values, torch.zeros_like(values))
+    rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
+    done = torch.zeros_like(mask)
+    done[torch.arange(mask.shape[0], device=mask.device), last_token_index(mask)] = True
+    done = done | ~mask  # pads are terminal too: they never feed back into valid tokens
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
+    adv, _ = generalized_advantage_estimate(
+        gamma,
+        lmbda,
+        values.unsqueeze(-1),
+        next_values.unsqueeze(-1),
+        rewards.unsqueeze(-1),
+        done.unsqueeze(-1),
+        done.unsqueeze(-1),
+        time_dim=-2,
+    )
+    adv = torch.where(mask, adv.squeeze(-1), torch.zeros_like(values))
+    return adv, torch.where(mask, adv + values, torch.zeros_like(values))

@@ -1,0 +1,52 @@
+"""Every TensorDict key the library reads or writes, defined once.
+
+A rollout is a TensorDict with ``batch_size=[B]`` (one row per prompt/response pair). Token-level
+entries share the response width ``R``; prompts have their own width ``P``.
+
+Reused from TorchRL's LLM vocabulary: ``("tokens", "prompt")``, ``("tokens", "response")``,
+``("log_probs", "response")``, ``("text", ...)``, ``("next", "reward")``, ``("next", "done")``,
+``"state_value"``, ``"advantage"``, ``"value_target"``.
+"""
+
+# (B, P) int64, left-padded with the pad token.
+PROMPT_TOKENS = ("tokens", "prompt")
+# (B, P) bool, True on real prompt tokens.
+PROMPT_MASK = ("masks", "prompt")
+# (B, R) int64, right-padded: truncated after the first stop token, pad after it.
+RESPONSE_TOKENS = ("tokens", "response")
+# (B, R) bool, True on response tokens that count (the stop token included).
+RESPONSE_MASK = ("masks", "response")
+# (B,) bool, True where the response emitted the stop token.
+HAS_STOP = ("masks", "has_stop_token")
+
+# Decoded text, one string per row (non-tensor data).
+PROMPT_TEXT = ("text", "prompt")
+RESPONSE_TEXT = ("text", "response")
+
+# (B, R) float32: log-probs of the sampled tokens under the policy that sampled them (old policy).
+LOG_PROB = ("log_probs", "response")
+# (B, R) float32: the same tokens under the frozen reference model.
+REF_LOG_PROB = ("ref_log_probs", "response")
+# (B, R) float32: per-token KL estimate between policy and reference.
+KL = ("kl", "response")
+# (B, R) float32: exact entropy of the sampling distribution at each response token.
+ENTROPY = ("entropy", "response")
+
+# (B,) float32: combined sequence-level score (reward model and/or reward functions, EOS penalty).
+SCORE = "score"
+# (B,) float32: score before the missing-EOS penalty and any whitening/clipping.
+RAW_SCORE = "raw_score"
+
+# (B, R, 1) float32: per-token reward -kl_coef * KL[t] (+ score at the last response token).
+REWARD = ("next", "reward")
+# (B, R, 1) float32: the KL part of the reward alone, -kl_coef * KL[t].
+NON_SCORE_REWARD = ("next", "non_score_reward")
+# (B, R, 1) bool: True at the last valid response token.
+DONE = ("next", "done")
+TERMINATED = ("next", "terminated")
+
+# (B, R, 1) float32: critic values V(s_t) at each response token (old values during the update).
+VALUE = "state_value"
+# (B, R, 1) float32: GAE advantages (whitened over valid tokens) and returns = advantages + values.
+ADVANTAGE = "advantage"
+VALUE_TARGET = "value_target"

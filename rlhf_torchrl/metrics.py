@@ -1,0 +1,73 @@
+"""Per-iteration metrics: rollout statistics, a JSON-lines file and a TorchRL logger."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+from tensordict import TensorDictBase
+
+from . import functional as F
+from . import keys as K
+
+
+def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
+    """Statistics of one shaped rollout (TRL/open-instruct names).
+
+    ``objective/kl`` is the KL summed over each response, averaged over responses;
+    ``objective/non_score_reward`` the summed KL reward; ``objective/rlhf_reward`` = scores +
+    non-score reward; ``objective/entropy`` the summed exact entropy.
+    """
+    mask = td.get(K.RESPONSE_MASK)
+    kl = td.get(K.KL).sum(-1)
+    non_score = td.get(K.NON_SCORE_REWARD).squeeze(-1).sum(-1)
+    score = td.get(K.SCORE)
+    out = {
+        "objective/kl": float(kl.mean()),
+        "objective/non_score_reward": float(non_score.mean()),
+        "objective/rlhf_reward": float((score + non_score).mean()),
+        "objective/scores": float(score.mean()),
+        "objective/raw_scores": float(td.get(K.RAW_SCORE).mean()),
+        "objective/kl_coef": kl_coef,
+        "val/num_eos_tokens": float(td.get(K.HAS_STOP).sum()),
+        "val/sequence_lengths": float(mask.sum(-1).float().mean()),
+        "val/value_mean": float(F.masked_mean(td.get(K.VALUE).squeeze(-1), mask)),
+    }
+    if K.ENTROPY in td.keys(True):
+        out["objective/entropy"] = float((td.get(K.ENTROPY) * mask).sum(-1).mean())
+    if "scores" in td.keys():
+        for name, value in td.get("scores").items():
+            out[f"objective/scores/{name}"] = float(value.mean())
+    return out
+
+
+class MetricsWriter:
+    """Writes each iteration's metrics as one JSON object per line, and to a TorchRL logger.
+
+    ``logger``: ``"csv"`` (TorchRL ``CSVLogger``, the default), ``"tensorboard"``, ``"wandb"``,
+    ``"mlflow"`` (TorchRL's ``get_logger``) or ``None`` for the JSON file only.
+    """
+
+    def __init__(self, output_dir: str, *, logger: str | None = "csv", exp_name: str = "ppo"):
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.logger = None
+        if logger:
+            from torchrl.record.loggers import get_logger
+
+            self.logger = get_logger(logger, logger_name=output_dir, experiment_name=exp_name)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (float(v) if isinstance(v, (int, float, torch.Tensor)) else v) for k, v in metrics.items()}
+        self._file.write(json.dumps({"iteration": step, **clean}) + "\n")
+        self._file.flush()
+        if self.logger is not None:
+            for name, value in clean.items():
+                if isinstance(value, float) and math.isfinite(value):
+                    self.logger.log_scalar(name, value, step=step)
+
+    def close(self) -> None:
+        self._file.close()

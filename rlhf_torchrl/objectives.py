@@ -1,0 +1,172 @@
+"""Advantages, the PPO loss and the PPO update over a rollout.
+
+- :class:`ResponseGAE`: TorchRL's GAE over response tokens (``done`` at the last one), returns =
+  advantages + values, advantages whitened over valid tokens.
+- :func:`make_ppo_loss`: TorchRL's ``ClipPPOLoss`` on the token-level actor and critic, token-mean
+  over valid response tokens (``loss_mask_key``).
+- :func:`ppo_update`: ``num_ppo_epochs`` passes, each a shuffle into minibatches served by a
+  TorchRL replay buffer, with gradient accumulation and gradient-norm clipping.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+
+from . import functional as F
+from . import keys as K
+
+
+class ResponseGAE(TensorDictModuleBase):
+    """GAE over response tokens; writes ``"advantage"`` and ``"value_target"`` (B, R, 1).
+
+    ``A = GAE(r, V; gamma, lmbda)`` with the episode ending at the last response token
+    (:func:`rlhf_torchrl.functional.gae`, TorchRL's ``generalized_advantage_estimate``);
+    ``value_target = A + V`` (before whitening); ``A`` whitened over valid tokens when
+    ``whiten_advantages`` (N+ details: advantage whitening).
+    """
+
+    def __init__(self, *, gamma: float = 1.0, lmbda: float = 0.95, whiten_advantages: bool = True):
+        super().__init__()
+        self.gamma, self.lmbda, self.whiten_advantages = gamma, lmbda, whiten_advantages
+        self.in_keys = [K.REWARD, K.VALUE, K.RESPONSE_MASK]
+        self.out_keys = [K.ADVANTAGE, K.VALUE_TARGET]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        mask = td.get(K.RESPONSE_MASK)
+        adv, returns = F.gae(
+            td.get(K.REWARD).squeeze(-1), td.get(K.VALUE).squeeze(-1), mask, self.gamma, self.lmbda
+        )
+        if self.whiten_advantages and mask.sum() > 1:
+            adv = F.masked_whiten(adv, mask)
+        td.set(K.ADVANTAGE, adv.unsqueeze(-1))
+        td.set(K.VALUE_TARGET, returns.unsqueeze(-1))
+        return td
+
+
+def make_ppo_loss(
+    actor,
+    critic,
+    *,
+    clip_epsilon: float = 0.2,
+    clip_value: float | None = 0.2,
+    vf_coef: float = 0.1,
+    entropy_coef: float = 0.0,
+):
+    """TorchRL ``ClipPPOLoss`` for token-level PPO.
+
+    ``loss_objective = -mean_t min(ratio_t A_t, clip(ratio_t, 1 - eps, 1 + eps) A_t)``;
+    ``loss_critic = vf_coef * mean_t 0.5 * max((V - R)^2, (clip(V, V_old +- clip_value) - R)^2)``
+    (TorchRL's ``l2`` distance has no 1/2, so ``critic_coeff = vf_coef / 2``);
+    ``loss_entropy = -entropy_coef * mean_t H_t`` when ``entropy_coef > 0``. Means are over valid
+    response tokens (``loss_mask_key = ("masks", "response")``).
+    """
+    from torchrl.objectives import ClipPPOLoss
+
+    loss = ClipPPOLoss(
+        actor,
+        critic,
+        clip_epsilon=clip_epsilon,
+        entropy_bonus=entropy_coef > 0,
+        entropy_coeff=entropy_coef if entropy_coef > 0 else None,
+        critic_coeff=0.5 * vf_coef,
+        loss_critic_type="l2",
+        normalize_advantage=False,  # whitened once per rollout by ResponseGAE
+        clip_value=clip_value,
+        functional=False,
+        log_explained_variance=False,
+        reduction="mean",
+    )
+    loss.set_keys(
+        action=K.RESPONSE_TOKENS,
+        sample_log_prob=K.LOG_PROB,
+        value=K.VALUE,
+        advantage=K.ADVANTAGE,
+        value_target=K.VALUE_TARGET,
+    )
+    loss.loss_mask_key = K.RESPONSE_MASK
+    return loss
+
+
+def _valid_fraction(td: TensorDictBase) -> float:
+    mask = td.get(K.RESPONSE_MASK)
+    return float(mask.sum()) / mask.numel()
+
+
+def ppo_update(
+    rollout: TensorDictBase,
+    loss_module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    num_ppo_epochs: int,
+    num_mini_batches: int,
+    gradient_accumulation_steps: int = 1,
+    max_grad_norm: float | None = 1.0,
+    scheduler=None,
+    replay_buffer=None,
+) -> dict[str, float]:
+    """Run the PPO epochs over one rollout and return the averaged diagnostics.
+
+    Each epoch the rollout is served by a TorchRL ``ReplayBuffer`` (``LazyStackStorage`` and
+    ``SamplerWithoutReplacement``) in ``num_mini_batches`` shuffled minibatches; each minibatch is
+    split into ``gradient_accumulation_steps`` micro-batches whose gradients add up before one
+    optimiser step. ``rollout`` rows must be divisible accordingly (checked up front by the recipe).
+
+    Returned metrics (TRL/open-instruct names): ``policy/approxkl_avg``, ``policy/clipfrac_avg``,
+    ``loss/policy_avg``, ``loss/value_avg``, ``val/clipfrac_avg``, ``val/ratio``, ``val/ratio_var``
+    (+ ``policy/entropy_avg`` with an entropy bonus) and ``grad_norm``.
+    """
+    from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
+
+    n = rollout.shape[0]
+    mini = n // num_mini_batches
+    micro = mini // gradient_accumulation_steps
+    if replay_buffer is None:
+        replay_buffer = ReplayBuffer(
+            storage=LazyStackStorage(n), sampler=SamplerWithoutReplacement(), batch_size=mini
+        )
+    replay_buffer.empty()
+    replay_buffer.extend(rollout.exclude(K.PROMPT_TEXT, K.RESPONSE_TEXT))
+    vf_coef = 2 * float(loss_module.critic_coeff)
+    stats: dict[str, list[float]] = defaultdict(list)
+    ratios = []
+    loss_module.train()
+    for _ in range(num_ppo_epochs):
+        for _ in range(num_mini_batches):
+            minibatch = torch.stack(list(replay_buffer.sample().unbind(0)))
+            optimizer.zero_grad(set_to_none=True)
+            for micro_batch in minibatch.split(micro):
+                out = loss_module(micro_batch)
+                loss = sum(v for k, v in out.items() if k.startswith("loss_"))
+                (loss / gradient_accumulation_steps).backward()
+                out = out.detach()
+                # ClipPPOLoss averages its diagnostics over every (B, R) position; pads give a
+                # ratio of exactly 1 there (log-probs are 0 on both sides), so rescaling by the
+                # valid fraction turns them into means over valid tokens.
+                frac = _valid_fraction(micro_batch)
+                stats["policy/clipfrac_avg"].append(float(out["clip_fraction"]) / frac)
+                stats["policy/approxkl_avg"].append(float(out["kl_approx"]) / frac)
+                stats["loss/policy_avg"].append(float(out["loss_objective"]))
+                stats["loss/value_avg"].append(float(out["loss_critic"]) / max(vf_coef, 1e-12))
+                if "value_clip_fraction" in out.keys():
+                    stats["val/clipfrac_avg"].append(float(out["value_clip_fraction"]) / frac)
+                if "entropy" in out.keys():
+                    stats["policy/entropy_avg"].append(float(out["entropy"]) / frac)
+                ratios.append(float(out["mean_ratio"] - 1) / frac + 1)
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                params, max_grad_norm if max_grad_norm else float("inf")
+            )
+            stats["grad_norm"].append(float(grad_norm))
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+    loss_module.eval()
+    metrics = {k: sum(v) / len(v) for k, v in stats.items()}
+    r = torch.tensor(ratios)
+    metrics["val/ratio"] = float(r.mean())
+    metrics["val/ratio_var"] = float(r.var()) if r.numel() > 1 else 0.0
+    return metrics

@@ -1,0 +1,284 @@
+"""Sequence scores and per-token rewards.
+
+- :class:`RewardModel`: a Hugging Face sequence classifier scoring ``prompt + response`` text.
+- :func:`load_reward_function`: a reward function named by dotted path, checked on first use.
+- :class:`Scorer`: combines reward models and functions with weights, applies the missing-EOS
+  penalty, writes ``"score"`` (a TensorDict module).
+- :class:`KLRewardShaper`: ``r[t] = -kl_coef * KL[t]`` on response tokens plus the score at the
+  last one; constant or adaptive ``kl_coef``.
+
+Reward function contract: ``fn(prompts: list[str], responses: list[str]) -> list[float]`` (or a
+1-D tensor/array), one finite float per response. ``prompts`` are the prompts as the policy saw them
+(chat template applied), ``responses`` the decoded responses without special tokens. A function
+whose signature has a parameter named ``tensordict`` also receives the rollout TensorDict (keys in
+:mod:`rlhf_torchrl.keys`) as that keyword argument.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+
+from . import functional as F
+from . import keys as K
+
+RewardFn = Callable[..., Sequence[float]]
+
+
+def load_reward_function(path: str) -> RewardFn:
+    """Import ``package.module.function`` (or ``package.module:function``)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(
+            f"Reward function {path!r} is not a dotted path: write it as "
+            "'package.module.function' (or 'package.module:function')."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(
+            f"Reward function {path!r}: cannot import module {module_name!r} ({e}). "
+            "Is the package installed and on PYTHONPATH?"
+        ) from e
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise ImportError(f"Reward function {path!r}: module {module_name!r} has no callable {attr!r}.")
+    return fn
+
+
+class RewardModel:
+    """Scores ``prompt + response`` with a sequence classifier (one logit = the score).
+
+    Text is re-encoded with the reward model's own tokenizer (right-padded), so the reward model
+    may use another vocabulary than the policy; HF decoder classifiers read the score at the last
+    non-pad token, encoders at their pooled token. Runs without grad in chunks of ``batch_size``.
+    """
+
+    def __init__(self, model, tokenizer, *, batch_size: int = 16, max_length: int | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_length = max_length or getattr(tokenizer, "model_max_length", None)
+        if self.max_length is not None and self.max_length > 100_000:
+            self.max_length = None
+        if tokenizer.pad_token_id is None:
+            raise ValueError(
+                f"Reward model tokenizer {tokenizer.name_or_path!r} has no pad token and no "
+                "EOS/UNK token to use as one: its vocabulary cannot be reconciled with batched "
+                "scoring. Set `tokenizer.pad_token` before building the reward model."
+            )
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **kwargs) -> RewardModel:
+        from .modules.models import load_sequence_classifier
+
+        model, tokenizer = load_sequence_classifier(name_or_path)
+        return cls(model, tokenizer, **kwargs)
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+        texts = [p + r for p, r in zip(prompts, responses)]
+        scores = []
+        for i in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(
+                texts[i : i + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=self.max_length is not None,
+                max_length=self.max_length,
+            )
+            logits = self.model(**enc).logits
+            scores.append(logits[:, 0].float())
+        return torch.cat(scores)
+
+
+def _call_reward(name: str, fn: RewardFn, prompts, responses, td) -> torch.Tensor:
+    kwargs = {}
+    if "tensordict" in _parameters(fn):
+        kwargs["tensordict"] = td
+    try:
+        out = fn(prompts, responses, **kwargs)
+    except Exception as e:
+        raise RuntimeError(f"Reward {name!r} raised {type(e).__name__}: {e}") from e
+    try:
+        out = torch.as_tensor(out, dtype=torch.float32).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(
+            f"Reward {name!r} must return one float per response (a list, array or 1-D tensor); "
+            f"got {type(out).__name__}."
+        ) from e
+    if out.numel() != len(responses):
+        raise ValueError(
+            f"Reward {name!r} returned {out.numel()} values for {len(responses)} responses: "
+            "it must return exactly one float per response."
+        )
+    if not torch.isfinite(out).all():
+        bad = (~torch.isfinite(out)).nonzero().flatten()[:5].tolist()
+        raise ValueError(
+            f"Reward {name!r} returned non-finite values (NaN or inf) at rows {bad}: "
+            "return finite floats (e.g. 0.0 for unscorable responses)."
+        )
+    return out
+
+
+def _parameters(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+class Scorer(TensorDictModuleBase):
+    """One scalar per response: a weighted sum of reward models and functions.
+
+    ``score = sum_i w_i * reward_i(prompts, responses) - missing_eos_penalty * [no stop token]``.
+    Reads the prompt/response text and ``has_stop_token``; writes ``"raw_score"`` (before the
+    penalty), ``"score"`` (B,) and, for logging, one ``("scores", name)`` entry per reward.
+
+    Example:
+        >>> scorer = Scorer({"vader": (vader_compound, 1.0)}, missing_eos_penalty=1.0)
+        >>> scorer(rollout)["score"].shape  # (B,)
+    """
+
+    def __init__(
+        self,
+        rewards: dict[str, tuple[RewardFn, float]],
+        *,
+        missing_eos_penalty: float | None = None,
+    ):
+        super().__init__()
+        if not rewards:
+            raise ValueError(
+                "No reward given: set a reward model (reward.model) and/or reward functions "
+                "(reward.functions=[package.module.fn])."
+            )
+        self.rewards = dict(rewards)
+        self.missing_eos_penalty = missing_eos_penalty
+        self.in_keys = [K.PROMPT_TEXT, K.RESPONSE_TEXT, K.HAS_STOP]
+        self.out_keys = [K.RAW_SCORE, K.SCORE] + [("scores", n) for n in self.rewards]
+
+    def check(self, prompts: Sequence[str]) -> None:
+        """Call every reward once on a two-row probe, so a broken one fails before any work.
+
+        Raises the same clear errors as scoring (naming the reward). Functions that take a
+        ``tensordict`` get ``None`` here.
+        """
+        probe_prompts = list(prompts[:2])
+        probe_responses = ["", "I really liked it."][: len(probe_prompts)]
+        for name, (fn, _) in self.rewards.items():
+            _call_reward(name, fn, probe_prompts, probe_responses, None)
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        prompts = td.get(K.PROMPT_TEXT).tolist()
+        responses = td.get(K.RESPONSE_TEXT).tolist()
+        total = torch.zeros(len(responses))
+        for name, (fn, weight) in self.rewards.items():
+            value = _call_reward(name, fn, prompts, responses, td)
+            td.set(("scores", name), value)
+            total = total + weight * value
+        td.set(K.RAW_SCORE, total)
+        score = total
+        if self.missing_eos_penalty:
+            score = score - self.missing_eos_penalty * (~td.get(K.HAS_STOP)).float()
+        td.set(K.SCORE, score)
+        return td
+
+
+class FixedKLController:
+    """A constant KL coefficient (same interface as TorchRL's ``AdaptiveKLController``)."""
+
+    def __init__(self, init_kl_coef: float):
+        self.coef = init_kl_coef
+
+    def update(self, kl_values=None) -> float:
+        return self.coef
+
+
+def make_kl_controller(kl_coef: float, target: float | None = None, horizon: int = 10000):
+    """Constant ``kl_coef``, or TorchRL's ``AdaptiveKLController`` when ``target`` is set.
+
+    Adaptive (Ziegler et al. 2019, §2.2): ``e = clip(KL / target - 1, -0.2, 0.2)``,
+    ``kl_coef *= 1 + e * n / horizon`` with ``n`` the number of samples in the batch. TorchRL's
+    ``update`` expects the per-sample KL *rewards* ``-kl_coef * KL``, which
+    :class:`KLRewardShaper` passes.
+    """
+    if target is None:
+        return FixedKLController(kl_coef)
+    from torchrl.data.llm.utils import AdaptiveKLController
+
+    if kl_coef <= 0:
+        raise ValueError("The adaptive KL controller needs kl_coef > 0 to start from.")
+    return AdaptiveKLController(init_kl_coef=kl_coef, target=target, horizon=horizon)
+
+
+class KLRewardShaper(TensorDictModuleBase):
+    """Per-token rewards from scores and the KL to the reference.
+
+    ``KL[t] = estimator(log_prob[t], ref_log_prob[t])`` on response tokens,
+    ``r[t] = -kl_coef * KL[t] + score * [t == last]``. Optionally whitens (``whiten_scores``, mean
+    kept) and clips (``score_clip``) the scores first. Writes ``("kl", "response")`` (B, R),
+    ``("next", "reward")``, ``("next", "non_score_reward")``, ``("next", "done")``,
+    ``("next", "terminated")`` (B, R, 1), ready for GAE.
+
+    Unlike TorchRL's ``KLRewardTransform``, the score enters once, at the last response token, and
+    nothing is put on prompt tokens.
+    """
+
+    def __init__(
+        self,
+        kl_controller,
+        *,
+        kl_estimator: str = "k1",
+        whiten_scores: bool = False,
+        score_clip: float | None = None,
+    ):
+        super().__init__()
+        if kl_estimator not in F.KL_ESTIMATORS:
+            raise ValueError(
+                f"Unknown KL estimator {kl_estimator!r}: choose one of {F.KL_ESTIMATORS} "
+                "(k1 = log-ratio, k2 = squared log-ratio / 2, k3 = (r - 1) - log r)."
+            )
+        self.kl_controller = kl_controller
+        self.kl_estimator = kl_estimator
+        self.whiten_scores = whiten_scores
+        self.score_clip = score_clip
+        self.in_keys = [K.LOG_PROB, K.REF_LOG_PROB, K.RESPONSE_MASK, K.SCORE]
+        self.out_keys = [K.KL, K.REWARD, K.NON_SCORE_REWARD, K.DONE, K.TERMINATED]
+
+    @property
+    def kl_coef(self) -> float:
+        return float(self.kl_controller.coef)
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        mask = td.get(K.RESPONSE_MASK)
+        score = td.get(K.SCORE)
+        if self.whiten_scores and score.numel() > 1:
+            score = F.masked_whiten(score, torch.ones_like(score, dtype=torch.bool), shift_mean=False)
+        if self.score_clip is not None:
+            score = score.clamp(-self.score_clip, self.score_clip)
+        kl = F.kl_estimate(td.get(K.LOG_PROB), td.get(K.REF_LOG_PROB), self.kl_estimator) * mask
+        reward, non_score = F.per_token_rewards(score, kl, mask, self.kl_coef)
+        done = torch.zeros_like(mask)
+        done[torch.arange(mask.shape[0]), F.last_token_index(mask)] = True
+        done = (done & mask).unsqueeze(-1)
+        td.set(K.KL, kl)
+        td.set(K.REWARD, reward.unsqueeze(-1))
+        td.set(K.NON_SCORE_REWARD, non_score.unsqueeze(-1))
+        td.set(K.DONE, done)
+        td.set(K.TERMINATED, done.clone())
+        return td
+
+    def update_kl_coef(self, td: TensorDictBase) -> float:
+        """Adapt ``kl_coef`` to the KL of this rollout (no-op for a constant coefficient)."""
+        per_sample = td.get(K.NON_SCORE_REWARD).squeeze(-1).sum(-1)  # -kl_coef * KL(seq)
+        if not math.isfinite(float(per_sample.sum())):
+            return self.kl_coef
+        return float(self.kl_controller.update(per_sample.tolist()))

