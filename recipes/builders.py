@@ -167,9 +167,10 @@ def make_shaper(cfg: DictConfig) -> KLRewardShaper:
                           score_clip=r.score_clip)
 
 
-def make_actors(cfg: DictConfig, policy, reference):
+def make_actors(cfg: DictConfig, policy, reference, critic):
+    """Policy and reference actors; a shared-trunk critic gets its hidden states from the policy."""
     t = cfg.generation.temperature
-    return (TokenLevelActor(policy, temperature=t),
+    return (TokenLevelActor(policy, temperature=t, write_hidden=critic.read_hidden),
             TokenLevelActor(reference, temperature=t, out_key=("ref_log_probs", "response")))
 
 

@@ -39,8 +39,8 @@ def timed(times: dict, name: str):
     times[f"time/{name}"] = time.perf_counter() - start
 
 
-@hydra.main(config_path="config", config_name="ppo", version_base=None)
-def main(cfg: DictConfig) -> dict:
+def train(cfg: DictConfig) -> dict:
+    """Run PPO as configured; returns the report (also written to ``report.json``)."""
     # Everything cheap is checked before any model is loaded.
     sizes = builders.check_config(cfg)
     reward_functions = builders.make_reward_functions(cfg)
@@ -55,7 +55,7 @@ def main(cfg: DictConfig) -> dict:
     policy, reference, critic = builders.make_models(cfg, tokenizer)
     stop_ids = builders.stop_token_ids(cfg, tokenizer)
     collector = builders.make_collector(cfg, prompts, tokenizer, policy, stop_ids)
-    actor, ref_actor = builders.make_actors(cfg, policy, reference)
+    actor, ref_actor = builders.make_actors(cfg, policy, reference, critic)
     shaper = builders.make_shaper(cfg)
     advantage = builders.make_advantage(cfg)
     loss_module = builders.make_loss(cfg, actor, critic)
@@ -110,6 +110,9 @@ def main(cfg: DictConfig) -> dict:
         bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
     collector.shutdown()
     writer.close()
+    if cfg.logging.save_model:
+        policy.save_pretrained(os.path.join(cfg.output_dir, "policy"))
+        tokenizer.save_pretrained(os.path.join(cfg.output_dir, "policy"))
     report = _report(history, first_samples, _samples(rollout, cfg.logging.num_samples))
     with open(os.path.join(cfg.output_dir, "report.json"), "w") as f:
         json.dump({"config": OmegaConf.to_container(cfg, resolve=True), **report}, f, indent=1)
@@ -153,6 +156,11 @@ def _report(history: list[dict], before: list[dict], after: list[dict]) -> dict:
     lines.append("=" * 72)
     print("\n".join(lines), flush=True)
     return report
+
+
+@hydra.main(config_path="config", config_name="ppo", version_base=None)
+def main(cfg: DictConfig) -> None:
+    train(cfg)
 
 
 if __name__ == "__main__":

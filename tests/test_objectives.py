@@ -1,0 +1,152 @@
+"""GAE module, ClipPPOLoss on the token-level actor/critic, and the PPO update."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlhf_torchrl import functional as F
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
+from rlhf_torchrl.objectives import ResponseGAE, make_ppo_loss, ppo_update
+from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
+
+
+def _rollout(tokenizer, B=8, P=5, R=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pad = tokenizer.pad_token_id
+    prompt = torch.randint(10, 1000, (B, P), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.bool)
+    response = torch.randint(10, 1000, (B, R), generator=g)
+    response_mask = torch.ones(B, R, dtype=torch.bool)
+    for i in range(B):  # ragged: left-pad prompts, right-pad responses
+        n_pad, n_resp = i % 3, R - (i % 4)
+        prompt[i, :n_pad], prompt_mask[i, :n_pad] = pad, False
+        response[i, n_resp:], response_mask[i, n_resp:] = pad, False
+    return TensorDict({
+        K.PROMPT_TOKENS: prompt, K.PROMPT_MASK: prompt_mask,
+        K.RESPONSE_TOKENS: response, K.RESPONSE_MASK: response_mask,
+        K.HAS_STOP: torch.zeros(B, dtype=torch.bool),
+        K.SCORE: torch.randn(B, generator=g),
+    }, batch_size=[B])
+
+
+def _setup(tiny_llama_dir, tokenizer, critic_init="policy", vf_coef=0.1, clip_value=0.2):
+    torch.manual_seed(0)
+    policy = load_causal_lm(tiny_llama_dir, tokenizer)
+    reference = load_causal_lm(tiny_llama_dir, tokenizer).requires_grad_(False)
+    critic = make_critic(policy=policy, tokenizer=tokenizer, init=critic_init,
+                         name_or_path=tiny_llama_dir)
+    actor = TokenLevelActor(policy, temperature=0.7, write_hidden=critic.read_hidden)
+    ref = TokenLevelActor(reference, temperature=0.7, out_key=K.REF_LOG_PROB)
+    loss = make_ppo_loss(actor, critic, clip_epsilon=0.2, clip_value=clip_value, vf_coef=vf_coef)
+    return policy, actor, ref, critic, loss
+
+
+def _prepared(tiny_llama_dir, tokenizer, **kw):
+    policy, actor, ref, critic, loss = _setup(tiny_llama_dir, tokenizer, **kw)
+    td = _rollout(tokenizer)
+    evaluate_rollout(td, actor=actor, reference=ref, critic=critic, chunk_size=3)
+    KLRewardShaper(make_kl_controller(0.05))(td)
+    ResponseGAE()(td)
+    return policy, loss, critic, td
+
+
+def test_response_gae_module_matches_functional():
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    td = TensorDict({K.REWARD: torch.randn(2, 4, 1), K.VALUE: torch.randn(2, 4, 1) * mask.unsqueeze(-1),
+                     K.RESPONSE_MASK: mask}, batch_size=[2])
+    ResponseGAE(gamma=1.0, lmbda=0.95, whiten_advantages=True)(td)
+    adv, ret = F.gae(td[K.REWARD].squeeze(-1), td[K.VALUE].squeeze(-1), mask, 1.0, 0.95)
+    torch.testing.assert_close(td[K.VALUE_TARGET].squeeze(-1), ret)
+    torch.testing.assert_close(td[K.ADVANTAGE].squeeze(-1), F.masked_whiten(adv, mask))
+    valid = td[K.ADVANTAGE].squeeze(-1)[mask]
+    assert valid.mean().abs() < 1e-6 and (valid.std() - 1).abs() < 1e-5
+
+
+@pytest.mark.parametrize("critic_init", ["policy", "shared"])
+def test_first_minibatch_ratio_is_one(critic_init, tiny_llama_dir, tokenizer):
+    """Before any step, the new policy is the old one: ratio 1, nothing clipped, approx KL 0."""
+    _, loss, _, td = _prepared(tiny_llama_dir, tokenizer, critic_init=critic_init)
+    out = loss(td[:4])
+    assert out["clip_fraction"].item() == 0.0
+    assert abs(out["kl_approx"].item()) < 1e-6
+    assert abs(out["mean_ratio"].item() - 1.0) < 1e-6
+    assert abs(out["max_ratio"].item() - 1.0) < 1e-5
+
+
+def test_clip_ppo_loss_matches_hand_formula(tiny_llama_dir, tokenizer):
+    """Token-mean clipped surrogate and 0.5 * vf_coef * clipped value loss over valid tokens."""
+    policy, loss, critic, td = _prepared(tiny_llama_dir, tokenizer, vf_coef=0.3, clip_value=0.1)
+    # perturb the stored old quantities so that clipping is active
+    g = torch.Generator().manual_seed(1)
+    mask = td[K.RESPONSE_MASK]
+    td.set(K.LOG_PROB, (td[K.LOG_PROB] + 0.3 * torch.randn(td[K.LOG_PROB].shape, generator=g)) * mask)
+    td.set(K.VALUE, td[K.VALUE] + 0.2 * torch.randn(td[K.VALUE].shape, generator=g))
+    out = loss(td)
+    with torch.no_grad():
+        actor = loss.actor_network
+        new_lp = actor.get_dist(td.clone()).log_prob(td[K.RESPONSE_TOKENS])
+        ratio = torch.exp(new_lp - td[K.LOG_PROB])
+        adv = td[K.ADVANTAGE].squeeze(-1)
+        pg = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+        expected_pg = F.masked_mean(pg, mask)
+        v = critic(td.clone())[K.VALUE].squeeze(-1)
+        v_old, ret = td[K.VALUE].squeeze(-1), td[K.VALUE_TARGET].squeeze(-1)
+        v_clip = v_old + (v - v_old).clamp(-0.1, 0.1)
+        vf = 0.5 * torch.max((v - ret) ** 2, (v_clip - ret) ** 2)
+        expected_vf = 0.3 * F.masked_mean(vf, mask)
+        clipped = ((ratio < 0.8) | (ratio > 1.2)).float()
+    torch.testing.assert_close(out["loss_objective"], expected_pg, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out["loss_critic"], expected_vf, atol=1e-5, rtol=1e-4)
+    frac = mask.float().mean()
+    torch.testing.assert_close(out["clip_fraction"] / frac, F.masked_mean(clipped, mask),
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_ppo_update_steps_and_reports(tiny_llama_dir, tokenizer):
+    policy, loss, _, td = _prepared(tiny_llama_dir, tokenizer)
+    before = [p.detach().clone() for p in policy.parameters()]
+    params = [p for p in loss.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    stats = ppo_update(td, loss, opt, num_ppo_epochs=2, num_mini_batches=2,
+                       gradient_accumulation_steps=2, max_grad_norm=1.0)
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+    assert changed > 0
+    for key in ("policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
+                "val/clipfrac_avg", "val/ratio", "val/ratio_var", "grad_norm"):
+        assert torch.isfinite(torch.tensor(stats[key])), key
+    assert 0.0 <= stats["policy/clipfrac_avg"] <= 1.0
+    # the text entries never reach the buffer; the rollout itself is untouched
+    assert K.HIDDEN not in td.keys(True)
+
+
+def test_adaptive_kl_controller_moves_towards_target():
+    shaper = KLRewardShaper(make_kl_controller(0.1, target=1.0, horizon=100))
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    td = TensorDict({K.LOG_PROB: torch.zeros(4, 5), K.REF_LOG_PROB: torch.full((4, 5), -1.0),
+                     K.RESPONSE_MASK: mask, K.SCORE: torch.zeros(4)}, batch_size=[4])
+    shaper(td)  # KL per sequence = 5 > target 1: the coefficient grows
+    torch.testing.assert_close(td[K.KL], torch.ones(4, 5))
+    new = shaper.update_kl_coef(td)
+    # Ziegler et al.: e = clip(5/1 - 1, -0.2, 0.2) = 0.2; coef *= 1 + 0.2 * 4 / 100
+    assert new == pytest.approx(0.1 * (1 + 0.2 * 4 / 100))
+    td.set(K.REF_LOG_PROB, torch.full((4, 5), -0.01))
+    shaper(td)  # KL per sequence = 0.05 < 1: it shrinks
+    assert shaper.update_kl_coef(td) < new
+
+
+def test_kl_shaper_rewards_and_done(tokenizer):
+    td = _rollout(tokenizer)
+    td.set(K.LOG_PROB, torch.randn(8, 6) * td[K.RESPONSE_MASK])
+    td.set(K.REF_LOG_PROB, torch.randn(8, 6) * td[K.RESPONSE_MASK])
+    KLRewardShaper(make_kl_controller(0.2), kl_estimator="k3")(td)
+    mask = td[K.RESPONSE_MASK]
+    kl = F.kl_estimate(td[K.LOG_PROB], td[K.REF_LOG_PROB], "k3") * mask
+    reward, _ = F.per_token_rewards(td[K.SCORE], kl, mask, 0.2)
+    torch.testing.assert_close(td[K.REWARD].squeeze(-1), reward)
+    done = td[K.DONE].squeeze(-1)
+    assert done.sum(-1).tolist() == [1] * 8
+    assert (done.float().argmax(-1) == mask.sum(-1) - 1).all()
+    with pytest.raises(ValueError, match="k1.*k2.*k3"):
+        KLRewardShaper(make_kl_controller(0.2), kl_estimator="kl")
