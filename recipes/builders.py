@@ -62,6 +62,13 @@ def check_config(cfg: DictConfig) -> Sizes:
             f"Unknown ppo.kl_estimator {p.kl_estimator!r}: choose one of {F.KL_ESTIMATORS} "
             "(k1 = log-ratio, k2 = squared log-ratio / 2, k3 = (r - 1) - log r)."
         )
+    if cfg.value_model.init not in ("policy", "reward_model", "model", "shared"):
+        raise ValueError(
+            f"Unknown value_model.init {cfg.value_model.init!r}: choose policy, reward_model, "
+            "model or shared."
+        )
+    if cfg.value_model.init == "reward_model" and not cfg.reward.model:
+        raise ValueError("value_model.init=reward_model needs reward.model to be set.")
     if cfg.generation.temperature <= 0:
         raise ValueError("generation.temperature must be > 0 (PPO needs sampling).")
     if cfg.generation.max_new_tokens < 1:
@@ -92,7 +99,8 @@ def make_reward_functions(cfg: DictConfig) -> dict:
 
 def make_prompts(cfg: DictConfig, tokenizer) -> list[str]:
     d = cfg.data
-    prompts = load_prompts(d.source, split=d.split, column=d.column, template=d.template, limit=d.limit)
+    prompts = load_prompts(d.source, split=d.split, column=d.column, template=d.template, limit=d.limit,
+                           max_words=d.max_words)
     prompts, n_truncated = check_prompts(
         prompts, tokenizer, max_prompt_length=d.max_prompt_length, truncate=d.truncate_prompts,
         system_prompt=d.system_prompt,
@@ -185,15 +193,30 @@ def make_loss(cfg: DictConfig, actor, critic):
                          vf_coef=p.vf_coef, entropy_coef=p.entropy_coef)
 
 
+def make_replay_buffer(cfg: DictConfig, sizes: Sizes):
+    """TorchRL buffer serving PPO minibatches: built once, emptied and refilled every iteration.
+
+    ``LazyStackStorage`` because the padded widths change from one rollout to the next.
+    """
+    from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
+
+    return ReplayBuffer(storage=LazyStackStorage(sizes.batch_size),
+                        sampler=SamplerWithoutReplacement(), batch_size=sizes.mini_batch_size)
+
+
 def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):
-    """AdamW over the policy and the critic (shared parameters counted once), and its schedule."""
+    """AdamW over the policy, the critic's own trunk and the value head, and its LR schedule.
+
+    Shared parameters are counted once (a shared-trunk critic adds only its head).
+    """
     o = cfg.optim
     policy_params = [p for p in policy.parameters() if p.requires_grad]
-    seen = {id(p) for p in policy_params}
-    critic_params = [p for p in critic.parameters() if p.requires_grad and id(p) not in seen]
-    groups = [{"params": policy_params, "lr": o.lr}]
-    if critic_params:
-        groups.append({"params": critic_params, "lr": o.critic_lr or o.lr})
+    seen = {id(p) for p in policy_params} | {id(p) for p in critic.head.parameters()}
+    trunk_params = [p for p in critic.parameters() if p.requires_grad and id(p) not in seen]
+    groups = [{"params": policy_params, "lr": o.lr},
+              {"params": list(critic.head.parameters()), "lr": o.value_head_lr or o.critic_lr or o.lr}]
+    if trunk_params:
+        groups.append({"params": trunk_params, "lr": o.critic_lr or o.lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=o.weight_decay, eps=o.eps)
     if o.lr_schedule == "linear":
         total = sizes.optimizer_steps

@@ -60,6 +60,7 @@ def train(cfg: DictConfig) -> dict:
     advantage = builders.make_advantage(cfg)
     loss_module = builders.make_loss(cfg, actor, critic)
     optimizer, scheduler = builders.make_optimizer(cfg, policy, critic, sizes)
+    replay_buffer = builders.make_replay_buffer(cfg, sizes)
     writer = MetricsWriter(cfg.output_dir, logger=cfg.logging.logger)
     log.info("Output directory: %s", cfg.output_dir)
 
@@ -92,6 +93,7 @@ def train(cfg: DictConfig) -> dict:
                 num_ppo_epochs=p.num_ppo_epochs, num_mini_batches=p.num_mini_batches,
                 gradient_accumulation_steps=p.gradient_accumulation_steps,
                 max_grad_norm=cfg.optim.max_grad_norm, scheduler=scheduler,
+                replay_buffer=replay_buffer,
             )
         # 7. Log.
         metrics = rollout_metrics(rollout, kl_coef=shaper.kl_coef)

@@ -57,6 +57,9 @@ def make_generation_env(
         input_mode="text",
         data_key="query",
         system_prompt=system_prompt,
+        # TorchRL's History picks a template by model *name* (or plain ChatML) unless told: give it
+        # the tokenizer's own, the one the model was trained with
+        template_kwargs={"chat_template": tokenizer.chat_template},
     )
     # InitTracker: the transform TransformersWrapper expects on the env (LLMCollector checks it)
     return env.append_transform(StepCounter(max_steps=1)).append_transform(InitTracker())

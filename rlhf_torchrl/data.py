@@ -37,6 +37,7 @@ def load_prompts(
     column: str = "prompt",
     template: str = "{prompt}",
     limit: int | None = None,
+    max_words: int | None = None,
 ) -> list[str]:
     """Load prompts.
 
@@ -48,6 +49,8 @@ def load_prompts(
         template: a format string applied to each prompt, e.g.
             ``"Continue this review: {prompt}"``.
         limit: keep the first ``limit`` prompts.
+        max_words: keep only the first ``max_words`` words of each prompt (before templating),
+            e.g. to turn review sentences into review openings to continue.
     """
     if "{prompt}" not in template:
         raise ValueError(f"data.template must contain '{{prompt}}', got {template!r}.")
@@ -57,6 +60,8 @@ def load_prompts(
         raw = _read_jsonl(source, column)
     else:
         raw = _read_hf_dataset(source, split, column)
+    if max_words is not None:
+        raw = [" ".join(p.split()[:max_words]) for p in raw]
     prompts = [template.format(prompt=p) for p in raw[:limit]]
     if not prompts:
         raise ValueError(f"The prompt set {source!r} is empty: point data.source at prompts.")

@@ -36,11 +36,12 @@ def test_jsonl_prompts(tmp_path):
 def test_prompt_length_check_and_left_truncation(tokenizer):
     long_prompt = "word " * 100
     short = "hello"
+    limit = templated_length(tokenizer, short) + 10
     with pytest.raises(ValueError, match="Prompt 1 is .* tokens.*truncate_prompts"):
-        check_prompts([short, long_prompt], tokenizer, max_prompt_length=30)
-    out, n = check_prompts([short, long_prompt], tokenizer, max_prompt_length=30, truncate=True)
+        check_prompts([short, long_prompt], tokenizer, max_prompt_length=limit)
+    out, n = check_prompts([short, long_prompt], tokenizer, max_prompt_length=limit, truncate=True)
     assert n == 1 and out[0] == short
-    assert templated_length(tokenizer, out[1]) <= 30
+    assert templated_length(tokenizer, out[1]) <= limit
     assert long_prompt.strip().endswith(out[1].strip())  # the end is kept
     with pytest.raises(ValueError, match="empty"):
         check_prompts([], tokenizer, max_prompt_length=30)
@@ -72,8 +73,12 @@ def test_collector_emits_dense_truncated_rollouts(tiny_llama_dir, tokenizer):
             assert bool(has_stop) == bool(is_stop.any())
             if has_stop:
                 assert is_stop[-1] and not is_stop[:-1].any()  # cut right after the first stop
-        seen_prompts += [p for p in rollout[K.PROMPT_TEXT].tolist()]
+        seen_prompts += rollout.get(K.PROMPT_TEXT).tolist()
     collector.shutdown()
     assert len(seen_prompts) == 8
     # every batch starts from fresh prompts (one turn per episode), never a previous response
-    assert all(any(p in s for p in prompts) and s.count("assistant") == 1 for s in seen_prompts)
+    assert all(any(p in s for p in prompts) and s.count("<|im_start|>assistant") == 1 for s in seen_prompts)
+    # rendered with the tokenizer's own chat template (SmolLM2's ChatML, default system prompt)
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "ok"}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert expected in seen_prompts

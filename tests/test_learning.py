@@ -54,5 +54,6 @@ def test_ppo_raises_synthetic_reward(tiny_llama_dir, tokenizer):
         if iteration >= 5 and sum(scores[-3:]) / 3 > 0.9 or iteration == 39:
             break
     collector.shutdown()
+    print("mean reward per iteration:", [round(x, 2) for x in scores])
     assert 0.03 < sum(scores[:2]) / 2 < 0.25, scores  # base rate ~0.10
     assert sum(scores[-3:]) / 3 > 0.9, scores

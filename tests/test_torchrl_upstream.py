@@ -98,3 +98,18 @@ def test_kl_reward_transform_outside_env(llama, tokenizer):
     }, batch_size=[2])
     reward = transform(td)["next", "reward"]
     assert reward.shape == (2, 2, 1)
+
+
+@pytest.mark.xfail(strict=True, reason="History.apply_chat_template ignores the tokenizer's own chat "
+                   "template and picks one from the model's name; we pass chat_template explicitly.")
+def test_history_uses_the_tokenizers_chat_template(tiny_llama_dir, tokenizer):
+    from torchrl.data.llm import History
+
+    from rlhf_torchrl.modules import load_tokenizer
+
+    # SmolLM2's ChatML tokenizer, saved in a directory whose name contains "llama"
+    tok = load_tokenizer(tiny_llama_dir)
+    history = History(role="user", content="hello").unsqueeze(0)
+    ours = tok.apply_chat_template([{"role": "user", "content": "hello"}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert history.apply_chat_template(tokenizer=tok, add_generation_prompt=True) == ours

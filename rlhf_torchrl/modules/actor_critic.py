@@ -205,6 +205,7 @@ def make_critic(
             f"Value model {name_or_path!r} ({config.model_type}) is bidirectional: a token-level "
             "critic must be a causal (decoder-only) model that reads the policy's tokens."
         )
+    _check_same_vocab(path, tokenizer, name_or_path)
     model = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=getattr(torch, dtype)
     )
@@ -221,6 +222,23 @@ def make_critic(
             else:
                 head.bias.zero_()
     return TokenCritic(model.base_model, head)
+
+
+def _check_same_vocab(path: str, tokenizer, name: str) -> None:
+    """A token-level critic reads the policy's token ids: its tokenizer must map them the same."""
+    from transformers import AutoTokenizer
+
+    try:
+        theirs = AutoTokenizer.from_pretrained(path).get_vocab()
+    except (OSError, ValueError):
+        return  # no tokenizer files next to the weights: nothing to compare against
+    ours = tokenizer.get_vocab()
+    if any(ours.get(token) != index for token, index in theirs.items()):
+        raise ValueError(
+            f"Value model {name!r} uses a different vocabulary than the policy's tokenizer: a "
+            "token-level critic must read the policy's token ids. Initialise it from the policy "
+            "(value_model.init=policy or shared) or from a model sharing its tokenizer."
+        )
 
 
 @torch.no_grad()
