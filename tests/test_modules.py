@@ -145,3 +145,21 @@ def test_critic_rejects_other_vocabulary(tmp_path, tokenizer):
     other.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="different vocabulary"):
         make_critic(policy=None, tokenizer=tokenizer, init="model", name_or_path=str(tmp_path))
+
+
+def test_critic_from_reward_model_reuses_its_head(tmp_path, tiny_llama_dir, tokenizer):
+    """init=reward_model: a separate trunk whose value head starts as the RM's score head."""
+    from transformers import AutoModelForSequenceClassification
+
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_llama_dir, num_labels=1)
+    with torch.no_grad():
+        rm.score.weight.fill_(0.125)
+    rm.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    critic = make_critic(policy=None, tokenizer=tokenizer, init="reward_model",
+                         name_or_path=str(tmp_path))
+    assert torch.all(critic.head.weight == 0.125) and torch.all(critic.head.bias == 0)
+    assert not critic.read_hidden
+    fresh = make_critic(policy=None, tokenizer=tokenizer, init="policy", name_or_path=str(tmp_path))
+    hidden = fresh.head.weight.shape[1]
+    assert abs(fresh.head.weight.std().item() - (hidden + 1) ** -0.5) < 0.5 * (hidden + 1) ** -0.5

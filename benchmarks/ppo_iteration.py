@@ -1,0 +1,174 @@
+"""Seconds per PPO iteration by phase, next to the compute floor of the same shapes.
+
+Ours: the library's pieces exactly as the recipe runs them (TorchRL env + collector, scoring,
+old/ref log-probs and values, KL shaping + GAE, ClipPPOLoss update through the replay buffer).
+Floor: the same shapes as bare model calls with nothing else (one ``generate``; plain no-grad
+forwards of policy and reference; forward/backward/AdamW step per minibatch). The two are
+measured alternately, iteration by iteration, and reported as medians after warm-up.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/ppo_iteration.py --model tiny-gpt2 --batch-size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import MODELS, build_models, machine, medians, peak_rss_mb, table, timer, write_json  # noqa: E402
+
+from rlhf_torchrl import keys as K  # noqa: E402
+from rlhf_torchrl.collectors import (  # noqa: E402
+    RolloutCollector,
+    make_generation_env,
+    make_generation_policy,
+)
+from rlhf_torchrl.data import load_prompts  # noqa: E402
+from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, make_critic  # noqa: E402
+from rlhf_torchrl.objectives import ResponseGAE, make_ppo_loss, ppo_update  # noqa: E402
+from rlhf_torchrl.reward_functions import vader_sentiment  # noqa: E402
+from rlhf_torchrl.rewards import KLRewardShaper, Scorer, make_kl_controller  # noqa: E402
+
+PHASES = ("generation", "scoring", "evaluation", "advantages", "update")
+
+
+def run_ours(parts, rollouts, args) -> tuple[dict, object]:
+    times: dict[str, float] = {}
+    parts["policy"].eval()
+    with timer(times, "generation"):
+        rollout = next(rollouts)
+    with timer(times, "scoring"):
+        parts["scorer"](rollout)
+    with timer(times, "evaluation"):
+        evaluate_rollout(rollout, actor=parts["actor"], reference=parts["ref"],
+                         critic=parts["critic"], chunk_size=args.forward_batch_size)
+    with timer(times, "advantages"):
+        parts["gae"](parts["shaper"](rollout))
+    with timer(times, "update"):
+        ppo_update(rollout, parts["loss"], parts["optimizer"], num_ppo_epochs=args.epochs,
+                   num_mini_batches=args.minibatches, replay_buffer=parts["buffer"])
+    times["total"] = sum(times[p] for p in PHASES)
+    times["response_tokens"] = float(rollout.get(K.RESPONSE_MASK).sum())
+    times["tokens_per_second"] = times["response_tokens"] / times["generation"]
+    return times, rollout
+
+
+def run_floor(parts, rollout, args) -> dict:
+    """Bare model calls on the shapes of ``rollout`` (same prompts, same response length)."""
+    policy, reference, tok = parts["policy"], parts["reference"], parts["tokenizer"]
+    prompts = rollout.get(K.PROMPT_TOKENS)
+    prompt_mask = rollout.get(K.PROMPT_MASK).long()
+    times: dict[str, float] = {}
+    with timer(times, "generation"), torch.no_grad():
+        out = policy.generate(prompts, attention_mask=prompt_mask, do_sample=True,
+                              temperature=args.temperature, top_k=None,
+                              max_new_tokens=args.response_length, pad_token_id=tok.pad_token_id,
+                              eos_token_id=tok.eos_token_id)
+    generated = out[:, prompts.shape[1]:]
+    times["response_tokens"] = float((generated != tok.pad_token_id).sum())
+    times["tokens_per_second"] = times["response_tokens"] / times["generation"]
+    # same token shapes as ours for the forward passes
+    ids = torch.cat([prompts, rollout.get(K.RESPONSE_TOKENS)], 1)
+    mask = torch.cat([prompt_mask, rollout.get(K.RESPONSE_MASK).long()], 1)
+    with timer(times, "evaluation"), torch.no_grad():
+        for model in (policy, reference):
+            for i in range(0, ids.shape[0], args.forward_batch_size):
+                model(ids[i:i + args.forward_batch_size],
+                      attention_mask=mask[i:i + args.forward_batch_size]).logits.float()
+    optimizer = parts["floor_optimizer"]
+    mini = ids.shape[0] // args.minibatches
+    n_resp = rollout.get(K.RESPONSE_TOKENS).shape[1]
+    with timer(times, "update"):
+        for _ in range(args.epochs):
+            for i in range(0, ids.shape[0], mini):
+                logits = policy(ids[i:i + mini], attention_mask=mask[i:i + mini]).logits
+                logits = logits[:, -n_resp - 1:-1].float() / args.temperature
+                loss = -torch.log_softmax(logits, -1).gather(
+                    -1, ids[i:i + mini, -n_resp:].unsqueeze(-1)).mean()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+    times["scoring"] = times["advantages"] = 0.0
+    times["total"] = sum(times[p] for p in PHASES)
+    return times
+
+
+def build(args):
+    tokenizer, policy, reference = build_models(args.model, seed=args.seed)
+    prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
+    critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared")
+    env = make_generation_env(prompts, tokenizer, batch_size=args.batch_size, seed=args.seed)
+    gen = make_generation_policy(policy, tokenizer, max_new_tokens=args.response_length,
+                                 temperature=args.temperature)
+    actor = TokenLevelActor(policy, temperature=args.temperature, write_hidden=True)
+    loss = make_ppo_loss(actor, critic)
+    from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
+
+    return {
+        "tokenizer": tokenizer, "policy": policy, "reference": reference, "critic": critic,
+        "collector": RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=args.batch_size),
+        "scorer": Scorer({"vader": (vader_sentiment, 1.0)}),
+        "actor": actor,
+        "ref": TokenLevelActor(reference, temperature=args.temperature, out_key=K.REF_LOG_PROB),
+        "shaper": KLRewardShaper(make_kl_controller(0.05)), "gae": ResponseGAE(), "loss": loss,
+        "optimizer": torch.optim.AdamW(loss.parameters(), lr=1e-6),
+        # lr=0: the floor pays for a full AdamW step but leaves the weights to ours
+        "floor_optimizer": torch.optim.AdamW(policy.parameters(), lr=0.0),
+        "buffer": ReplayBuffer(storage=LazyStackStorage(args.batch_size),
+                               sampler=SamplerWithoutReplacement(),
+                               batch_size=args.batch_size // args.minibatches),
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="tiny-gpt2")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--response-length", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--minibatches", type=int, default=1)
+    parser.add_argument("--forward-batch-size", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="benchmarks/results/ppo_iteration.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    parts = build(args)
+    rollouts = iter(parts["collector"])
+    ours_rows, floor_rows = [], []
+    for i in range(args.warmup + args.iterations):
+        ours, rollout = run_ours(parts, rollouts, args)
+        floor = run_floor(parts, rollout, args)
+        if i >= args.warmup:
+            ours_rows.append(ours)
+            floor_rows.append(floor)
+    parts["collector"].shutdown()
+    ours, floor = medians(ours_rows), medians(floor_rows)
+    rows = []
+    for phase in (*PHASES, "total"):
+        ratio = ours[phase] / floor[phase] if floor[phase] > 0 else float("nan")
+        rows.append([phase, f"{ours[phase]:.3f}", f"{floor[phase]:.3f}",
+                     "-" if floor[phase] == 0 else f"{ratio:.2f}x"])
+    rows.append(["tokens/s (generation)", f"{ours['tokens_per_second']:.0f}",
+                 f"{floor['tokens_per_second']:.0f}",
+                 f"{floor['tokens_per_second'] / ours['tokens_per_second']:.2f}x"])
+    print(f"\nPPO iteration, {args.model}, batch {args.batch_size}, response {args.response_length}, "
+          f"{args.epochs} epoch(s) x {args.minibatches} minibatch(es), {args.threads} threads, "
+          f"median of {args.iterations} after {args.warmup} warm-up")
+    print(table(rows, ["phase", "ours (s)", "floor (s)", "ours/floor"]))
+    print(f"peak RSS: {peak_rss_mb():.0f} MB")
+    result = {"args": vars(args), "machine": machine(), "ours": ours, "floor": floor,
+              "ours_all": ours_rows, "floor_all": floor_rows, "peak_rss_mb": peak_rss_mb()}
+    write_json(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
