@@ -43,7 +43,8 @@ def load_prompts(
 
     Args:
         source: ``"polarity"`` (bundled review sentences), a path to a ``.jsonl`` file (one JSON
-            object per line with a ``column`` field), or a Hugging Face dataset name.
+            object per line with a ``column`` field), or a Hugging Face dataset: a hub name or a
+            local directory (``datasets.load_dataset(source, split=split)``).
         split: dataset split (HF datasets only).
         column: the field holding the prompt text.
         template: a format string applied to each prompt, e.g.
@@ -56,7 +57,7 @@ def load_prompts(
         raise ValueError(f"data.template must contain '{{prompt}}', got {template!r}.")
     if source == POLARITY:
         raw = [text for _, text in polarity_sentences()]
-    elif source.endswith((".jsonl", ".json")) or os.path.exists(source):
+    elif os.path.isfile(source) or source.endswith((".jsonl", ".json")):
         raw = _read_jsonl(source, column)
     else:
         raw = _read_hf_dataset(source, split, column)

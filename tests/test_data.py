@@ -82,3 +82,13 @@ def test_collector_emits_dense_truncated_rollouts(tiny_llama_dir, tokenizer):
     expected = tokenizer.apply_chat_template([{"role": "user", "content": "ok"}],
                                              add_generation_prompt=True, tokenize=False)
     assert expected in seen_prompts
+
+
+def test_hf_dataset_from_local_directory(tmp_path):
+    """The hub code path (datasets.load_dataset) on a local directory in the same schema."""
+    pytest.importorskip("datasets")
+    (tmp_path / "train.jsonl").write_text(
+        "\n".join(json.dumps({"query": f"q{i}", "other": i}) for i in range(3)) + "\n")
+    assert load_prompts(str(tmp_path), split="train", column="query") == ["q0", "q1", "q2"]
+    with pytest.raises(ValueError, match="no column 'prompt'.*query"):
+        load_prompts(str(tmp_path), split="train")
