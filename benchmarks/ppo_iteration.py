@@ -3,7 +3,8 @@
 Ours: the library's pieces exactly as the recipe runs them (TorchRL env + collector, scoring,
 old/ref log-probs and values, KL shaping + GAE, ClipPPOLoss update through the replay buffer).
 Floor: the same shapes as bare model calls with nothing else (one ``generate``; plain no-grad
-forwards of policy and reference; forward/backward/AdamW step per minibatch). The two are
+forwards of policy and reference; forward/backward/AdamW step per minibatch; the LM head only on
+response positions throughout). The two are
 measured alternately, iteration by iteration, and reported as medians after warm-up.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/ppo_iteration.py --model tiny-gpt2 --batch-size 16
@@ -74,19 +75,22 @@ def run_floor(parts, rollout, args) -> dict:
     # same token shapes as ours for the forward passes
     ids = torch.cat([prompts, rollout.get(K.RESPONSE_TOKENS)], 1)
     mask = torch.cat([prompt_mask, rollout.get(K.RESPONSE_MASK).long()], 1)
+    n_resp = rollout.get(K.RESPONSE_TOKENS).shape[1]
+    # the LM head only where it is needed (response positions), as any careful implementation does
+    keep = n_resp + 1
     with timer(times, "evaluation"), torch.no_grad():
         for model in (policy, reference):
             for i in range(0, ids.shape[0], args.forward_batch_size):
-                model(ids[i:i + args.forward_batch_size],
+                model(ids[i:i + args.forward_batch_size], logits_to_keep=keep,
                       attention_mask=mask[i:i + args.forward_batch_size]).logits.float()
     optimizer = parts["floor_optimizer"]
     mini = ids.shape[0] // args.minibatches
-    n_resp = rollout.get(K.RESPONSE_TOKENS).shape[1]
     with timer(times, "update"):
         for _ in range(args.epochs):
             for i in range(0, ids.shape[0], mini):
-                logits = policy(ids[i:i + mini], attention_mask=mask[i:i + mini]).logits
-                logits = logits[:, -n_resp - 1:-1].float() / args.temperature
+                logits = policy(ids[i:i + mini], attention_mask=mask[i:i + mini],
+                                logits_to_keep=keep).logits
+                logits = logits[:, :-1].float() / args.temperature
                 loss = -torch.log_softmax(logits, -1).gather(
                     -1, ids[i:i + mini, -n_resp:].unsqueeze(-1)).mean()
                 optimizer.zero_grad(set_to_none=True)
