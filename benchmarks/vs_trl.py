@@ -1,0 +1,223 @@
+"""Side by side with TRL's PPOTrainer (trl==1.12.0, ``trl.experimental.ppo``) at identical settings.
+
+Same tiny GPT-2 policy (2 layers, 128 wide), same tokenizer (SmolLM2's, with a pass-through chat
+template so both sides see the same prompt tokens), same reward model and value-model init (a
+tiny GPT-2 sequence classifier), same prompts, batch size, response length, PPO epochs,
+minibatches, learning rate, KL coefficient, fp32, same threads. TRL runs in a virtual environment
+this script creates (``benchmarks/.venv-trl``, system site-packages visible, ``trl==1.12.0`` added)
+so the project never depends on TRL. Runs alternate (TRL, ours, TRL, ours, ...) and the report
+gives median seconds per iteration after warm-up, their ratio, and both reward curves.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/vs_trl.py --batch-size 16
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/vs_trl.py --batch-size 64 --minibatches 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+VENV = HERE / ".venv-trl"
+TRL_VERSION = "1.12.0"
+PASSTHROUGH = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def ensure_trl_venv() -> Path:
+    python = VENV / "bin" / "python"
+    probe = [str(python), "-c", f"import trl, sys; sys.exit(trl.__version__ != {TRL_VERSION!r})"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"], check=True)
+    return python
+
+
+def make_fixture(path: Path, seed: int) -> None:
+    """Policy, reward model and tokenizer directories, and a prompt file, shared by both sides."""
+    import torch
+    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
+
+    from rlhf_torchrl.data import load_prompts
+    from rlhf_torchrl.modules import load_tokenizer
+    from rlhf_torchrl.modules.models import smollm2_path
+
+    tok = load_tokenizer(smollm2_path())
+    tok.chat_template = PASSTHROUGH
+    common = dict(vocab_size=len(tok), n_embd=128, n_layer=2, n_head=4, n_positions=1024,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                  summary_first_dropout=0.0)
+    torch.manual_seed(seed)
+    GPT2LMHeadModel(GPT2Config(**common)).save_pretrained(path / "policy")
+    GPT2ForSequenceClassification(GPT2Config(num_labels=1, **common)).save_pretrained(path / "rm")
+    for sub in ("policy", "rm"):
+        tok.save_pretrained(path / sub)
+    prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
+    with open(path / "prompts.jsonl", "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+
+
+def run_worker(python: str, side: str, fixture: Path, args, out: Path) -> dict:
+    cmd = [python, str(Path(__file__)), "--worker", side, "--fixture", str(fixture),
+           "--out", str(out), *args.passthrough]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{side} worker failed:\n{done.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+# --------------------------------------------------------------------------------------------
+# workers: each runs warmup + iterations PPO iterations and records per-iteration seconds/score
+
+
+def worker_trl(a, fixture: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        TrainerCallback,
+    )
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+    torch.set_num_threads(a.threads)
+    tok = AutoTokenizer.from_pretrained(fixture / "policy")
+    tok.padding_side = "left"
+    prompts = [json.loads(x)["prompt"] for x in open(fixture / "prompts.jsonl")]
+    ds = Dataset.from_dict({"input_ids": [tok(p, add_special_tokens=False)["input_ids"]
+                                          for p in prompts]})
+    n = a.warmup + a.iterations
+    per_device = a.batch_size // a.minibatches
+    config = PPOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=a.minibatches, num_mini_batches=a.minibatches,
+        num_ppo_epochs=a.epochs, total_episodes=a.batch_size * n, response_length=a.response_length,
+        temperature=a.temperature, learning_rate=a.lr, kl_coef=0.05, stop_token="eos",
+        num_sample_generations=0, report_to=[], logging_steps=1, save_strategy="no",
+        use_cpu=True, bf16=False, fp16=False, seed=a.seed, local_rollout_forward_batch_size=64,
+        lr_scheduler_type="linear", max_grad_norm=1.0,
+    )
+    policy = AutoModelForCausalLM.from_pretrained(fixture / "policy")
+    ref = AutoModelForCausalLM.from_pretrained(fixture / "policy")
+    rm = AutoModelForSequenceClassification.from_pretrained(fixture / "rm", num_labels=1)
+    vm = AutoModelForSequenceClassification.from_pretrained(fixture / "rm", num_labels=1)
+    stamps, scores = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            stamps.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "objective/scores" in logs:
+                scores.append(float(logs["objective/scores"]))
+
+    trainer = PPOTrainer(args=config, processing_class=tok, model=policy, ref_model=ref,
+                         reward_model=rm, train_dataset=ds, value_model=vm, callbacks=[Clock()])
+    start = time.perf_counter()
+    trainer.train()
+    seconds = [b - a_ for a_, b in zip([start, *stamps[:-1]], stamps)]
+    return {"seconds": seconds, "scores": scores}
+
+
+def worker_ours(a, fixture: Path) -> dict:
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import ppo
+
+    torch.set_num_threads(a.threads)
+    overrides = [
+        f"output_dir={tempfile.mkdtemp()}", f"model.policy={fixture / 'policy'}",
+        f"reward.model={fixture / 'rm'}", "reward.functions=[]", "value_model.init=reward_model",
+        f"data.source={fixture / 'prompts.jsonl'}", "data.template='{prompt}'", "data.max_words=null",
+        "data.system_prompt=null", f"ppo.batch_size={a.batch_size}",
+        f"ppo.num_mini_batches={a.minibatches}", f"ppo.num_ppo_epochs={a.epochs}",
+        f"ppo.num_iterations={a.warmup + a.iterations}", "ppo.forward_batch_size=64",
+        f"generation.max_new_tokens={a.response_length}", f"generation.temperature={a.temperature}",
+        f"optim.lr={a.lr}", "optim.value_head_lr=null", "ppo.kl_coef=0.05",
+        "logging.progress_bar=false", "logging.save_model=false", "logging.logger=null",
+        f"seed={a.seed}",
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "config"), version_base=None):
+        cfg = compose("ppo", overrides=overrides)
+    ppo.train(cfg)
+    rows = [json.loads(x) for x in open(Path(cfg.output_dir) / "metrics.jsonl")]
+    return {"seconds": [r["time/total"] for r in rows], "scores": [r["objective/scores"] for r in rows]}
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--minibatches", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--response-length", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs per side")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", choices=("trl", "ours"), help=argparse.SUPPRESS)
+    parser.add_argument("--fixture", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    a = parser.parse_args()
+    if a.worker:
+        result = (worker_trl if a.worker == "trl" else worker_ours)(a, Path(a.fixture))
+        Path(a.out).write_text(json.dumps(result))
+        return
+    a.passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
+                     if k in ("batch_size", "minibatches", "epochs", "response_length",
+                              "temperature", "lr", "iterations", "warmup", "threads", "seed")]
+    trl_python = str(ensure_trl_venv())
+    tmp = Path(tempfile.mkdtemp())
+    make_fixture(tmp, a.seed)
+    runs = {"trl": [], "ours": []}
+    for r in range(a.rounds):
+        for side, python in (("trl", trl_python), ("ours", sys.executable)):
+            res = run_worker(python, side, tmp, a, tmp / f"{side}{r}.json")
+            runs[side].append(res)
+            steady = res["seconds"][a.warmup:]
+            print(f"round {r} {side:>4}: median {statistics.median(steady):.3f} s/iteration "
+                  f"over {len(steady)} iterations", flush=True)
+    med = {side: statistics.median(s for res in rs for s in res["seconds"][a.warmup:])
+           for side, rs in runs.items()}
+    print(f"\nPPO iteration, tiny GPT-2 (2x128), batch {a.batch_size}, response {a.response_length}, "
+          f"{a.epochs} epochs x {a.minibatches} minibatches, {a.threads} threads, "
+          f"{a.rounds} alternating runs each")
+    print(f"  TRL {TRL_VERSION} PPOTrainer: {med['trl']:.3f} s/iteration (median)")
+    print(f"  rlhf_torchrl:            {med['ours']:.3f} s/iteration (median)")
+    print(f"  ours / TRL = {med['ours'] / med['trl']:.2f}  (TRL is {med['trl'] / med['ours']:.2f}x our time)")
+    for side in ("trl", "ours"):
+        curve = [round(x, 3) for x in runs[side][0]["scores"]]
+        print(f"  reward curve ({side}, run 0): {curve}")
+    out = a.json or str(HERE / "results" / f"vs_trl_b{a.batch_size}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"args": {k: v for k, v in vars(a).items() if k != "passthrough"},
+                   "median_seconds": med, "ratio_ours_over_trl": med["ours"] / med["trl"],
+                   "runs": runs}, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
