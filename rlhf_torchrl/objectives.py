@@ -130,7 +130,8 @@ def ppo_update(
         )
     replay_buffer.empty()
     replay_buffer.extend(rollout.exclude(K.PROMPT_TEXT, K.RESPONSE_TEXT))
-    vf_coef = 2 * float(loss_module.critic_coeff)
+    critic_coeff = getattr(loss_module, "critic_coeff", None)
+    vf_coef = 2 * float(critic_coeff) if critic_coeff is not None else 0.0
     stats: dict[str, list[float]] = defaultdict(list)
     ratios = []
     loss_module.train()
@@ -150,7 +151,8 @@ def ppo_update(
                 stats["policy/clipfrac_avg"].append(float(out["clip_fraction"]) / frac)
                 stats["policy/approxkl_avg"].append(float(out["kl_approx"]) / frac)
                 stats["loss/policy_avg"].append(float(out["loss_objective"]))
-                stats["loss/value_avg"].append(float(out["loss_critic"]) / max(vf_coef, 1e-12))
+                if vf_coef > 0:
+                    stats["loss/value_avg"].append(float(out["loss_critic"]) / vf_coef)
                 if "value_clip_fraction" in out.keys():
                     stats["val/clipfrac_avg"].append(float(out["value_clip_fraction"]) / frac)
                 if "entropy" in out.keys():
