@@ -163,3 +163,17 @@ def test_critic_from_reward_model_reuses_its_head(tmp_path, tiny_llama_dir, toke
     fresh = make_critic(policy=None, tokenizer=tokenizer, init="policy", name_or_path=str(tmp_path))
     hidden = fresh.head.weight.shape[1]
     assert abs(fresh.head.weight.std().item() - (hidden + 1) ** -0.5) < 0.5 * (hidden + 1) ** -0.5
+
+
+def test_response_distribution_matches_functional():
+    """The shared-logsumexp log_prob/entropy equal the functional versions, 0 on pads."""
+    from rlhf_torchrl import functional as F
+    from rlhf_torchrl.modules import ResponseTokenDistribution
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7)
+    tokens = torch.randint(0, 7, (2, 3))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    dist = ResponseTokenDistribution(logits, mask)
+    torch.testing.assert_close(dist.log_prob(tokens), F.log_probs_from_logits(logits, tokens) * mask)
+    torch.testing.assert_close(dist.entropy(), F.entropy_from_logits(logits) * mask)

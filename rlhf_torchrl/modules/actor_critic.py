@@ -49,16 +49,26 @@ class ResponseTokenDistribution(Distribution):
     has_rsample = False
 
     def __init__(self, logits: torch.Tensor, mask: torch.Tensor):
-        self.logits = logits
+        self.logits = logits.float()
         self.mask = mask.bool()
+        self._logsumexp = None
         super().__init__(batch_shape=mask.shape, validate_args=False)
 
+    @property
+    def logsumexp(self) -> torch.Tensor:
+        """(B, R) normaliser, computed once and shared by ``log_prob`` and ``entropy``."""
+        if self._logsumexp is None:
+            self._logsumexp = torch.logsumexp(self.logits, dim=-1)
+        return self._logsumexp
+
     def log_prob(self, tokens: torch.Tensor) -> torch.Tensor:
-        lp = F.log_probs_from_logits(self.logits, tokens)
+        chosen = torch.gather(self.logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
+        lp = chosen - self.logsumexp  # F.log_probs_from_logits, sharing the logsumexp
         return torch.where(self.mask, lp, torch.zeros_like(lp))
 
     def entropy(self) -> torch.Tensor:
-        ent = F.entropy_from_logits(self.logits)
+        # F.entropy_from_logits, sharing the logsumexp: H = lse - sum softmax(z) * z
+        ent = self.logsumexp - (torch.softmax(self.logits, -1) * self.logits).sum(-1)
         return torch.where(self.mask, ent, torch.zeros_like(ent))
 
     def sample(self, sample_shape=torch.Size()):  # noqa: B008 - torch's signature
