@@ -137,7 +137,7 @@ def ppo_update(
     loss_module.train()
     for _ in range(num_ppo_epochs):
         for _ in range(num_mini_batches):
-            minibatch = torch.stack(list(replay_buffer.sample().unbind(0)))
+            minibatch = replay_buffer.sample().contiguous()  # lazy stack -> dense (b, ...)
             optimizer.zero_grad(set_to_none=True)
             for micro_batch in minibatch.split(micro):
                 out = loss_module(micro_batch)
