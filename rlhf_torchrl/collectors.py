@@ -116,13 +116,11 @@ def to_rollout(
     (B,), and with ``tokenizer`` the decoded prompt and response text.
     """
     batch = batch.reshape(-1)
-    prompt = batch.get(K.PROMPT_TOKENS)
-    response = batch.get(K.RESPONSE_TOKENS)
-    if not isinstance(prompt, torch.Tensor):  # ragged lazy stack: pad it ourselves
-        prompt = batch.get(K.PROMPT_TOKENS, as_padded_tensor=True, padding_side="left",
-                           padding_value=pad_token_id)
-        response = batch.get(K.RESPONSE_TOKENS, as_padded_tensor=True, padding_side="right",
-                             padding_value=pad_token_id)
+    # dense already when the wrapper pads its outputs; padded here if the stack is ragged
+    prompt = batch.get(K.PROMPT_TOKENS, as_padded_tensor=True, padding_side="left",
+                       padding_value=pad_token_id)
+    response = batch.get(K.RESPONSE_TOKENS, as_padded_tensor=True, padding_side="right",
+                         padding_value=pad_token_id)
     n_prompt = prompt.shape[-1]
     full_mask = batch.get(("masks", "all_attention_mask"), as_padded_tensor=True,
                           padding_side="left", padding_value=0)

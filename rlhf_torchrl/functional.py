@@ -173,20 +173,24 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def log_probs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def log_probs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, logsumexp: torch.Tensor | None = None
+) -> torch.Tensor:
     """Log-probability of the chosen tokens, in fp32, without a full log-softmax.
 
     ``log p(y_t) = z_t[y_t] - logsumexp(z_t)``: one gather and one logsumexp, so no (B, R, V)
-    log-softmax tensor is kept alive.
+    log-softmax tensor is kept alive. Pass ``logsumexp`` when it is already known (it is shared
+    with :func:`entropy_from_logits`).
 
     Shapes: ``logits`` (B, R, V), ``tokens`` (B, R). Returns (B, R) float32.
     """
     logits = logits.float()
-    chosen = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
-    return chosen - torch.logsumexp(logits, dim=-1)
+    if logsumexp is None:
+        logsumexp = torch.logsumexp(logits, dim=-1)
+    return torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1) - logsumexp
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = None) -> torch.Tensor:
     """Entropy of the categorical distribution given by ``logits``, in fp32.
 
     ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``.
@@ -194,7 +198,9 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     Shapes: (..., V) -> (...).
     """
     logits = logits.float()
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    if logsumexp is None:
+        logsumexp = torch.logsumexp(logits, dim=-1)
+    return logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)
 
 
 def gae(

@@ -62,13 +62,11 @@ class ResponseTokenDistribution(Distribution):
         return self._logsumexp
 
     def log_prob(self, tokens: torch.Tensor) -> torch.Tensor:
-        chosen = torch.gather(self.logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
-        lp = chosen - self.logsumexp  # F.log_probs_from_logits, sharing the logsumexp
+        lp = F.log_probs_from_logits(self.logits, tokens, self.logsumexp)
         return torch.where(self.mask, lp, torch.zeros_like(lp))
 
     def entropy(self) -> torch.Tensor:
-        # F.entropy_from_logits, sharing the logsumexp: H = lse - sum softmax(z) * z
-        ent = self.logsumexp - (torch.softmax(self.logits, -1) * self.logits).sum(-1)
+        ent = F.entropy_from_logits(self.logits, self.logsumexp)
         return torch.where(self.mask, ent, torch.zeros_like(ent))
 
     def sample(self, sample_shape=torch.Size()):  # noqa: B008 - torch's signature
