@@ -1,0 +1,32 @@
+"""The benchmarks run end to end at tiny sizes and write their JSON (figures are not asserted)."""
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+
+def test_ppo_iteration_benchmark(tmp_path, smollm2_dir):
+    import ppo_iteration
+
+    out = tmp_path / "it.json"
+    ppo_iteration.main(["--model", "tiny-llama", "--batch-size", "4", "--response-length", "4",
+                        "--minibatches", "2", "--iterations", "1", "--warmup", "0", "--threads", "1",
+                        "--json", str(out)])
+    result = json.loads(out.read_text())
+    for side in ("ours", "floor"):
+        for phase in ("generation", "evaluation", "update", "total", "tokens_per_second"):
+            assert result[side][phase] > 0, (side, phase)
+    assert result["machine"]["threads"] == 1 and result["peak_rss_mb"] > 0
+
+
+def test_collectors_benchmark(tmp_path, smollm2_dir):
+    import collectors
+
+    out = tmp_path / "c.json"
+    collectors.main(["--model", "tiny-gpt2", "--batch-sizes", "2", "--lengths", "4",
+                     "--repeats", "1", "--threads", "1", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["batch_size"] == 2 and row["collector_tokens_per_s"] > 0 < row["generate_tokens_per_s"]
