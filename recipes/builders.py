@@ -92,9 +92,15 @@ def check_config(cfg: DictConfig) -> Sizes:
 
 def make_reward_functions(cfg: DictConfig) -> dict:
     """Import the reward functions (fails before any model is loaded)."""
-    weights = cfg.reward.function_weights or [1.0] * len(cfg.reward.functions or [])
-    return {path.replace(":", ".").rsplit(".", 1)[-1]: (load_reward_function(path), float(w))
-            for path, w in zip(cfg.reward.functions or [], weights)}
+    paths = list(cfg.reward.functions or [])
+    weights = cfg.reward.function_weights or [1.0] * len(paths)
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"reward.functions lists a function twice: {paths}. Use its weight instead.")
+    # metrics are named after the function; the full path only where two share a name
+    short = [p.replace(":", ".").rsplit(".", 1)[-1] for p in paths]
+    names = [n if short.count(n) == 1 else p for n, p in zip(short, paths)]
+    return {name: (load_reward_function(path), float(w))
+            for name, path, w in zip(names, paths, weights)}
 
 
 def make_prompts(cfg: DictConfig, tokenizer) -> list[str]:
