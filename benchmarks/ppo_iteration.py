@@ -2,9 +2,9 @@
 
 Ours: the library's pieces exactly as the recipe runs them (TorchRL env + collector, scoring,
 old/ref log-probs and values, KL shaping + GAE, ClipPPOLoss update through the replay buffer).
-Floor: the same shapes as bare model calls with nothing else (one ``generate``; plain no-grad
-forwards of policy and reference; forward/backward/AdamW step per minibatch; the LM head only on
-response positions throughout). The two are
+Floor: the same shapes as bare model calls with nothing else (one ``generate``; no-grad forwards
+of policy and reference with the sampled tokens' log-probs; forward/backward/AdamW step per
+minibatch; the LM head only on response positions throughout). The two are
 measured alternately, iteration by iteration, and reported as medians after warm-up.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/ppo_iteration.py --model tiny-gpt2 --batch-size 16
@@ -46,7 +46,8 @@ def run_ours(parts, rollouts, args) -> tuple[dict, object]:
         parts["scorer"](rollout)
     with timer(times, "evaluation"):
         evaluate_rollout(rollout, actor=parts["actor"], reference=parts["ref"],
-                         critic=parts["critic"], chunk_size=args.forward_batch_size)
+                         critic=parts["critic"], chunk_size=args.forward_batch_size,
+                         exact_entropy=not args.sample_entropy)
     with timer(times, "advantages"):
         parts["gae"](parts["shaper"](rollout))
     with timer(times, "update"):
@@ -78,11 +79,15 @@ def run_floor(parts, rollout, args) -> dict:
     n_resp = rollout.get(K.RESPONSE_TOKENS).shape[1]
     # the LM head only where it is needed (response positions), as any careful implementation does
     keep = n_resp + 1
+    response = rollout.get(K.RESPONSE_TOKENS)
     with timer(times, "evaluation"), torch.no_grad():
         for model in (policy, reference):
             for i in range(0, ids.shape[0], args.forward_batch_size):
-                model(ids[i:i + args.forward_batch_size], logits_to_keep=keep,
-                      attention_mask=mask[i:i + args.forward_batch_size]).logits.float()
+                rows = slice(i, i + args.forward_batch_size)
+                logits = model(ids[rows], attention_mask=mask[rows], logits_to_keep=keep).logits
+                # the required output: log-probs of the sampled tokens (no entropy)
+                logits = logits[:, :-1].float() / args.temperature
+                logits.gather(-1, response[rows].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
     optimizer = parts["floor_optimizer"]
     mini = ids.shape[0] // args.minibatches
     with timer(times, "update"):
@@ -141,6 +146,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sample-entropy", action="store_true",
+                        help="log the free sample estimate of the entropy instead of the exact one")
     parser.add_argument("--json", default="benchmarks/results/ppo_iteration.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

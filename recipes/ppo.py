@@ -81,7 +81,8 @@ def train(cfg: DictConfig) -> dict:
         # 3. Old quantities, no grad: policy and reference log-probs (fp32, temperature), values.
         with timed(times, "evaluation"):
             evaluate_rollout(rollout, actor=actor, reference=ref_actor, critic=critic,
-                             chunk_size=p.forward_batch_size)
+                             chunk_size=p.forward_batch_size,
+                             exact_entropy=cfg.logging.exact_entropy)
         # 4-5. Per-token rewards (-kl_coef * KL, + score at the end), then GAE advantages.
         with timed(times, "advantages"):
             shaper(rollout)

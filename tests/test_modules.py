@@ -177,3 +177,13 @@ def test_response_distribution_matches_functional():
     dist = ResponseTokenDistribution(logits, mask)
     torch.testing.assert_close(dist.log_prob(tokens), F.log_probs_from_logits(logits, tokens) * mask)
     torch.testing.assert_close(dist.entropy(), F.entropy_from_logits(logits) * mask)
+
+
+def test_sample_entropy_is_minus_log_prob(tiny_llama_dir, tokenizer):
+    policy = load_causal_lm(tiny_llama_dir, tokenizer).eval()
+    actor = TokenLevelActor(policy, temperature=0.7)
+    ref = TokenLevelActor(policy, temperature=0.7, out_key=K.REF_LOG_PROB)
+    td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    out = evaluate_rollout(td, actor=actor, reference=ref, critic=TokenCritic(policy.base_model),
+                           chunk_size=2, exact_entropy=False)
+    torch.testing.assert_close(out[K.ENTROPY], -out[K.LOG_PROB])

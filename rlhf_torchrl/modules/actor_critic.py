@@ -257,19 +257,23 @@ def evaluate_rollout(
     reference: TokenLevelActor,
     critic: TokenCritic,
     chunk_size: int,
+    exact_entropy: bool = True,
 ) -> TensorDictBase:
     """Old-policy log-probs and entropy, reference log-probs and values, without grad.
 
     Runs in chunks of ``chunk_size`` rows; writes ``("log_probs", "response")``,
     ``("entropy", "response")``, ``("ref_log_probs", "response")`` (B, R) and ``"state_value"``
-    (B, R, 1), all fp32 and 0 on pads.
+    (B, R, 1), all fp32 and 0 on pads. The entropy is exact (a softmax over the vocabulary) or,
+    with ``exact_entropy=False``, the one-sample estimate ``-log p(y_t)`` (unbiased, since ``y_t`` was
+    drawn from that same distribution; what TRL logs), which costs nothing.
     """
     outputs: dict = {K.LOG_PROB: [], K.ENTROPY: [], K.REF_LOG_PROB: [], K.VALUE: []}
     tokens_keys = list(_IN_KEYS)
     for chunk in rollout.select(*tokens_keys).split(chunk_size):
         dist = actor.get_dist(chunk)
-        outputs[K.LOG_PROB].append(dist.log_prob(chunk.get(K.RESPONSE_TOKENS)))
-        outputs[K.ENTROPY].append(dist.entropy())
+        log_prob = dist.log_prob(chunk.get(K.RESPONSE_TOKENS))
+        outputs[K.LOG_PROB].append(log_prob)
+        outputs[K.ENTROPY].append(dist.entropy() if exact_entropy else -log_prob)
         del dist  # free the (b, R, V) logits before the next forward
         outputs[K.VALUE].append(critic(chunk).get(K.VALUE))  # reuses a shared trunk's hidden states
         outputs[K.REF_LOG_PROB].append(reference(chunk.clone(False)).get(reference.out_keys[0]))
