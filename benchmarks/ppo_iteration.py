@@ -30,7 +30,12 @@ from rlhf_torchrl.collectors import (  # noqa: E402
 )
 from rlhf_torchrl.data import load_prompts  # noqa: E402
 from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, make_critic  # noqa: E402
-from rlhf_torchrl.objectives import ResponseGAE, make_ppo_loss, ppo_update  # noqa: E402
+from rlhf_torchrl.objectives import (  # noqa: E402
+    ResponseGAE,
+    make_minibatch_buffer,
+    make_ppo_loss,
+    ppo_update,
+)
 from rlhf_torchrl.reward_functions import vader_sentiment  # noqa: E402
 from rlhf_torchrl.rewards import KLRewardShaper, Scorer, make_kl_controller  # noqa: E402
 
@@ -115,8 +120,6 @@ def build(args):
                                  temperature=args.temperature)
     actor = TokenLevelActor(policy, temperature=args.temperature, write_hidden=True)
     loss = make_ppo_loss(actor, critic)
-    from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
-
     return {
         "tokenizer": tokenizer, "policy": policy, "reference": reference, "critic": critic,
         "collector": RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=args.batch_size),
@@ -127,9 +130,7 @@ def build(args):
         "optimizer": torch.optim.AdamW(loss.parameters(), lr=1e-6),
         # lr=0: the floor pays for a full AdamW step but leaves the weights to ours
         "floor_optimizer": torch.optim.AdamW(policy.parameters(), lr=0.0),
-        "buffer": ReplayBuffer(storage=LazyStackStorage(args.batch_size),
-                               sampler=SamplerWithoutReplacement(),
-                               batch_size=args.batch_size // args.minibatches),
+        "buffer": make_minibatch_buffer(args.batch_size, args.batch_size // args.minibatches),
     }
 
 

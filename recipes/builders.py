@@ -17,7 +17,7 @@ from rlhf_torchrl import functional as F
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
 from rlhf_torchrl.data import check_prompts, load_prompts
 from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, load_tokenizer, make_critic
-from rlhf_torchrl.objectives import ResponseGAE, make_ppo_loss
+from rlhf_torchrl.objectives import ResponseGAE, make_minibatch_buffer, make_ppo_loss
 from rlhf_torchrl.rewards import (
     KLRewardShaper,
     RewardModel,
@@ -57,11 +57,7 @@ def check_config(cfg: DictConfig) -> Sizes:
     micro = exact_div(mini, p.gradient_accumulation_steps,
                       f"the minibatch size ({mini} = batch_size / num_mini_batches) must split into "
                       "ppo.gradient_accumulation_steps micro-batches")
-    if p.kl_estimator not in F.KL_ESTIMATORS:
-        raise ValueError(
-            f"Unknown ppo.kl_estimator {p.kl_estimator!r}: choose one of {F.KL_ESTIMATORS} "
-            "(k1 = log-ratio, k2 = squared log-ratio / 2, k3 = (r - 1) - log r)."
-        )
+    F.check_kl_estimator(p.kl_estimator)
     if cfg.value_model.init not in ("policy", "reward_model", "model", "shared"):
         raise ValueError(
             f"Unknown value_model.init {cfg.value_model.init!r}: choose policy, reward_model, "
@@ -200,14 +196,8 @@ def make_loss(cfg: DictConfig, actor, critic):
 
 
 def make_replay_buffer(cfg: DictConfig, sizes: Sizes):
-    """TorchRL buffer serving PPO minibatches: built once, emptied and refilled every iteration.
-
-    ``LazyStackStorage`` because the padded widths change from one rollout to the next.
-    """
-    from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
-
-    return ReplayBuffer(storage=LazyStackStorage(sizes.batch_size),
-                        sampler=SamplerWithoutReplacement(), batch_size=sizes.mini_batch_size)
+    """The minibatch buffer, built once for the run."""
+    return make_minibatch_buffer(sizes.batch_size, sizes.mini_batch_size)
 
 
 def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):

@@ -12,6 +12,16 @@ from torchrl.objectives.value.functional import generalized_advantage_estimate
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
+def check_kl_estimator(estimator: str) -> str:
+    """Return ``estimator`` if it is one of :data:`KL_ESTIMATORS`, else raise naming the options."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(
+            f"Unknown KL estimator {estimator!r}: choose one of {KL_ESTIMATORS} "
+            "(k1 = log-ratio, k2 = squared log-ratio / 2, k3 = (r - 1) - log r)."
+        )
+    return estimator
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of ``x`` over the positions where ``mask`` is true.
 
@@ -89,17 +99,13 @@ def kl_estimate(
         >>> kl_estimate(torch.tensor([0.0]), torch.tensor([0.0]), "k3")
         tensor([0.])
     """
+    check_kl_estimator(estimator)
     log_r = ref_log_prob - log_prob
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
         return 0.5 * log_r**2
-    if estimator == "k3":
-        return torch.expm1(log_r) - log_r
-    raise ValueError(
-        f"Unknown KL estimator {estimator!r}: choose one of {KL_ESTIMATORS} "
-        "(k1 = log-ratio, k2 = squared log-ratio / 2, k3 = (r - 1) - log r)."
-    )
+    return torch.expm1(log_r) - log_r
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
@@ -109,6 +115,13 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
     return torch.where(mask.bool(), positions, torch.zeros_like(positions)).amax(-1)
+
+
+def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Bool (B, R): True only at the last valid position of each right-padded row (``done``)."""
+    done = torch.zeros_like(mask, dtype=torch.bool)
+    done[torch.arange(mask.shape[0], device=mask.device), last_token_index(mask)] = True
+    return done & mask.bool()
 
 
 def per_token_rewards(
@@ -223,9 +236,7 @@ def gae(
     mask = mask.bool()
     values = torch.where(mask, values, torch.zeros_like(values))
     rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
-    done = torch.zeros_like(mask)
-    done[torch.arange(mask.shape[0], device=mask.device), last_token_index(mask)] = True
-    done = done | ~mask  # pads are terminal too: they never feed back into valid tokens
+    done = last_token_mask(mask) | ~mask  # pads are terminal too: they never feed back into valid tokens
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
     adv, _ = generalized_advantage_estimate(
         gamma,

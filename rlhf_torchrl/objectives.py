@@ -91,6 +91,18 @@ def make_ppo_loss(
     return loss
 
 
+def make_minibatch_buffer(batch_size: int, mini_batch_size: int):
+    """TorchRL replay buffer that serves one rollout as shuffled minibatches, without replacement.
+
+    ``LazyStackStorage`` because the padded widths change from one rollout to the next
+    (``LazyTensorStorage`` fails then); :func:`ppo_update` empties and refills it every iteration.
+    """
+    from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
+
+    return ReplayBuffer(storage=LazyStackStorage(batch_size), sampler=SamplerWithoutReplacement(),
+                        batch_size=mini_batch_size)
+
+
 def _valid_fraction(td: TensorDictBase) -> float:
     mask = td.get(K.RESPONSE_MASK)
     return float(mask.sum()) / mask.numel()
@@ -119,15 +131,11 @@ def ppo_update(
     ``loss/policy_avg``, ``loss/value_avg``, ``val/clipfrac_avg``, ``val/ratio``, ``val/ratio_var``
     (+ ``policy/entropy_avg`` with an entropy bonus) and ``grad_norm``.
     """
-    from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
-
     n = rollout.shape[0]
     mini = n // num_mini_batches
     micro = mini // gradient_accumulation_steps
     if replay_buffer is None:
-        replay_buffer = ReplayBuffer(
-            storage=LazyStackStorage(n), sampler=SamplerWithoutReplacement(), batch_size=mini
-        )
+        replay_buffer = make_minibatch_buffer(n, mini)
     replay_buffer.empty()
     replay_buffer.extend(rollout.exclude(K.PROMPT_TEXT, K.RESPONSE_TEXT))
     critic_coeff = getattr(loss_module, "critic_coeff", None)

@@ -241,13 +241,8 @@ class KLRewardShaper(TensorDictModuleBase):
         score_clip: float | None = None,
     ):
         super().__init__()
-        if kl_estimator not in F.KL_ESTIMATORS:
-            raise ValueError(
-                f"Unknown KL estimator {kl_estimator!r}: choose one of {F.KL_ESTIMATORS} "
-                "(k1 = log-ratio, k2 = squared log-ratio / 2, k3 = (r - 1) - log r)."
-            )
+        self.kl_estimator = F.check_kl_estimator(kl_estimator)
         self.kl_controller = kl_controller
-        self.kl_estimator = kl_estimator
         self.whiten_scores = whiten_scores
         self.score_clip = score_clip
         self.in_keys = [K.LOG_PROB, K.REF_LOG_PROB, K.RESPONSE_MASK, K.SCORE]
@@ -266,9 +261,7 @@ class KLRewardShaper(TensorDictModuleBase):
             score = score.clamp(-self.score_clip, self.score_clip)
         kl = F.kl_estimate(td.get(K.LOG_PROB), td.get(K.REF_LOG_PROB), self.kl_estimator) * mask
         reward, non_score = F.per_token_rewards(score, kl, mask, self.kl_coef)
-        done = torch.zeros_like(mask)
-        done[torch.arange(mask.shape[0]), F.last_token_index(mask)] = True
-        done = (done & mask).unsqueeze(-1)
+        done = F.last_token_mask(mask).unsqueeze(-1)
         td.set(K.KL, kl)
         td.set(K.REWARD, reward.unsqueeze(-1))
         td.set(K.NON_SCORE_REWARD, non_score.unsqueeze(-1))
