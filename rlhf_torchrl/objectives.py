@@ -142,6 +142,7 @@ def ppo_update(
     vf_coef = 2 * float(critic_coeff) if critic_coeff is not None else 0.0
     stats: dict[str, list[float]] = defaultdict(list)
     ratios = []
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     loss_module.train()
     for _ in range(num_ppo_epochs):
         for _ in range(num_mini_batches):
@@ -166,7 +167,6 @@ def ppo_update(
                 if "entropy" in out.keys():
                     stats["policy/entropy_avg"].append(float(out["entropy"]) / frac)
                 ratios.append(float(out["mean_ratio"] - 1) / frac + 1)
-            params = [p for g in optimizer.param_groups for p in g["params"]]
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 params, max_grad_norm if max_grad_norm else float("inf")
             )
