@@ -2,10 +2,13 @@
 
 Ours: the library's pieces exactly as the recipe runs them (TorchRL env + collector, scoring,
 old/ref log-probs and values, KL shaping + GAE, ClipPPOLoss update through the replay buffer).
-Floor: the same shapes as bare model calls with nothing else (one ``generate``; no-grad forwards
-of policy and reference with the sampled tokens' log-probs; forward/backward/AdamW step per
-minibatch; the LM head only on response positions throughout). The two are
-measured alternately, iteration by iteration, and reported as medians after warm-up.
+Floor: the same shapes as bare model calls with nothing else (one ``generate`` with the same
+sampler; no-grad forwards of the reference with the sampled tokens' log-probs and of the policy's
+trunk for the values, or of the whole policy with ``--recompute-log-probs``; forward/backward/AdamW
+step per minibatch; the LM head only on response positions and the library's log-prob function
+throughout, so the ratio is what the framework around the model calls costs). Also timed: plain
+``generate(do_sample=True)`` (HF's multinomial sampler), what generation costs without ours. The
+three are measured alternately, iteration by iteration, and reported as medians after warm-up.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/ppo_iteration.py --model tiny-gpt2 --batch-size 16
 """
@@ -17,6 +20,7 @@ import os
 import sys
 
 import torch
+from transformers import LogitsProcessorList
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +33,7 @@ from rlhf_torchrl.collectors import (  # noqa: E402
     make_generation_policy,
 )
 from rlhf_torchrl.data import load_prompts  # noqa: E402
+from rlhf_torchrl.functional import log_probs_from_logits  # noqa: E402
 from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, make_critic  # noqa: E402
 from rlhf_torchrl.objectives import (  # noqa: E402
     ResponseGAE,
@@ -38,6 +43,7 @@ from rlhf_torchrl.objectives import (  # noqa: E402
 )
 from rlhf_torchrl.reward_functions import vader_sentiment  # noqa: E402
 from rlhf_torchrl.rewards import KLRewardShaper, Scorer, make_kl_controller  # noqa: E402
+from rlhf_torchrl.sampling import InverseCDFSampler  # noqa: E402
 
 PHASES = ("generation", "scoring", "evaluation", "advantages", "update")
 
@@ -70,29 +76,39 @@ def run_floor(parts, rollout, args) -> dict:
     prompts = rollout.get(K.PROMPT_TOKENS)
     prompt_mask = rollout.get(K.PROMPT_MASK).long()
     times: dict[str, float] = {}
+    sampling = {"max_new_tokens": args.response_length, "pad_token_id": tok.pad_token_id,
+                "eos_token_id": tok.eos_token_id}
     with timer(times, "generation"), torch.no_grad():
-        out = policy.generate(prompts, attention_mask=prompt_mask, do_sample=True,
-                              temperature=args.temperature, top_k=None,
-                              max_new_tokens=args.response_length, pad_token_id=tok.pad_token_id,
-                              eos_token_id=tok.eos_token_id)
+        sampler = InverseCDFSampler(args.temperature, record=not args.recompute_log_probs)
+        out = policy.generate(prompts, attention_mask=prompt_mask, do_sample=False,
+                              logits_processor=LogitsProcessorList([sampler]), **sampling)
+        sampler.pop()
     generated = out[:, prompts.shape[1]:]
     times["response_tokens"] = float((generated != tok.pad_token_id).sum())
     times["tokens_per_second"] = times["response_tokens"] / times["generation"]
+    with timer(times, "hf_generate"), torch.no_grad():
+        out = policy.generate(prompts, attention_mask=prompt_mask, do_sample=True,
+                              temperature=args.temperature, top_k=None, **sampling)
+    times["hf_tokens_per_second"] = float((out[:, prompts.shape[1]:] != tok.pad_token_id).sum()) \
+        / times["hf_generate"]
     # same token shapes as ours for the forward passes
     ids = torch.cat([prompts, rollout.get(K.RESPONSE_TOKENS)], 1)
     mask = torch.cat([prompt_mask, rollout.get(K.RESPONSE_MASK).long()], 1)
-    n_resp = rollout.get(K.RESPONSE_TOKENS).shape[1]
     # the LM head only where it is needed (response positions), as any careful implementation does
-    keep = n_resp + 1
+    keep = torch.arange(prompts.shape[1] - 1, ids.shape[1] - 1)
     response = rollout.get(K.RESPONSE_TOKENS)
+    head = parts["critic"].head
     with timer(times, "evaluation"), torch.no_grad():
-        for model in (policy, reference):
-            for i in range(0, ids.shape[0], args.forward_batch_size):
-                rows = slice(i, i + args.forward_batch_size)
+        for i in range(0, ids.shape[0], args.forward_batch_size):
+            rows = slice(i, i + args.forward_batch_size)
+            # the required outputs: the sampled tokens' log-probs (reference, and the policy's
+            # unless recorded while sampling) and the values (head on the policy's trunk)
+            for model in (policy, reference) if args.recompute_log_probs else (reference,):
                 logits = model(ids[rows], attention_mask=mask[rows], logits_to_keep=keep).logits
-                # the required output: log-probs of the sampled tokens (no entropy)
-                logits = logits[:, :-1].float() / args.temperature
-                logits.gather(-1, response[rows].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+                log_probs_from_logits(logits, response[rows], args.temperature)
+            if not args.recompute_log_probs:
+                hidden = policy.base_model(ids[rows], attention_mask=mask[rows]).last_hidden_state
+                head(hidden[:, keep])
     optimizer = parts["floor_optimizer"]
     mini = ids.shape[0] // args.minibatches
     with timer(times, "update"):
@@ -100,9 +116,7 @@ def run_floor(parts, rollout, args) -> dict:
             for i in range(0, ids.shape[0], mini):
                 logits = policy(ids[i:i + mini], attention_mask=mask[i:i + mini],
                                 logits_to_keep=keep).logits
-                logits = logits[:, :-1].float() / args.temperature
-                loss = -torch.log_softmax(logits, -1).gather(
-                    -1, ids[i:i + mini, -n_resp:].unsqueeze(-1)).mean()
+                loss = -log_probs_from_logits(logits, response[i:i + mini], args.temperature).mean()
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -117,7 +131,9 @@ def build(args):
     critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared")
     env = make_generation_env(prompts, tokenizer, batch_size=args.batch_size, seed=args.seed)
     gen = make_generation_policy(policy, tokenizer, max_new_tokens=args.response_length,
-                                 temperature=args.temperature)
+                                 temperature=args.temperature,
+                                 record_log_probs=not args.recompute_log_probs,
+                                 record_entropy=not args.sample_entropy)
     actor = TokenLevelActor(policy, temperature=args.temperature, write_hidden=True)
     loss = make_ppo_loss(actor, critic)
     return {
@@ -149,6 +165,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-entropy", action="store_true",
                         help="log the free sample estimate of the entropy instead of the exact one")
+    parser.add_argument("--recompute-log-probs", action="store_true",
+                        help="old log-probs from a policy forward instead of recorded while sampling")
     parser.add_argument("--json", default="benchmarks/results/ppo_iteration.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -171,6 +189,8 @@ def main(argv=None) -> dict:
     rows.append(["tokens/s (generation)", f"{ours['tokens_per_second']:.0f}",
                  f"{floor['tokens_per_second']:.0f}",
                  f"{floor['tokens_per_second'] / ours['tokens_per_second']:.2f}x"])
+    rows.append(["HF generate, multinomial", f"{ours['generation']:.3f}",
+                 f"{floor['hf_generate']:.3f}", f"{ours['generation'] / floor['hf_generate']:.2f}x"])
     print(f"\nPPO iteration, {args.model}, batch {args.batch_size}, response {args.response_length}, "
           f"{args.epochs} epoch(s) x {args.minibatches} minibatch(es), {args.threads} threads, "
           f"median of {args.iterations} after {args.warmup} warm-up")

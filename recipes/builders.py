@@ -67,6 +67,11 @@ def check_config(cfg: DictConfig) -> Sizes:
         raise ValueError("value_model.init=reward_model needs reward.model to be set.")
     if cfg.generation.temperature <= 0:
         raise ValueError("generation.temperature must be > 0 (PPO needs sampling).")
+    if cfg.generation.top_k < 0 or not 0 < cfg.generation.top_p <= 1:
+        raise ValueError(
+            "generation.top_k must be >= 0 (0 = off) and generation.top_p in (0, 1] (1 = off), got "
+            f"top_k={cfg.generation.top_k}, top_p={cfg.generation.top_p}."
+        )
     if cfg.generation.max_new_tokens < 1:
         raise ValueError("generation.max_new_tokens must be >= 1.")
     if cfg.optim.lr_schedule not in ("linear", "constant"):
@@ -155,6 +160,8 @@ def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids) -> Rol
     gen_policy = make_generation_policy(
         policy, tokenizer, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
         top_k=g.top_k, top_p=g.top_p, stop_token_ids=stop_ids,
+        record_log_probs=g.log_probs_from_sampling,
+        record_entropy=g.log_probs_from_sampling and cfg.logging.exact_entropy,
     )
     return RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=cfg.ppo.batch_size,
                             stop_token_ids=stop_ids)

@@ -74,36 +74,53 @@ def make_generation_policy(
     top_k: int = 0,
     top_p: float = 1.0,
     stop_token_ids: Sequence[int] | None = None,
+    record_log_probs: bool = False,
+    record_entropy: bool = False,
 ):
     """TorchRL's ``TransformersWrapper`` set up for sampling responses.
 
-    ``top_k=0`` and ``top_p=1.0`` sample from the full (temperature-scaled) distribution, the one
-    the PPO log-probs are computed under. Its own log-probs are not requested: they are wrong for
-    PPO (see :mod:`rlhf_torchrl.modules.actor_critic`).
+    Tokens are drawn by :class:`~rlhf_torchrl.sampling.InverseCDFSampler` (exact, and on CPU
+    several times faster than ``generate``'s multinomial). ``top_k=0`` and ``top_p=1.0`` sample
+    from the full temperature-scaled distribution, the one the PPO log-probs are computed under.
+    With ``record_log_probs`` (and ``record_entropy``) the sampler keeps the sampled tokens'
+    log-probs (and exact entropies), which :class:`RolloutCollector` writes to each rollout: no
+    policy forward is needed to get PPO's old log-probs. TorchRL's own log-probs are never
+    requested: they are wrong for PPO (see :mod:`rlhf_torchrl.modules.actor_critic`).
     """
     from torchrl.modules.llm import TransformersWrapper
+    from transformers import LogitsProcessorList
 
-    gen_kwargs = {
-        "max_new_tokens": max_new_tokens,
-        "do_sample": True,
-        "temperature": temperature,
-        "top_p": top_p,
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": list(stop_token_ids or [tokenizer.eos_token_id]),
-    }
-    # TorchRL's kwarg validation rejects top_k=0; HF reads top_k=None as "off"
-    model.generation_config.top_k = None
-    if top_k:
-        gen_kwargs["top_k"] = top_k
-    return TransformersWrapper(
+    from .sampling import InverseCDFSampler
+
+    sampler = InverseCDFSampler(temperature, top_k, top_p, record=record_log_probs,
+                                record_entropy=record_entropy)
+    policy = TransformersWrapper(
         model,
         tokenizer=tokenizer,
         input_mode="text",
         generate=True,
         return_log_probs=False,
         pad_output=True,
-        generate_kwargs=gen_kwargs,
+        generate_kwargs={
+            "max_new_tokens": max_new_tokens,
+            # greedy over the sampler's one-hot scores = the sampler's draw
+            "do_sample": False,
+            "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": list(stop_token_ids or [tokenizer.eos_token_id]),
+        },
     )
+    # TransformersWrapper drops generate_kwargs it does not know, logits_processor among them
+    # (tests/test_torchrl_upstream.py): set it on the built wrapper
+    policy.generate_kwargs["logits_processor"] = LogitsProcessorList([sampler])
+    return policy
+
+
+def sampler_of(policy):
+    """The :class:`~rlhf_torchrl.sampling.InverseCDFSampler` a generation policy draws with, or None."""
+    from .sampling import InverseCDFSampler
+
+    processors = getattr(policy, "generate_kwargs", {}).get("logits_processor") or []
+    return next((p for p in processors if isinstance(p, InverseCDFSampler)), None)
 
 
 def to_rollout(
@@ -156,8 +173,10 @@ def decode(tokenizer, tokens: torch.Tensor, mask: torch.Tensor, skip_special: bo
 class RolloutCollector:
     """Iterable of dense rollouts: TorchRL's ``LLMCollector`` plus stop-token truncation.
 
-    Each item is a TensorDict of ``batch_size=[B]`` with the keys of :func:`to_rollout`. The
-    collector samples with the live policy weights (the wrapped model is the trained one).
+    Each item is a TensorDict of ``batch_size=[B]`` with the keys of :func:`to_rollout`, plus the
+    sampled tokens' ``("log_probs", "response")`` (and ``("entropy", "response")``) (B, R) fp32
+    when the policy's sampler records them. The collector samples with the live policy weights
+    (the wrapped model is the trained one).
 
     Example:
         >>> collector = RolloutCollector(env, policy, tokenizer=tok, batch_size=16)
@@ -178,6 +197,8 @@ class RolloutCollector:
         from torchrl.collectors.llm import LLMCollector
 
         self.tokenizer = tokenizer
+        self.sampler = sampler_of(policy)
+        self.sampler = self.sampler if self.sampler is not None and self.sampler.record else None
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         total = -1 if total_batches < 0 else total_batches * batch_size
         self.collector = LLMCollector(
@@ -185,13 +206,36 @@ class RolloutCollector:
         )
 
     def __iter__(self) -> Iterator[TensorDict]:
+        if self.sampler is not None:
+            self.sampler.pop()  # nothing recorded outside this loop belongs to its batches
         for batch in self.collector:
-            yield to_rollout(
+            rollout = to_rollout(
                 batch,
                 pad_token_id=self.tokenizer.pad_token_id,
                 stop_token_ids=self.stop_token_ids,
                 tokenizer=self.tokenizer,
             )
+            if self.sampler is not None:
+                self._add_sampling_record(rollout, batch)
+            yield rollout
+
+    def _add_sampling_record(self, rollout: TensorDict, batch: TensorDictBase) -> None:
+        """Write the sampler's per-token log-probs (and entropies) of this batch, 0 on pads."""
+        log_probs, entropies = self.sampler.pop()
+        if log_probs is None:
+            return
+        generated = batch.get(K.RESPONSE_TOKENS, as_padded_tensor=True).shape[-1]
+        if log_probs.shape != (rollout.shape[0], generated):
+            raise RuntimeError(
+                f"The sampler recorded {tuple(log_probs.shape)} log-probs for {rollout.shape[0]} "
+                f"responses of {generated} tokens: the batch was not generated in one call."
+            )
+        mask = rollout.get(K.RESPONSE_MASK)
+        width = mask.shape[1]
+        for key, values in ((K.LOG_PROB, log_probs), (K.ENTROPY, entropies)):
+            if values is not None:
+                values = values[:, :width]
+                rollout.set(key, torch.where(mask, values, torch.zeros_like(values)))
 
     def shutdown(self) -> None:
         self.collector.shutdown()

@@ -96,17 +96,36 @@ def test_position_ids_left_padding():
     assert F.position_ids_from_mask(m).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
 
 
-def test_log_probs_and_entropy_match_log_softmax():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_and_entropy_match_log_softmax(temperature):
     torch.manual_seed(0)
-    logits = torch.randn(3, 5, 11, dtype=torch.float64)
+    logits = (torch.randn(3, 5, 11) * 4).to(torch.bfloat16)
     tokens = torch.randint(0, 11, (3, 5))
-    full = torch.log_softmax(logits.float(), -1)
+    full = torch.log_softmax(logits.float() / temperature, -1)
     expected = full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    got = F.log_probs_from_logits(logits, tokens)
+    got = F.log_probs_from_logits(logits, tokens, temperature)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected)
-    ent = torch.distributions.Categorical(logits=logits.float()).entropy()
-    torch.testing.assert_close(F.entropy_from_logits(logits), ent)
+    ent = torch.distributions.Categorical(logits=logits.float() / temperature).entropy()
+    torch.testing.assert_close(F.entropy_from_logits(logits.float() / temperature), ent)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_log_prob_gradient_matches_autograd(dtype):
+    """The hand-written backward = autograd through log_softmax + gather (gradcheck in fp64)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 13, (2, 4))
+    weights = torch.randn(2, 4, dtype=torch.float64)  # an arbitrary upstream gradient
+    if dtype == torch.float64:
+        logits = torch.randn(2, 4, 13, dtype=dtype, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda x: F.log_probs_from_logits(x, tokens, 0.7), logits)
+    logits = (torch.randn(2, 4, 13) * 3).to(dtype).requires_grad_()
+    (F.log_probs_from_logits(logits, tokens, 0.7) * weights).sum().backward()
+    reference = logits.detach().float().requires_grad_()
+    expected = torch.log_softmax(reference / 0.7, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    (expected * weights).sum().backward()
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad.float(), reference.grad.to(dtype).float())
 
 
 def _gae_loop(rewards, values, mask, gamma, lmbda):

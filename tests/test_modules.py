@@ -166,7 +166,7 @@ def test_critic_from_reward_model_reuses_its_head(tmp_path, tiny_llama_dir, toke
 
 
 def test_response_distribution_matches_functional():
-    """The shared-logsumexp log_prob/entropy equal the functional versions, 0 on pads."""
+    """log_prob/entropy at the temperature equal the functional versions, 0 on pads."""
     from rlhf_torchrl import functional as F
     from rlhf_torchrl.modules import ResponseTokenDistribution
 
@@ -174,9 +174,10 @@ def test_response_distribution_matches_functional():
     logits = torch.randn(2, 3, 7)
     tokens = torch.randint(0, 7, (2, 3))
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
-    dist = ResponseTokenDistribution(logits, mask)
-    torch.testing.assert_close(dist.log_prob(tokens), F.log_probs_from_logits(logits, tokens) * mask)
-    torch.testing.assert_close(dist.entropy(), F.entropy_from_logits(logits) * mask)
+    dist = ResponseTokenDistribution(logits, mask, temperature=0.5)
+    torch.testing.assert_close(dist.log_prob(tokens),
+                               F.log_probs_from_logits(logits / 0.5, tokens) * mask)
+    torch.testing.assert_close(dist.entropy(), F.entropy_from_logits(logits / 0.5) * mask)
 
 
 def test_sample_entropy_is_minus_log_prob(tiny_llama_dir, tokenizer):

@@ -28,9 +28,13 @@ def _cfg(tmp_path, model_dir, *overrides):
                                          *TINY, *overrides])
 
 
-@pytest.mark.parametrize("critic", ["policy", "shared"])
-def test_recipe_runs_and_trains(tmp_path, tiny_llama_dir, critic):
-    report = ppo.train(_cfg(tmp_path, tiny_llama_dir, f"value_model.init={critic}"))
+@pytest.mark.parametrize("overrides", [
+    ["value_model.init=policy"],
+    ["value_model.init=shared"],
+    ["value_model.init=shared", "generation.log_probs_from_sampling=false"],
+], ids=["separate-critic", "shared-critic", "recomputed-log-probs"])
+def test_recipe_runs_and_trains(tmp_path, tiny_llama_dir, overrides):
+    report = ppo.train(_cfg(tmp_path, tiny_llama_dir, *overrides))
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
     for line in lines:
@@ -72,6 +76,7 @@ def test_recipe_cli(tmp_path, tiny_gpt2_dir):
     (["reward.functions=[]"], ValueError, "No reward"),
     (["data.max_prompt_length=12"], ValueError, "data.max_prompt_length=12"),
     (["optim.lr_schedule=cosine"], ValueError, "linear"),
+    (["generation.top_p=0"], ValueError, "generation.top_p"),
 ])
 def test_bad_config_fails_before_work(tmp_path, tiny_llama_dir, overrides, error, match):
     with pytest.raises(error, match=match):

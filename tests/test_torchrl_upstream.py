@@ -58,12 +58,24 @@ def test_chat_env_tokens_mode_with_ragged_prompts(tokenizer):
 
 
 @pytest.mark.xfail(strict=True, reason="TransformersWrapper rejects top_k=0, the HF way to turn "
-                   "top-k off; we set generation_config.top_k=None instead.", raises=ValueError)
+                   "top-k off; our InverseCDFSampler takes top_k instead of generate.", raises=ValueError)
 def test_transformers_wrapper_accepts_top_k_zero(llama, tokenizer):
     from torchrl.modules.llm import TransformersWrapper
 
     TransformersWrapper(llama, tokenizer=tokenizer, input_mode="text", generate=True,
                         generate_kwargs={"max_new_tokens": 2, "do_sample": True, "top_k": 0})
+
+
+@pytest.mark.xfail(strict=True, reason="TransformersWrapper silently drops generate_kwargs it does "
+                   "not list, logits_processor among them; we set it on the built wrapper.")
+def test_transformers_wrapper_keeps_logits_processor(llama, tokenizer):
+    from torchrl.modules.llm import TransformersWrapper
+    from transformers import LogitsProcessorList
+
+    processors = LogitsProcessorList([])
+    wrapper = TransformersWrapper(llama, tokenizer=tokenizer, input_mode="text", generate=True,
+                                  generate_kwargs={"max_new_tokens": 2, "logits_processor": processors})
+    assert wrapper.generate_kwargs.get("logits_processor") is processors
 
 
 @pytest.mark.xfail(strict=True, reason="LazyTensorStorage fails when the padded response width "

@@ -39,47 +39,42 @@ class ResponseTokenDistribution(Distribution):
     """Categorical distributions over the vocabulary, one per response token, masked.
 
     ``log_prob(tokens)`` and ``entropy()`` are 0 on padded positions, so a mean over all positions
-    times ``numel / n_valid`` is the mean over valid tokens. The log-prob is a gather minus a
-    logsumexp (no full log-softmax is materialised).
+    times ``numel / n_valid`` is the mean over valid tokens. The log-prob is
+    :func:`~rlhf_torchrl.functional.log_probs_from_logits` (no log-softmax, a hand-written
+    backward).
 
-    Shapes: ``logits`` (B, R, V) fp32, already divided by the sampling temperature; ``mask`` (B, R).
+    Shapes: ``logits`` (B, R, V), the model's, before the sampling ``temperature``; ``mask`` (B, R).
     """
 
     arg_constraints: dict = {}
     has_rsample = False
 
-    def __init__(self, logits: torch.Tensor, mask: torch.Tensor):
-        self.logits = logits.float()
+    def __init__(self, logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0):
+        self.logits = logits
+        self.temperature = temperature
         self.mask = mask.bool()
-        self._logsumexp = None
         super().__init__(batch_shape=mask.shape, validate_args=False)
 
-    @property
-    def logsumexp(self) -> torch.Tensor:
-        """(B, R) normaliser, computed once and shared by ``log_prob`` and ``entropy``."""
-        if self._logsumexp is None:
-            self._logsumexp = torch.logsumexp(self.logits, dim=-1)
-        return self._logsumexp
-
     def log_prob(self, tokens: torch.Tensor) -> torch.Tensor:
-        lp = F.log_probs_from_logits(self.logits, tokens, self.logsumexp)
+        lp = F.log_probs_from_logits(self.logits, tokens, self.temperature)
         return torch.where(self.mask, lp, torch.zeros_like(lp))
 
     def entropy(self) -> torch.Tensor:
-        ent = F.entropy_from_logits(self.logits, self.logsumexp)
+        ent = F.entropy_from_logits(self.logits.float() / self.temperature)
         return torch.where(self.mask, ent, torch.zeros_like(ent))
 
     def sample(self, sample_shape=torch.Size()):  # noqa: B008 - torch's signature
-        return torch.distributions.Categorical(logits=self.logits).sample(sample_shape)
+        logits = self.logits.float() / self.temperature
+        return torch.distributions.Categorical(logits=logits).sample(sample_shape)
 
 
 class TokenLevelActor(TensorDictModuleBase):
     """The policy as a TorchRL actor over response tokens (usable by ``ClipPPOLoss``).
 
     ``get_dist(td)`` runs the causal LM on ``[prompt | response]`` and returns a
-    :class:`ResponseTokenDistribution` of the response tokens, with logits in fp32 divided by the
-    sampling ``temperature`` (the distribution the tokens were drawn from). The LM head runs only
-    on the ``R`` response positions (``logits_to_keep``). ``forward`` writes the log-probs of the
+    :class:`ResponseTokenDistribution` of the response tokens at the sampling ``temperature``
+    (the distribution the tokens were drawn from; log-probs in fp32). The LM head runs only on the
+    ``R`` positions that predict response tokens (``logits_to_keep``). ``forward`` writes the log-probs of the
     response tokens to ``out_key``. With ``write_hidden`` (a critic sharing the policy's trunk),
     it also leaves the last hidden states of the response positions under ``("hidden",
     "response")`` so that the critic skips its own forward.
@@ -108,22 +103,24 @@ class TokenLevelActor(TensorDictModuleBase):
         self.out_keys = [out_key] + ([K.HIDDEN] if write_hidden else [])
 
     def logits(self, td: TensorDictBase) -> torch.Tensor:
-        """(B, R, V) fp32 logits of the response tokens, divided by the temperature."""
+        """(B, R, V) logits of the response tokens, as the model gives them (before temperature)."""
         n_prompt = td.get(K.PROMPT_TOKENS).shape[1]
         n_response = td.get(K.RESPONSE_TOKENS).shape[1]
+        # position P-1+t predicts response token t: the LM head runs on those R positions only
+        positions = torch.arange(n_prompt - 1, n_prompt - 1 + n_response,
+                                 device=td.get(K.PROMPT_TOKENS).device)
         out = self.model(
             **model_inputs(td),
-            logits_to_keep=n_response + 1,
+            logits_to_keep=positions,
             use_cache=False,
             output_hidden_states=self.write_hidden,
         )
         if self.write_hidden:
             td.set(K.HIDDEN, out.hidden_states[-1][:, n_prompt - 1 : n_prompt - 1 + n_response])
-        # position P-1+t predicts response token t; the last position predicts past the response
-        return out.logits[:, :-1].float() / self.temperature
+        return out.logits
 
     def get_dist(self, td: TensorDictBase) -> ResponseTokenDistribution:
-        return ResponseTokenDistribution(self.logits(td), td.get(K.RESPONSE_MASK))
+        return ResponseTokenDistribution(self.logits(td), td.get(K.RESPONSE_MASK), self.temperature)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         td.set(self.out_keys[0], self.get_dist(td).log_prob(td.get(K.RESPONSE_TOKENS)))
@@ -266,17 +263,27 @@ def evaluate_rollout(
     (B, R, 1), all fp32 and 0 on pads. The entropy is exact (a softmax over the vocabulary) or,
     with ``exact_entropy=False``, the one-sample estimate ``-log p(y_t)`` (unbiased, since ``y_t`` was
     drawn from that same distribution; what TRL logs), which costs nothing.
+
+    Log-probs (and entropies) already in the rollout, recorded while sampling
+    (:func:`~rlhf_torchrl.collectors.make_generation_policy` with ``record_log_probs``), are kept
+    and the policy is not run: a shared-trunk critic then runs the trunk alone, without the LM head.
     """
-    outputs: dict = {K.LOG_PROB: [], K.ENTROPY: [], K.REF_LOG_PROB: [], K.VALUE: []}
-    tokens_keys = list(_IN_KEYS)
-    for chunk in rollout.select(*tokens_keys).split(chunk_size):
-        dist = actor.get_dist(chunk)
-        log_prob = dist.log_prob(chunk.get(K.RESPONSE_TOKENS))
-        outputs[K.LOG_PROB].append(log_prob)
-        outputs[K.ENTROPY].append(dist.entropy() if exact_entropy else -log_prob)
-        del dist  # free the (b, R, V) logits before the next forward
+    have_log_probs = K.LOG_PROB in rollout.keys(True)
+    have_entropy = K.ENTROPY in rollout.keys(True)
+    outputs: dict = {K.REF_LOG_PROB: [], K.VALUE: []}
+    if not have_log_probs:
+        outputs.update({K.LOG_PROB: [], K.ENTROPY: []})
+    for chunk in rollout.select(*_IN_KEYS).split(chunk_size):
+        if not have_log_probs:
+            dist = actor.get_dist(chunk)
+            log_prob = dist.log_prob(chunk.get(K.RESPONSE_TOKENS))
+            outputs[K.LOG_PROB].append(log_prob)
+            outputs[K.ENTROPY].append(dist.entropy() if exact_entropy else -log_prob)
+            del dist  # free the (b, R, V) logits before the next forward
         outputs[K.VALUE].append(critic(chunk).get(K.VALUE))  # reuses a shared trunk's hidden states
         outputs[K.REF_LOG_PROB].append(reference(chunk.clone(False)).get(reference.out_keys[0]))
     for key, parts in outputs.items():
         rollout.set(key, torch.cat(parts))
+    if have_log_probs and not have_entropy:
+        rollout.set(K.ENTROPY, -rollout.get(K.LOG_PROB))  # the one-sample estimate (0 on pads)
     return rollout

@@ -1,0 +1,119 @@
+"""Token sampling for Hugging Face ``generate``: exact, fast on CPU, and recording log-probs.
+
+``torch.multinomial`` (what ``generate(do_sample=True)`` calls) draws one exponential random
+number per vocabulary entry per row on CPU; for a 49k vocabulary that is most of a small model's
+generation time. Inverse-CDF sampling needs two uniforms per row. :class:`InverseCDFSampler` is a
+``LogitsProcessor`` that draws the token itself and hands ``generate`` a score row that is ``-inf``
+everywhere but the chosen token, so greedy decoding (``do_sample=False``) emits the sample.
+
+Because it sees the temperature-scaled logits of every step, it also records the sampled tokens'
+log-probs (and, optionally, the exact entropies): PPO's "old" log-probs come out of generation
+without another forward pass of the policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BLOCK = 256
+
+
+def sample_inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Row-wise draws ``i ~ weights[b, i] / weights[b].sum()`` by inverse CDF, exact to fp64.
+
+    ``weights`` (B, V) are non-negative, unnormalised, each row with a positive sum. A flat fp32
+    cumulative sum over a large vocabulary would round every entry below ``2**-24`` of the running
+    total to zero probability; instead the vocabulary is cut into blocks of 256, a block is drawn
+    from the block masses (cumulated in fp64), then a token from inside that block (fp64 cumulative
+    sum of 256 entries). A zero weight is never drawn. Returns (B,) int64 indices.
+    """
+    n_rows, n = weights.shape
+    pad = (-n) % _BLOCK
+    blocks = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).view(n_rows, -1, _BLOCK)
+    block = _draw(blocks.sum(-1).double(), generator)  # (B,)
+    inside = blocks[torch.arange(n_rows, device=weights.device), block].double()  # (B, 256)
+    return block * _BLOCK + _draw(inside, generator)
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Index of the first cumulative weight reaching ``u * total``, ``u ~ U(0, 1]``.
+
+    ``u > 0``: the returned entry raised the cumulative sum, so its weight is positive; ``u <= 1``:
+    the sum's last entry is always reached, so no index runs past the end.
+    """
+    cdf = weights.cumsum(-1)
+    u = 1.0 - torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device, generator=generator)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
+
+
+class InverseCDFSampler:
+    """A ``LogitsProcessor`` that samples with temperature, top-k and top-p, for greedy ``generate``.
+
+    Use with ``do_sample=False`` and no other sampling warpers (this one applies them)::
+
+        sampler = InverseCDFSampler(temperature=0.7)
+        out = model.generate(**inputs, do_sample=False, logits_processor=[sampler])
+        log_probs = sampler.pop()[0]  # (B, T) log-probs of the generated tokens
+
+    With ``record=True`` each step's sampled-token log-probs (under the temperature-scaled,
+    untruncated distribution: the one PPO's ratio uses) are kept, and with ``record_entropy``
+    the exact entropies of those distributions. :meth:`pop` returns them stacked as (B, T) fp32
+    and clears the record. Rows that already finished keep being recorded: the caller masks them.
+    """
+
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        *,
+        record: bool = True,
+        record_entropy: bool = False,
+        generator: torch.Generator | None = None,
+    ):
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}.")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}.")
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        self.temperature = temperature
+        self.truncate = []
+        if top_k:
+            self.truncate.append(TopKLogitsWarper(top_k))
+        if top_p < 1:
+            self.truncate.append(TopPLogitsWarper(top_p))
+        self.record = record
+        self.record_entropy = record_entropy
+        self.generator = generator
+        self._log_probs: list[torch.Tensor] = []
+        self._entropies: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logits = scores.float() / self.temperature  # (B, V)
+        shifted = logits - logits.amax(-1, keepdim=True)
+        weights = shifted.exp()
+        if self.truncate:
+            kept = logits
+            for warper in self.truncate:
+                kept = warper(input_ids, kept)
+            weights_kept = weights.masked_fill(kept == float("-inf"), 0.0)
+        else:
+            weights_kept = weights
+        tokens = sample_inverse_cdf(weights_kept, self.generator)
+        if self.record:
+            log_norm = weights.sum(-1).log()  # logsumexp(shifted)
+            self._log_probs.append(shifted.gather(1, tokens[:, None]).squeeze(1) - log_norm)
+            if self.record_entropy:
+                mean_shifted = (weights * shifted).sum(-1) / weights.sum(-1)
+                self._entropies.append(log_norm - mean_shifted)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+    def pop(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(log_probs, entropies) of the steps recorded since the last call, (B, T) each or None."""
+        log_probs = torch.stack(self._log_probs, 1) if self._log_probs else None
+        entropies = torch.stack(self._entropies, 1) if self._entropies else None
+        self._log_probs, self._entropies = [], []
+        return log_probs, entropies

@@ -1,0 +1,128 @@
+"""InverseCDFSampler: exact draws, truncation, and the log-probs it records during generation."""
+
+import pytest
+import torch
+
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
+from rlhf_torchrl.sampling import InverseCDFSampler, sample_inverse_cdf
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over cells expecting >= 5 draws (the rest pooled), and its dof."""
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)]).double()
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)]).double()
+    keep = exp > 0
+    return float(((obs - exp)[keep] ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def _assert_matches(draws: torch.Tensor, probs: torch.Tensor):
+    counts = torch.bincount(draws, minlength=probs.numel()).double()
+    assert counts[probs == 0].sum() == 0, "drew a token of probability 0"
+    stat, dof = _chi_square(counts, probs.double())
+    # mean dof, sd sqrt(2 dof): 6 sd is far beyond chance at a fixed seed, far below any bias
+    assert stat < dof + 6 * (2 * dof) ** 0.5, (stat, dof)
+
+
+def test_inverse_cdf_draws_follow_the_weights():
+    torch.manual_seed(0)
+    n = 700  # not a multiple of the 256-entry block; blocks 0 and 2 partly zero, block 1 all zero
+    weights = torch.rand(n) ** 4
+    weights[0] = 0.0
+    weights[256:512] = 0.0
+    weights[-3:] = 0.0
+    draws = sample_inverse_cdf(weights.expand(100_000, n).contiguous())
+    _assert_matches(draws, weights / weights.sum())
+
+
+def test_inverse_cdf_single_positive_weight():
+    weights = torch.zeros(4, 300)
+    weights[:, 299] = 1e-30  # the last entry, in a padded block, far below fp32 resolution of 1
+    assert sample_inverse_cdf(weights).tolist() == [299] * 4
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (20, 1.0), (0, 0.8)])
+def test_sampler_matches_the_temperature_scaled_distribution(top_k, top_p):
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(1)
+    logits = torch.randn(1, 500) * 2
+    temperature = 0.7
+    expected = logits / temperature
+    if top_k:
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    if top_p < 1:
+        expected = TopPLogitsWarper(top_p)(None, expected)
+    probs = expected.softmax(-1)[0]
+    sampler = InverseCDFSampler(temperature, top_k, top_p, record=True, record_entropy=True)
+    rows = 50_000
+    scores = sampler(None, logits.expand(rows, -1).clone())
+    draws = scores.argmax(-1)  # what greedy generate emits
+    assert torch.isinf(scores).sum(-1).eq(499).all()
+    _assert_matches(draws, probs)
+    # recorded: log-probs and entropy of the untruncated tempered distribution (PPO's)
+    log_probs, entropies = sampler.pop()
+    full = torch.log_softmax(logits / temperature, -1)[0]
+    torch.testing.assert_close(log_probs[:, 0], full[draws], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropies[:, 0], -(full.exp() * full).sum().expand(rows),
+                               atol=1e-5, rtol=0)
+    assert sampler.pop() == (None, None)
+
+
+def test_sampler_rejects_bad_settings():
+    with pytest.raises(ValueError, match="temperature"):
+        InverseCDFSampler(0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        InverseCDFSampler(1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        InverseCDFSampler(1.0, top_k=-1)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_gpt2_dir"])
+def test_recorded_log_probs_equal_a_full_forward(request, model_fixture, tokenizer):
+    """Old log-probs recorded while sampling (KV cache, left-padded prompts) = a fresh forward."""
+    model = load_causal_lm(request.getfixturevalue(model_fixture), tokenizer)
+    prompts = ["a", "hello there, how are you doing today?", "one two three four five six", "x y"]
+    env = make_generation_env(prompts * 2, tokenizer, batch_size=4, seed=0)
+    gen = make_generation_policy(model, tokenizer, max_new_tokens=12, temperature=0.7,
+                                 record_log_probs=True, record_entropy=True)
+    collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=4)
+    rollouts = iter(collector)
+    for _ in range(2):
+        rollout = next(rollouts)
+        assert rollout.get(K.PROMPT_MASK).sum(-1).unique().numel() > 1  # ragged prompts
+        recorded = rollout.select(K.LOG_PROB, K.ENTROPY).clone()
+        actor = TokenLevelActor(model, temperature=0.7)
+        fresh = rollout.exclude(K.LOG_PROB, K.ENTROPY)
+        evaluate_rollout(fresh, actor=actor, reference=actor,
+                         critic=make_critic(policy=model, tokenizer=tokenizer, init="shared"),
+                         chunk_size=4)
+        mask = rollout.get(K.RESPONSE_MASK)
+        for key in (K.LOG_PROB, K.ENTROPY):
+            torch.testing.assert_close(recorded.get(key), fresh.get(key), atol=1e-4, rtol=0)
+            assert (recorded.get(key)[~mask] == 0).all()
+    collector.shutdown()
+
+
+def test_evaluation_keeps_recorded_log_probs(tiny_llama_dir, tokenizer):
+    """With recorded log-probs, the policy is not run; values come from the trunk alone."""
+    model = load_causal_lm(tiny_llama_dir, tokenizer)
+    env = make_generation_env(["a b", "c"] * 2, tokenizer, batch_size=2, seed=0)
+    gen = make_generation_policy(model, tokenizer, max_new_tokens=5, record_log_probs=True)
+    collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=2)
+    rollout = next(iter(collector))
+    collector.shutdown()
+    assert K.ENTROPY not in rollout.keys(True)
+    marked = rollout.get(K.LOG_PROB) - 1.0  # a value a recomputation could not give
+    rollout.set(K.LOG_PROB, marked)
+    actor = TokenLevelActor(model, write_hidden=True)
+    critic = make_critic(policy=model, tokenizer=tokenizer, init="shared")
+    with_head = evaluate_rollout(rollout.exclude(K.LOG_PROB), actor=actor, reference=actor,
+                                 critic=critic, chunk_size=2)
+    evaluate_rollout(rollout, actor=actor, reference=actor, critic=critic, chunk_size=2)
+    assert torch.equal(rollout.get(K.LOG_PROB), marked)
+    torch.testing.assert_close(rollout.get(K.ENTROPY), -marked)  # the sample estimate
+    torch.testing.assert_close(rollout.get(K.VALUE), with_head.get(K.VALUE))
