@@ -1,9 +1,11 @@
 """Response tokens per second: our TorchRL collector vs a raw ``generate`` on the same prompts.
 
-For each batch size and response length, the collector (``ChatEnv`` + ``TransformersWrapper`` +
-``LLMCollector`` + truncation into a dense rollout) and a bare ``model.generate`` on the very
-prompt tokens the collector produced are timed alternately; EOS is suppressed on both sides so
-that every response has exactly the requested length. Medians over ``--repeats``.
+For each batch size and response length, three are timed alternately on the very prompt tokens
+the collector produced: the collector (``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector`` +
+truncation into a dense rollout, sampling with ``InverseCDFSampler`` and recording log-probs), a
+bare ``model.generate`` with the same sampler (the floor: what the collector adds is the rest), and
+a bare ``model.generate(do_sample=True)`` (HF's multinomial sampler). EOS is suppressed
+everywhere so that every response has exactly the requested length. Medians over ``--repeats``.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/collectors.py --model tiny-gpt2
 """
@@ -17,6 +19,7 @@ import sys
 import time
 
 import torch
+from transformers import LogitsProcessorList
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,31 +32,41 @@ from rlhf_torchrl.collectors import (  # noqa: E402
     make_generation_policy,
 )
 from rlhf_torchrl.data import load_prompts  # noqa: E402
+from rlhf_torchrl.runtime import reuse_freed_memory  # noqa: E402
+from rlhf_torchrl.sampling import InverseCDFSampler  # noqa: E402
 
 
 def measure(policy, tokenizer, prompts, batch_size, length, repeats, temperature):
     env = make_generation_env(prompts, tokenizer, batch_size=batch_size)
-    gen = make_generation_policy(policy, tokenizer, max_new_tokens=length, temperature=temperature)
+    gen = make_generation_policy(policy, tokenizer, max_new_tokens=length, temperature=temperature,
+                                 record_log_probs=True)
     # no early stop on either side: exactly `length` tokens per response
     gen.generate_kwargs["min_new_tokens"] = length
     collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=batch_size)
     batches = iter(collector)
     next(batches)  # warm-up
-    ours, raw = [], []
+    common = {"max_new_tokens": length, "min_new_tokens": length,
+              "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    times = {"collector": [], "generate": [], "hf_generate": []}
     for _ in range(repeats):
         start = time.perf_counter()
         rollout = next(batches)
-        ours.append(time.perf_counter() - start)
+        times["collector"].append(time.perf_counter() - start)
         prompt, mask = rollout.get(K.PROMPT_TOKENS), rollout.get(K.PROMPT_MASK).long()
-        start = time.perf_counter()
         with torch.no_grad():
+            start = time.perf_counter()
+            sampler = InverseCDFSampler(temperature, record=True)
+            policy.generate(prompt, attention_mask=mask, do_sample=False,
+                            logits_processor=LogitsProcessorList([sampler]), **common)
+            sampler.pop()
+            times["generate"].append(time.perf_counter() - start)
+            start = time.perf_counter()
             policy.generate(prompt, attention_mask=mask, do_sample=True, temperature=temperature,
-                            top_k=None, max_new_tokens=length, min_new_tokens=length,
-                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        raw.append(time.perf_counter() - start)
+                            top_k=None, **common)
+            times["hf_generate"].append(time.perf_counter() - start)
     collector.shutdown()
     tokens = batch_size * length
-    return tokens / statistics.median(ours), tokens / statistics.median(raw)
+    return {name: tokens / statistics.median(t) for name, t in times.items()}
 
 
 def main(argv=None) -> dict:
@@ -64,24 +77,31 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-reuse-freed-memory", action="store_true",
+                        help="leave glibc's malloc as it is (see rlhf_torchrl.runtime)")
     parser.add_argument("--json", default="benchmarks/results/collectors.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if not args.no_reuse_freed_memory:
+        reuse_freed_memory()
     tokenizer, policy, _ = build_models(args.model)
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
+    header = ["batch", "length", "collector tok/s", "generate tok/s", "generate/collector",
+              "HF multinomial tok/s", "collector/HF"]
     rows, results = [], []
     for batch_size in args.batch_sizes:
         for length in args.lengths:
-            ours, raw = measure(policy, tokenizer, prompts, batch_size, length, args.repeats,
-                                args.temperature)
+            tps = measure(policy, tokenizer, prompts, batch_size, length, args.repeats,
+                          args.temperature)
             results.append({"batch_size": batch_size, "length": length,
-                            "collector_tokens_per_s": ours, "generate_tokens_per_s": raw})
-            rows.append([batch_size, length, f"{ours:.0f}", f"{raw:.0f}", f"{raw / ours:.2f}x"])
-            print(table(rows[-1:], ["batch", "length", "collector tok/s", "generate tok/s",
-                                    "generate/collector"]).splitlines()[-1], flush=True)
-    print(f"\nCollector vs raw generate, {args.model}, {args.threads} threads, "
-          f"median of {args.repeats}")
-    print(table(rows, ["batch", "length", "collector tok/s", "generate tok/s", "generate/collector"]))
+                            **{f"{name}_tokens_per_s": v for name, v in tps.items()}})
+            ours, raw, hf = tps["collector"], tps["generate"], tps["hf_generate"]
+            rows.append([batch_size, length, f"{ours:.0f}", f"{raw:.0f}", f"{raw / ours:.2f}x",
+                         f"{hf:.0f}", f"{ours / hf:.2f}x"])
+            print(table(rows[-1:], header).splitlines()[-1], flush=True)
+    print(f"\nCollector vs raw generate (same sampler) and HF's multinomial generate, {args.model}, "
+          f"{args.threads} threads, median of {args.repeats}")
+    print(table(rows, header))
     payload = {"args": vars(args), "machine": machine(), "results": results}
     write_json(args.json, payload)
     return payload

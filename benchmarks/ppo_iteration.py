@@ -43,6 +43,7 @@ from rlhf_torchrl.objectives import (  # noqa: E402
 )
 from rlhf_torchrl.reward_functions import vader_sentiment  # noqa: E402
 from rlhf_torchrl.rewards import KLRewardShaper, Scorer, make_kl_controller  # noqa: E402
+from rlhf_torchrl.runtime import reuse_freed_memory  # noqa: E402
 from rlhf_torchrl.sampling import InverseCDFSampler  # noqa: E402
 
 PHASES = ("generation", "scoring", "evaluation", "advantages", "update")
@@ -167,9 +168,13 @@ def main(argv=None) -> dict:
                         help="log the free sample estimate of the entropy instead of the exact one")
     parser.add_argument("--recompute-log-probs", action="store_true",
                         help="old log-probs from a policy forward instead of recorded while sampling")
+    parser.add_argument("--no-reuse-freed-memory", action="store_true",
+                        help="leave glibc's malloc as it is (see rlhf_torchrl.runtime)")
     parser.add_argument("--json", default="benchmarks/results/ppo_iteration.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if not args.no_reuse_freed_memory:
+        reuse_freed_memory()
     parts = build(args)
     rollouts = iter(parts["collector"])
     ours_rows, floor_rows = [], []

@@ -95,6 +95,10 @@ def worker_trl(a, fixture: Path) -> dict:
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
     torch.set_num_threads(a.threads)
+    if a.trl_reuse_freed_memory:
+        from rlhf_torchrl.runtime import reuse_freed_memory
+
+        reuse_freed_memory()
     tok = AutoTokenizer.from_pretrained(fixture / "policy")
     tok.padding_side = "left"
     prompts = [json.loads(x)["prompt"] for x in open(fixture / "prompts.jsonl")]
@@ -157,7 +161,10 @@ def worker_ours(a, fixture: Path) -> dict:
         cfg = compose("ppo", overrides=overrides)
     ppo.train(cfg)
     rows = [json.loads(x) for x in open(Path(cfg.output_dir) / "metrics.jsonl")]
-    return {"seconds": [r["time/total"] for r in rows], "scores": [r["objective/scores"] for r in rows]}
+    phases = {k.split("/")[1]: statistics.median(r[k] for r in rows[a.warmup:])
+              for k in rows[0] if k.startswith("time/")}
+    return {"seconds": [r["time/total"] for r in rows], "scores": [r["objective/scores"] for r in rows],
+            "phases": phases}
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,6 +183,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per side")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trl-reuse-freed-memory", action="store_true",
+                        help="give TRL's process the allocator setting our recipe uses by default")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", choices=("trl", "ours"), help=argparse.SUPPRESS)
     parser.add_argument("--fixture", help=argparse.SUPPRESS)
@@ -188,6 +197,8 @@ def main() -> None:
     a.passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                      if k in ("batch_size", "minibatches", "epochs", "response_length",
                               "temperature", "lr", "iterations", "warmup", "threads", "seed")]
+    if a.trl_reuse_freed_memory:
+        a.passthrough.append("--trl-reuse-freed-memory")
     trl_python = str(ensure_trl_venv())
     tmp = Path(tempfile.mkdtemp())
     make_fixture(tmp, a.seed)
@@ -204,9 +215,13 @@ def main() -> None:
     print(f"\nPPO iteration, tiny GPT-2 (2x128), batch {a.batch_size}, response {a.response_length}, "
           f"{a.epochs} epochs x {a.minibatches} minibatches, {a.threads} threads, "
           f"{a.rounds} alternating runs each")
-    print(f"  TRL {TRL_VERSION} PPOTrainer: {med['trl']:.3f} s/iteration (median)")
+    malloc = " (with reuse_freed_memory)" if a.trl_reuse_freed_memory else ""
+    print(f"  TRL {TRL_VERSION} PPOTrainer{malloc}: {med['trl']:.3f} s/iteration (median)")
     print(f"  rlhf_torchrl:            {med['ours']:.3f} s/iteration (median)")
     print(f"  ours / TRL = {med['ours'] / med['trl']:.2f}  (TRL is {med['trl'] / med['ours']:.2f}x our time)")
+    phases = runs["ours"][-1]["phases"]
+    print("  our phases (s, median, last run): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in phases.items() if k != "tokens_per_second"))
     for side in ("trl", "ours"):
         curve = [round(x, 3) for x in runs[side][0]["scores"]]
         print(f"  reward curve ({side}, run 0): {curve}")

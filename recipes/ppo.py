@@ -28,6 +28,7 @@ from rlhf_torchrl import keys as K  # noqa: E402
 from rlhf_torchrl.metrics import MetricsWriter, rollout_metrics  # noqa: E402
 from rlhf_torchrl.modules import evaluate_rollout  # noqa: E402
 from rlhf_torchrl.objectives import ppo_update  # noqa: E402
+from rlhf_torchrl.runtime import reuse_freed_memory  # noqa: E402
 
 log = logging.getLogger("ppo")
 
@@ -47,6 +48,8 @@ def train(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.reuse_freed_memory:
+        reuse_freed_memory()
 
     tokenizer = builders.make_tokenizer(cfg)
     prompts = builders.make_prompts(cfg, tokenizer)

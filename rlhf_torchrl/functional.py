@@ -206,26 +206,27 @@ def log_probs_from_logits(
 
 
 class _TokenLogProb(torch.autograd.Function):
+    """Forward keeps ``exp(z - max z)`` (one vocabulary-sized buffer, instead of the logits);
+    backward scales it into the gradient and adds the chosen-token term."""
+
     @staticmethod
     def forward(ctx, logits, tokens, temperature):
-        logits32 = logits if logits.dtype == torch.float64 else logits.float()
-        # shift = max(z) and log_norm = logsumexp(z - shift), z = logits / T
-        shift = logits32.amax(-1, keepdim=True).div_(temperature)
-        log_norm = torch.mul(logits32, 1.0 / temperature).sub_(shift).exp_().sum(-1).log_()
-        chosen = logits32.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) / temperature
-        ctx.save_for_backward(logits, tokens, shift.squeeze(-1) + log_norm)
-        ctx.temperature = temperature
-        return chosen - shift.squeeze(-1) - log_norm
+        work = logits if logits.dtype == torch.float64 else logits.float()
+        shift = work.amax(-1, keepdim=True)
+        weights = torch.sub(work, shift).mul_(1.0 / temperature).exp_()  # exp(z - max z)
+        norm = weights.sum(-1, keepdim=True)
+        chosen = (work.gather(-1, tokens.unsqueeze(-1)) - shift) / temperature
+        ctx.save_for_backward(weights, tokens, norm)
+        ctx.temperature, ctx.dtype = temperature, logits.dtype
+        return (chosen - norm.log()).squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
-        logits, tokens, logsumexp = ctx.saved_tensors
+        weights, tokens, norm = ctx.saved_tensors
         scale = (grad / ctx.temperature).unsqueeze(-1)
         # -softmax(z) * g / T everywhere, + g / T at the chosen token
-        work = logits if logits.dtype == torch.float64 else logits.float()
-        out = torch.mul(work, 1.0 / ctx.temperature).sub_(logsumexp.unsqueeze(-1))
-        out.exp_().mul_(-scale).scatter_add_(-1, tokens.unsqueeze(-1), scale)
-        return out.to(logits.dtype), None, None
+        out = torch.mul(weights, -scale / norm).scatter_add_(-1, tokens.unsqueeze(-1), scale)
+        return out.to(ctx.dtype), None, None
 
 
 def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,12 +20,14 @@ import ppo  # noqa: E402
 TINY = ["ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batches=2",
         "ppo.forward_batch_size=2", "generation.max_new_tokens=6", "logging.progress_bar=false",
         "data.limit=16", "optim.lr=1e-3"]
+# in-process runs leave the pytest process's allocator alone; the CLI test keeps the default (on)
+IN_PROCESS = ["reuse_freed_memory=false"]
 
 
 def _cfg(tmp_path, model_dir, *overrides):
     with initialize_config_dir(config_dir=str(RECIPES / "config"), version_base=None):
         return compose("ppo", overrides=[f"output_dir={tmp_path}", f"model.policy={model_dir}",
-                                         *TINY, *overrides])
+                                         *TINY, *IN_PROCESS, *overrides])
 
 
 @pytest.mark.parametrize("overrides", [
