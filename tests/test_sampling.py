@@ -72,6 +72,21 @@ def test_sampler_matches_the_temperature_scaled_distribution(top_k, top_p):
     assert sampler.pop() == (None, None)
 
 
+def test_generation_samples_the_full_distribution(tiny_llama_dir, tokenizer):
+    """No hidden top-k: a near-uniform next-token distribution gives hundreds of distinct tokens.
+
+    (transformers 5 falls back to top_k=50 when ``generation_config.top_k`` is None; see
+    tests/test_torchrl_upstream.py.)
+    """
+    model = load_causal_lm(tiny_llama_dir, tokenizer)
+    env = make_generation_env(["Say a word."] * 512, tokenizer, batch_size=512, seed=0)
+    gen = make_generation_policy(model, tokenizer, max_new_tokens=1)
+    collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=512)
+    first_tokens = next(iter(collector)).get(K.RESPONSE_TOKENS)[:, 0]
+    collector.shutdown()
+    assert first_tokens.unique().numel() > 300  # 512 draws over ~49k tokens: ~509 distinct
+
+
 def test_sampler_rejects_bad_settings():
     with pytest.raises(ValueError, match="temperature"):
         InverseCDFSampler(0.0)

@@ -66,6 +66,18 @@ def test_transformers_wrapper_accepts_top_k_zero(llama, tokenizer):
                         generate_kwargs={"max_new_tokens": 2, "do_sample": True, "top_k": 0})
 
 
+@pytest.mark.xfail(strict=True, reason="transformers 5 reads generation_config.top_k=None as "
+                   "'unset' and samples with its global default top_k=50; our sampler draws from "
+                   "the full distribution.")
+def test_generate_top_k_none_samples_the_full_distribution(llama, tokenizer):
+    torch.manual_seed(0)
+    llama.generation_config.top_k = None
+    ids = torch.tensor([tokenizer("Say a word.")["input_ids"]] * 512)
+    out = llama.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    assert out[:, -1].unique().numel() > 300  # near-uniform over ~49k tokens: ~509 distinct
+
+
 @pytest.mark.xfail(strict=True, reason="TransformersWrapper silently drops generate_kwargs it does "
                    "not list, logits_processor among them; we set it on the built wrapper.")
 def test_transformers_wrapper_keeps_logits_processor(llama, tokenizer):
