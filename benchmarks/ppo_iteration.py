@@ -144,9 +144,9 @@ def build(args):
         "actor": actor,
         "ref": TokenLevelActor(reference, temperature=args.temperature, out_key=K.REF_LOG_PROB),
         "shaper": KLRewardShaper(make_kl_controller(0.05)), "gae": ResponseGAE(), "loss": loss,
-        "optimizer": torch.optim.AdamW(loss.parameters(), lr=1e-6),
+        "optimizer": torch.optim.AdamW(loss.parameters(), lr=1e-6, fused=True),
         # lr=0: the floor pays for a full AdamW step but leaves the weights to ours
-        "floor_optimizer": torch.optim.AdamW(policy.parameters(), lr=0.0),
+        "floor_optimizer": torch.optim.AdamW(policy.parameters(), lr=0.0, fused=True),
         "buffer": make_minibatch_buffer(args.batch_size, args.batch_size // args.minibatches),
     }
 

@@ -191,11 +191,12 @@ def log_probs_from_logits(
 ) -> torch.Tensor:
     """Log-probability of the chosen tokens under ``softmax(logits / temperature)``, in fp32.
 
-    ``log p(y_t) = z_t[y_t] - logsumexp(z_t)`` with ``z = logits / temperature``, computed without
-    a log-softmax and with a hand-written backward, ``(onehot(y_t) - softmax(z_t)) / temperature``
-    per unit of gradient. Autograd through ``logits / T``, ``logsumexp`` and ``gather`` makes about
-    eight passes over the (B, R, V) logits and three tensors of that size; this makes five (two
-    forward, three backward) and one: on CPU the LM head's backward runs about 1.5x faster.
+    ``log p(y_t) = z_t[y_t] - logsumexp(z_t)`` with ``z = logits / temperature``, without a
+    log-softmax, and with a hand-written backward: ``d log p(y_t) / d logits_t = (onehot(y_t) -
+    softmax(z_t)) / temperature``. Autograd through ``logits / T``, ``logsumexp`` and ``gather``
+    allocates about five (B, R, V) tensors between forward and backward; this keeps one from the
+    forward (``exp(z - max z)``) and allocates one in the backward, the gradient. The update phase
+    is dominated by such vocabulary-sized passes on small models (``benchmarks/ppo_iteration.py``).
 
     Shapes: ``logits`` (B, R, V) any float dtype, ``tokens`` (B, R). Returns (B, R) float32
     (float64 for float64 logits).
