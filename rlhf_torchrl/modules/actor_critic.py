@@ -74,8 +74,8 @@ class TokenLevelActor(TensorDictModuleBase):
     ``get_dist(td)`` runs the causal LM on ``[prompt | response]`` and returns a
     :class:`ResponseTokenDistribution` of the response tokens at the sampling ``temperature``
     (the distribution the tokens were drawn from; log-probs in fp32). The LM head runs only on the
-    ``R`` positions that predict response tokens (``logits_to_keep``). ``forward`` writes the log-probs of the
-    response tokens to ``out_key``. With ``write_hidden`` (a critic sharing the policy's trunk),
+    ``R`` positions that predict response tokens (``logits_to_keep``). ``forward`` writes the
+    log-probs of the response tokens to ``out_key``. With ``write_hidden`` (a critic sharing the policy's trunk),
     it also leaves the last hidden states of the response positions under ``("hidden",
     "response")`` so that the critic skips its own forward.
 
