@@ -23,7 +23,15 @@ from transformers import LogitsProcessorList
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import MODELS, build_models, machine, table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    MODELS,
+    add_runtime_args,
+    apply_runtime_args,
+    build_models,
+    machine,
+    table,
+    write_json,
+)
 
 from rlhf_torchrl import keys as K  # noqa: E402
 from rlhf_torchrl.collectors import (  # noqa: E402
@@ -32,7 +40,6 @@ from rlhf_torchrl.collectors import (  # noqa: E402
     make_generation_policy,
 )
 from rlhf_torchrl.data import load_prompts  # noqa: E402
-from rlhf_torchrl.runtime import reuse_freed_memory  # noqa: E402
 from rlhf_torchrl.sampling import InverseCDFSampler  # noqa: E402
 
 
@@ -76,14 +83,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-reuse-freed-memory", action="store_true",
-                        help="leave glibc's malloc as it is (see rlhf_torchrl.runtime)")
+    add_runtime_args(parser)
     parser.add_argument("--json", default="benchmarks/results/collectors.json")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if not args.no_reuse_freed_memory:
-        reuse_freed_memory()
+    apply_runtime_args(args)
     tokenizer, policy, _ = build_models(args.model)
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
     header = ["batch", "length", "collector tok/s", "generate tok/s", "generate/collector",

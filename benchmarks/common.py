@@ -46,6 +46,21 @@ def build_models(name: str, seed: int = 0):
     return tokenizer, policy.eval(), disable_dropout(reference).eval().requires_grad_(False)
 
 
+def add_runtime_args(parser) -> None:
+    """``--threads`` and ``--no-reuse-freed-memory``, shared by the benchmarks."""
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-reuse-freed-memory", action="store_true",
+                        help="leave glibc's malloc as it is (see rlhf_torchrl.runtime)")
+
+
+def apply_runtime_args(args) -> None:
+    from rlhf_torchrl.runtime import reuse_freed_memory
+
+    torch.set_num_threads(args.threads)
+    if not args.no_reuse_freed_memory:
+        reuse_freed_memory()
+
+
 @contextmanager
 def timer(out: dict, name: str):
     start = time.perf_counter()

@@ -24,7 +24,18 @@ from transformers import LogitsProcessorList
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import MODELS, build_models, machine, medians, peak_rss_mb, table, timer, write_json  # noqa: E402
+from common import (  # noqa: E402
+    MODELS,
+    add_runtime_args,
+    apply_runtime_args,
+    build_models,
+    machine,
+    medians,
+    peak_rss_mb,
+    table,
+    timer,
+    write_json,
+)
 
 from rlhf_torchrl import keys as K  # noqa: E402
 from rlhf_torchrl.collectors import (  # noqa: E402
@@ -43,7 +54,6 @@ from rlhf_torchrl.objectives import (  # noqa: E402
 )
 from rlhf_torchrl.reward_functions import vader_sentiment  # noqa: E402
 from rlhf_torchrl.rewards import KLRewardShaper, Scorer, make_kl_controller  # noqa: E402
-from rlhf_torchrl.runtime import reuse_freed_memory  # noqa: E402
 from rlhf_torchrl.sampling import InverseCDFSampler  # noqa: E402
 
 PHASES = ("generation", "scoring", "evaluation", "advantages", "update")
@@ -162,19 +172,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-entropy", action="store_true",
                         help="log the free sample estimate of the entropy instead of the exact one")
     parser.add_argument("--recompute-log-probs", action="store_true",
                         help="old log-probs from a policy forward instead of recorded while sampling")
-    parser.add_argument("--no-reuse-freed-memory", action="store_true",
-                        help="leave glibc's malloc as it is (see rlhf_torchrl.runtime)")
+    add_runtime_args(parser)
     parser.add_argument("--json", default="benchmarks/results/ppo_iteration.json")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if not args.no_reuse_freed_memory:
-        reuse_freed_memory()
+    apply_runtime_args(args)
     parts = build(args)
     rollouts = iter(parts["collector"])
     ours_rows, floor_rows = [], []

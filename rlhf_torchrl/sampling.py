@@ -95,6 +95,13 @@ class InverseCDFSampler:
         logits = scores.float() / self.temperature  # (B, V)
         shifted = logits - logits.amax(-1, keepdim=True)
         weights = shifted.exp()
+        total = weights.sum(-1)
+        if not torch.isfinite(total).all():
+            raise FloatingPointError(
+                "The policy produced NaN or infinite logits while sampling: its weights have "
+                "diverged (lower optim.lr or raise ppo.kl_coef, and check the previous iterations' "
+                "grad_norm and objective/kl)."
+            )
         if self.truncate:
             kept = logits
             for warper in self.truncate:
@@ -104,10 +111,10 @@ class InverseCDFSampler:
             weights_kept = weights
         tokens = sample_inverse_cdf(weights_kept, self.generator)
         if self.record:
-            log_norm = weights.sum(-1).log()  # logsumexp(shifted)
+            log_norm = total.log()  # logsumexp(shifted)
             self._log_probs.append(shifted.gather(1, tokens[:, None]).squeeze(1) - log_norm)
             if self.record_entropy:
-                mean_shifted = (weights * shifted).sum(-1) / weights.sum(-1)
+                mean_shifted = (weights * shifted).sum(-1) / total
                 self._entropies.append(log_norm - mean_shifted)
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
 

@@ -87,6 +87,13 @@ def test_generation_samples_the_full_distribution(tiny_llama_dir, tokenizer):
     assert first_tokens.unique().numel() > 300  # 512 draws over ~49k tokens: ~509 distinct
 
 
+def test_sampler_stops_on_nan_logits():
+    scores = torch.zeros(2, 300)
+    scores[1, 5] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN or infinite logits"):
+        InverseCDFSampler(0.7)(None, scores)
+
+
 def test_sampler_rejects_bad_settings():
     with pytest.raises(ValueError, match="temperature"):
         InverseCDFSampler(0.0)
