@@ -197,8 +197,8 @@ class RolloutCollector:
         from torchrl.collectors.llm import LLMCollector
 
         self.tokenizer = tokenizer
-        self.sampler = sampler_of(policy)
-        self.sampler = self.sampler if self.sampler is not None and self.sampler.record else None
+        sampler = sampler_of(policy)
+        self.sampler = sampler if sampler is not None and sampler.record else None  # has log-probs
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         total = -1 if total_batches < 0 else total_batches * batch_size
         self.collector = LLMCollector(

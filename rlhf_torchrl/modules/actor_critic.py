@@ -267,6 +267,8 @@ def evaluate_rollout(
     Log-probs (and entropies) already in the rollout, recorded while sampling
     (:func:`~rlhf_torchrl.collectors.make_generation_policy` with ``record_log_probs``), are kept
     and the policy is not run: a shared-trunk critic then runs the trunk alone, without the LM head.
+    Without recorded entropies the entropy is then the sample estimate, whatever ``exact_entropy``
+    says (record them with ``record_entropy``).
     """
     have_log_probs = K.LOG_PROB in rollout.keys(True)
     have_entropy = K.ENTROPY in rollout.keys(True)
