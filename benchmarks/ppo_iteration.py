@@ -145,7 +145,7 @@ def build(args):
                                  temperature=args.temperature,
                                  record_log_probs=not args.recompute_log_probs,
                                  record_entropy=not args.sample_entropy)
-    actor = TokenLevelActor(policy, temperature=args.temperature, write_hidden=True)
+    actor = TokenLevelActor(policy, temperature=args.temperature, trunk_critic=critic)
     loss = make_ppo_loss(actor, critic)
     return {
         "tokenizer": tokenizer, "policy": policy, "reference": reference, "critic": critic,

@@ -14,8 +14,13 @@ import torch
 from omegaconf import DictConfig
 
 from rlhf_torchrl import functional as F
-from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
-from rlhf_torchrl.data import check_prompts, load_prompts
+from rlhf_torchrl.collectors import (
+    RolloutCollector,
+    make_generation_env,
+    make_generation_policy,
+    probe_rollout,
+)
+from rlhf_torchrl.data import Prompt, check_prompts, load_prompts
 from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, load_tokenizer, make_critic
 from rlhf_torchrl.objectives import ResponseGAE, make_minibatch_buffer, make_ppo_loss
 from rlhf_torchrl.rewards import (
@@ -104,13 +109,12 @@ def make_reward_functions(cfg: DictConfig) -> dict:
             for name, path, w in zip(names, paths, weights)}
 
 
-def make_prompts(cfg: DictConfig, tokenizer) -> list[str]:
+def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
     d = cfg.data
     prompts = load_prompts(d.source, split=d.split, column=d.column, template=d.template, limit=d.limit,
-                           max_words=d.max_words)
+                           max_words=d.max_words, system_prompt=d.system_prompt)
     prompts, n_truncated = check_prompts(
         prompts, tokenizer, max_prompt_length=d.max_prompt_length, truncate=d.truncate_prompts,
-        system_prompt=d.system_prompt,
     )
     if n_truncated:
         log.warning("Truncated %d of %d prompts from the left to %d tokens.",
@@ -154,17 +158,24 @@ def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
 
 
 def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids) -> RolloutCollector:
-    env = make_generation_env(prompts, tokenizer, batch_size=cfg.ppo.batch_size, seed=cfg.seed,
-                              system_prompt=cfg.data.system_prompt)
+    env = make_generation_env(prompts, tokenizer, batch_size=cfg.ppo.batch_size, seed=cfg.seed)
     g = cfg.generation
     gen_policy = make_generation_policy(
         policy, tokenizer, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
         top_k=g.top_k, top_p=g.top_p, stop_token_ids=stop_ids,
-        record_log_probs=g.log_probs_from_sampling,
+        # always recorded: the old log-probs (unless recomputed) and the on-policy check's reference
+        record_log_probs=True,
         record_entropy=g.log_probs_from_sampling and cfg.logging.exact_entropy,
     )
     return RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=cfg.ppo.batch_size,
                             stop_token_ids=stop_ids)
+
+
+def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids):
+    """Two rollout rows on real prompts (one response that stopped, one cut short), no model needed:
+    every reward is called on it before any model is loaded."""
+    return probe_rollout(prompts[:2], tokenizer, ["", "I really liked it."], stop_token_ids=stop_ids,
+                         with_log_probs=True)
 
 
 def make_scorer(cfg: DictConfig, reward_functions: dict) -> Scorer:
@@ -187,7 +198,8 @@ def make_shaper(cfg: DictConfig) -> KLRewardShaper:
 def make_actors(cfg: DictConfig, policy, reference, critic):
     """Policy and reference actors; a shared-trunk critic gets its hidden states from the policy."""
     t = cfg.generation.temperature
-    return (TokenLevelActor(policy, temperature=t, write_hidden=critic.read_hidden),
+    return (TokenLevelActor(policy, temperature=t,
+                            trunk_critic=critic if critic.shares_trunk else None),
             TokenLevelActor(reference, temperature=t, out_key=("ref_log_probs", "response")))
 
 

@@ -29,6 +29,7 @@ from rlhf_torchrl.metrics import MetricsWriter, rollout_metrics  # noqa: E402
 from rlhf_torchrl.modules import evaluate_rollout  # noqa: E402
 from rlhf_torchrl.objectives import ppo_update  # noqa: E402
 from rlhf_torchrl.runtime import reuse_freed_memory  # noqa: E402
+from rlhf_torchrl.sampling import check_on_policy  # noqa: E402
 
 log = logging.getLogger("ppo")
 
@@ -53,10 +54,10 @@ def train(cfg: DictConfig) -> dict:
 
     tokenizer = builders.make_tokenizer(cfg)
     prompts = builders.make_prompts(cfg, tokenizer)
-    scorer = builders.make_scorer(cfg, reward_functions)
-    scorer.check(prompts)
-    policy, reference, critic = builders.make_models(cfg, tokenizer)
     stop_ids = builders.stop_token_ids(cfg, tokenizer)
+    scorer = builders.make_scorer(cfg, reward_functions)
+    scorer.check(builders.make_reward_probe(cfg, prompts, tokenizer, stop_ids))
+    policy, reference, critic = builders.make_models(cfg, tokenizer)
     collector = builders.make_collector(cfg, prompts, tokenizer, policy, stop_ids)
     actor, ref_actor = builders.make_actors(cfg, policy, reference, critic)
     shaper = builders.make_shaper(cfg)
@@ -78,6 +79,12 @@ def train(cfg: DictConfig) -> dict:
         # 1. Collect: sample responses for a batch of prompts, truncate after the stop token.
         with timed(times, "generation"):
             rollout = next(rollouts)
+        if iteration == 0 and cfg.generation.check_on_policy:
+            # the ratio of the first minibatch is 1 only if the tokens came from the loss's distribution
+            agreement = check_on_policy(rollout, actor, num_rows=cfg.generation.on_policy_rows,
+                                        atol=cfg.generation.on_policy_tolerance)
+            log.info("On-policy check: recorded and recomputed log-probs of %d tokens agree to %.2g nats",
+                     agreement["tokens"], agreement["max_abs_diff"])
         # 2. Score: one scalar per response (reward model / functions, missing-EOS penalty).
         with timed(times, "scoring"):
             scorer(rollout)
@@ -85,7 +92,8 @@ def train(cfg: DictConfig) -> dict:
         with timed(times, "evaluation"):
             evaluate_rollout(rollout, actor=actor, reference=ref_actor, critic=critic,
                              chunk_size=p.forward_batch_size,
-                             exact_entropy=cfg.logging.exact_entropy)
+                             exact_entropy=cfg.logging.exact_entropy,
+                             recompute_log_probs=not cfg.generation.log_probs_from_sampling)
         # 4-5. Per-token rewards (-kl_coef * KL, + score at the end), then GAE advantages.
         with timed(times, "advantages"):
             shaper(rollout)

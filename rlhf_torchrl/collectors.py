@@ -12,15 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 from torch.utils.data import DataLoader
+from torchrl.modules.llm import TransformersWrapper
 
 from . import functional as F
 from . import keys as K
+from .data import Prompt, prompt_token_ids, to_prompt
 
 
 def make_generation_env(
-    prompts: Sequence[str],
+    prompts: Sequence[Prompt | str],
     tokenizer,
     *,
     batch_size: int,
@@ -30,8 +32,12 @@ def make_generation_env(
 ):
     """A TorchRL ``ChatEnv`` that yields ``batch_size`` prompts per reset, cycling forever.
 
-    Prompts are plain user messages; the env applies ``tokenizer``'s chat template (a
-    pass-through template for base models, see :func:`~rlhf_torchrl.modules.load_tokenizer`).
+    ``prompts`` are :class:`~rlhf_torchrl.data.Prompt` rows (a conversation and dataset fields)
+    or plain user messages; ``system_prompt`` goes first in conversations that have none. The env
+    renders each conversation with ``tokenizer``'s chat template (a pass-through template for base
+    models, see :func:`~rlhf_torchrl.modules.load_tokenizer`); the conversation and the fields ride
+    along in every batch (``"query"`` and ``"fields"``), so that :func:`to_rollout` hands them to
+    the reward functions.
     """
     from torchrl.envs import InitTracker, StepCounter
     from torchrl.envs.llm import ChatEnv
@@ -41,28 +47,32 @@ def make_generation_env(
             f"The prompt set has {len(prompts)} prompts, fewer than one batch "
             f"(batch_size={batch_size}): add prompts or lower the batch size."
         )
+    rows = [to_prompt(p, system_prompt) for p in prompts]
     generator = torch.Generator().manual_seed(seed)
-    loader = DataLoader(
-        list(prompts),
-        batch_size=batch_size,
-        shuffle=shuffle,
-        drop_last=True,
-        generator=generator,
-        collate_fn=lambda batch: {"query": list(batch)},
-    )
+    loader = DataLoader(rows, batch_size=batch_size, shuffle=shuffle, drop_last=True,
+                        generator=generator, collate_fn=_collate_prompts)
     env = ChatEnv.from_dataloader(
         loader,
         batch_size=(batch_size,),
         tokenizer=tokenizer,
         input_mode="text",
         data_key="query",
-        system_prompt=system_prompt,
         # TorchRL's History picks a template by model *name* (or plain ChatML) unless told: give it
         # the tokenizer's own, the one the model was trained with
         template_kwargs={"chat_template": tokenizer.chat_template},
     )
     # InitTracker: the transform TransformersWrapper expects on the env (LLMCollector checks it)
     return env.append_transform(StepCounter(max_steps=1)).append_transform(InitTracker())
+
+
+def _collate_prompts(rows: list[Prompt]) -> TensorDict:
+    """A batch as a TensorDict of non-tensor entries: TorchRL's loader would turn a dict of lists of
+    dicts into a lazy stack that cannot be batched."""
+    return TensorDict(
+        {"query": NonTensorStack(*(NonTensorData(r.messages) for r in rows)),
+         "fields": NonTensorStack(*(NonTensorData(r.fields) for r in rows))},
+        batch_size=[len(rows)],
+    )
 
 
 def make_generation_policy(
@@ -77,42 +87,77 @@ def make_generation_policy(
     record_log_probs: bool = False,
     record_entropy: bool = False,
 ):
-    """TorchRL's ``TransformersWrapper`` set up for sampling responses.
+    """TorchRL's ``TransformersWrapper`` set up to sample responses on-policy.
 
     Tokens are drawn by :class:`~rlhf_torchrl.sampling.InverseCDFSampler` (exact, and on CPU
     several times faster than ``generate``'s multinomial). ``top_k=0`` and ``top_p=1.0`` sample
     from the full temperature-scaled distribution, the one the PPO log-probs are computed under.
+    Nothing else touches the logits: ``generate`` runs under a config built from these settings
+    alone (:func:`~rlhf_torchrl.sampling.sampling_generation_config`), never the checkpoint's own
+    ``generation_config`` (a warning names what that leaves out). The rendered prompt is tokenised
+    without adding special tokens (the chat template already wrote them).
+
     With ``record_log_probs`` (and ``record_entropy``) the sampler keeps the sampled tokens'
     log-probs (and exact entropies), which :class:`RolloutCollector` writes to each rollout: no
     policy forward is needed to get PPO's old log-probs. TorchRL's own log-probs are never
     requested: they are wrong for PPO (see :mod:`rlhf_torchrl.modules.actor_critic`).
     """
-    from torchrl.modules.llm import TransformersWrapper
     from transformers import LogitsProcessorList
 
-    from .sampling import InverseCDFSampler
+    from .sampling import (
+        InverseCDFSampler,
+        sampling_generation_config,
+        warn_ignored_generation_settings,
+    )
 
+    stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
     sampler = InverseCDFSampler(temperature, top_k, top_p, record=record_log_probs,
                                 record_entropy=record_entropy)
-    policy = TransformersWrapper(
+    warn_ignored_generation_settings(model, temperature)
+    policy = _OnPolicyTransformersWrapper(
         model,
         tokenizer=tokenizer,
         input_mode="text",
         generate=True,
         return_log_probs=False,
         pad_output=True,
+        # the chat template already wrote BOS (Llama 3, Gemma): adding specials would double it
+        tokenizer_kwargs={"add_special_tokens": False},
         generate_kwargs={
             "max_new_tokens": max_new_tokens,
-            # greedy over the sampler's one-hot scores = the sampler's draw
-            "do_sample": False,
+            "do_sample": False,  # greedy over the sampler's one-hot scores = the sampler's draw
             "pad_token_id": tokenizer.pad_token_id,
-            "eos_token_id": list(stop_token_ids or [tokenizer.eos_token_id]),
+            "eos_token_id": stop_token_ids,
         },
     )
+    policy.generation_config = sampling_generation_config(
+        model, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=stop_token_ids)
     # TransformersWrapper drops generate_kwargs it does not know, logits_processor among them
     # (tests/test_torchrl_upstream.py): set it on the built wrapper
     policy.generate_kwargs["logits_processor"] = LogitsProcessorList([sampler])
     return policy
+
+
+class _OnPolicyTransformersWrapper(TransformersWrapper):
+    """``TransformersWrapper`` whose ``generate`` runs under ``self.generation_config``.
+
+    transformers fills every generation setting it is not given from ``model.generation_config``,
+    and a checkpoint's repetition penalty or suppressed tokens would bend the distribution the
+    tokens are drawn from (off-policy). The model's own config is swapped out only for the call.
+    """
+
+    generation_config = None
+
+    def forward(self, *args, **kwargs):
+        if self.generation_config is None:
+            return super().forward(*args, **kwargs)
+        own = self.model.generation_config
+        self.model.generation_config = self.generation_config
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.model.generation_config = own
 
 
 def sampler_of(policy):
@@ -130,7 +175,8 @@ def to_rollout(
 
     Keys written (see :mod:`rlhf_torchrl.keys`): prompt tokens/mask (B, P) left-padded, response
     tokens/mask (B, R) right-padded and truncated after the first stop token, ``has_stop_token``
-    (B,), and with ``tokenizer`` the decoded prompt and response text.
+    (B,), with ``tokenizer`` the decoded prompt and response text, and, when the env carries them
+    (:func:`make_generation_env`), the prompt conversations and the dataset fields.
     """
     batch = batch.reshape(-1)
     # dense already when the wrapper pads its outputs; padded here if the stack is ragged
@@ -138,10 +184,35 @@ def to_rollout(
                        padding_value=pad_token_id)
     response = batch.get(K.RESPONSE_TOKENS, as_padded_tensor=True, padding_side="right",
                          padding_value=pad_token_id)
-    n_prompt = prompt.shape[-1]
     full_mask = batch.get(("masks", "all_attention_mask"), as_padded_tensor=True,
                           padding_side="left", padding_value=0)
-    prompt_mask = full_mask[:, :n_prompt].bool()
+    keys = batch.keys()
+    return build_rollout(
+        prompt, full_mask[:, : prompt.shape[-1]].bool(), response,
+        stop_token_ids=stop_token_ids, pad_token_id=pad_token_id, tokenizer=tokenizer,
+        messages=batch.get("query").tolist() if "query" in keys else None,
+        fields=batch.get("fields").tolist() if "fields" in keys else None,
+    )
+
+
+def build_rollout(
+    prompt: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response: torch.Tensor,
+    *,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+    tokenizer=None,
+    messages: list[list[dict]] | None = None,
+    fields: list[dict] | None = None,
+) -> TensorDict:
+    """The rollout layout of :mod:`rlhf_torchrl.keys` from padded prompt and response tokens.
+
+    Shapes: ``prompt``/``prompt_mask`` (B, P) left-padded; ``response`` (B, R) right-padded, as
+    generated (cut here after the first of ``stop_token_ids``). ``messages`` (one conversation per
+    row) go to ``("messages", "prompt")``, ``fields`` (one dict of dataset columns per row) to
+    ``("data", <column>)``.
+    """
     response, response_mask, has_stop = F.truncate_after_stop(response, stop_token_ids, pad_token_id)
     # drop columns that are padding in every row (responses that all stopped early)
     width = int(response_mask.sum(-1).max().clamp_min(1))
@@ -159,7 +230,55 @@ def to_rollout(
     if tokenizer is not None:
         out.set(K.PROMPT_TEXT, decode(tokenizer, prompt, prompt_mask))
         out.set(K.RESPONSE_TEXT, decode(tokenizer, response, response_mask, skip_special=True))
+    if messages is not None:
+        out.set(K.PROMPT_MESSAGES, NonTensorStack(*(NonTensorData(m) for m in messages)))
+    if fields:
+        for name in sorted({name for row in fields for name in row}):
+            values = [row.get(name) for row in fields]
+            out.set((K.DATA, name), NonTensorStack(*(NonTensorData(v) for v in values)))
     return out
+
+
+def probe_rollout(
+    prompts: Sequence[Prompt | str],
+    tokenizer,
+    responses: Sequence[str],
+    *,
+    stop_token_ids: Sequence[int] | None = None,
+    stopped: Sequence[bool] | None = None,
+    with_log_probs: bool = False,
+) -> TensorDict:
+    """A rollout of ``len(responses)`` rows as :class:`RolloutCollector` would emit it, without a model.
+
+    Row ``i`` pairs ``prompts[i]`` (rendered and tokenised as the env does) with ``responses[i]``
+    (tokenised, plus the first stop token where ``stopped[i]``; default: rows 0, 2, ... stopped).
+    Used to call every reward on the real rollout layout before any model is loaded; with
+    ``with_log_probs`` it also holds the sampler's records (zeros here), as a recording collector's
+    rollouts do.
+    """
+    rows = [to_prompt(p) for p in prompts[: len(responses)]]
+    stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
+    stopped = [i % 2 == 0 for i in range(len(rows))] if stopped is None else stopped
+    if any(not text and not s for text, s in zip(responses, stopped)):
+        raise ValueError("An empty response must end with the stop token (stopped=True).")
+    pad = tokenizer.pad_token_id
+    prompt_ids = [prompt_token_ids(tokenizer, r) for r in rows]
+    response_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([stop_token_ids[0]] if s else [])
+                    for t, s in zip(responses, stopped)]
+    P, R = max(map(len, prompt_ids)), max(1, *map(len, response_ids))
+    prompt = torch.full((len(rows), P), pad)
+    response = torch.full((len(rows), R), pad)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        prompt[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        response[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    prompt_mask = torch.arange(P).expand(len(rows), P) >= torch.tensor([P - len(p) for p in prompt_ids])[:, None]
+    rollout = build_rollout(prompt, prompt_mask, response, stop_token_ids=stop_token_ids,
+                            pad_token_id=pad, tokenizer=tokenizer,
+                            messages=[r.messages for r in rows], fields=[r.fields for r in rows])
+    if with_log_probs:
+        zeros = torch.zeros(rollout.get(K.RESPONSE_MASK).shape)
+        rollout.update({K.LOG_PROB: zeros, K.ENTROPY: zeros.clone()})
+    return rollout
 
 
 def decode(tokenizer, tokens: torch.Tensor, mask: torch.Tensor, skip_special: bool = False) -> list[str]:

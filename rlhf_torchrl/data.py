@@ -1,17 +1,113 @@
 """Prompt sets: a Hugging Face dataset, a local JSON-lines file, or the bundled review sentences.
 
-All loaders return ``list[str]`` of user messages. :func:`check_prompts` validates them against
-the tokenizer (chat template applied, as the generation env does) before any work starts.
+Every loader returns a list of :class:`Prompt`: the conversation the policy answers (system and
+earlier turns kept, ending with the last user turn) and the row's other columns, which travel with
+the prompt into the rollout so that reward functions can ask for them by name (a GSM8K ``answer``,
+a MATH ``solution``). :func:`check_prompts` validates them against the tokenizer (chat template
+applied, as the generation env renders them) before any work starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 #: Built-in offline prompt set: the 200 movie-review sentences gensim ships (Pang & Lee polarity).
 POLARITY = "polarity"
+#: Field that holds the content of a conversation's trailing assistant turn(s) (its reference answer).
+REFERENCE_ANSWER = "reference_answer"
+_ROLES = ("system", "user", "assistant", "tool")
+_HH_HUMAN, _HH_ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: the conversation the policy answers and the dataset fields that travel with it.
+
+    ``messages`` are ``{"role", "content"}`` dicts ending with a user turn (a system message, if
+    any, first); the policy's chat template renders them. ``fields`` are the row's other columns
+    (plus ``reference_answer`` when the conversation ended with an assistant turn).
+
+    Example:
+        >>> Prompt([{"role": "user", "content": "2 + 2?"}], {"answer": "4"}).text
+        '2 + 2?'
+    """
+
+    messages: list[dict]
+    fields: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        """The last user message (what a person would call "the prompt")."""
+        return self.messages[-1]["content"]
+
+    def with_text(self, text: str) -> Prompt:
+        """The same prompt with the last user message replaced by ``text``."""
+        return replace(self, messages=[*self.messages[:-1], {"role": "user", "content": text}])
+
+
+def to_prompt(item, system_prompt: str | None = None, where: str = "prompt") -> Prompt:
+    """A :class:`Prompt` from a string, a list of messages, or a Prompt.
+
+    A plain string is one user message, except an Anthropic HH transcript
+    (``"\\n\\nHuman: ... \\n\\nAssistant: ..."``), which is split into turns. A conversation keeps
+    every turn up to its last user turn; the content of trailing assistant turns becomes the
+    ``reference_answer`` field. ``system_prompt`` is put first unless the conversation has its own.
+    """
+    if isinstance(item, Prompt):
+        messages, fields = list(item.messages), dict(item.fields)
+    else:
+        messages, reference = _conversation(item, where)
+        fields = {REFERENCE_ANSWER: reference} if reference else {}
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    return Prompt(messages, fields)
+
+
+def _conversation(value, where: str) -> tuple[list[dict], str | None]:
+    """``(messages up to the last user turn, reference answer or None)`` of one prompt value."""
+    if isinstance(value, str):
+        if value.lstrip(" ").startswith(_HH_HUMAN):
+            value = _parse_hh(value)
+        else:
+            return [{"role": "user", "content": value}], None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(
+            f"{where}: the prompt is a {type(value).__name__}, expected text or a list of chat "
+            "messages ({'role': ..., 'content': ...})."
+        )
+    for message in value:
+        if not (isinstance(message, dict) and message.get("role") in _ROLES
+                and isinstance(message.get("content"), str)):
+            raise ValueError(
+                f"{where}: {message!r} is not a chat message: expected {{'role': one of "
+                f"{_ROLES}, 'content': text}}."
+            )
+    users = [i for i, m in enumerate(value) if m["role"] == "user"]
+    if not users:
+        raise ValueError(f"{where}: the conversation has no user turn to answer.")
+    last = users[-1]
+    trailing = [m["content"] for m in value[last + 1 :] if m["role"] == "assistant"]
+    messages = [{"role": m["role"], "content": m["content"]} for m in value[: last + 1]]
+    return messages, "\n".join(trailing) or None
+
+
+def _parse_hh(text: str) -> list[dict]:
+    """Split an Anthropic HH transcript into user/assistant messages (an empty last turn is dropped)."""
+    messages = []
+    rest = text.lstrip(" ")
+    while rest:
+        role = "user" if rest.startswith(_HH_HUMAN) else "assistant"
+        rest = rest[len(_HH_HUMAN if role == "user" else _HH_ASSISTANT):]
+        ends = [i for i in (rest.find(_HH_HUMAN), rest.find(_HH_ASSISTANT)) if i >= 0]
+        end = min(ends) if ends else len(rest)
+        content, rest = rest[:end].strip(), rest[end:]
+        if content or rest:
+            messages.append({"role": role, "content": content})
+    return messages
 
 
 def polarity_sentences() -> list[tuple[str, str]]:
@@ -38,7 +134,8 @@ def load_prompts(
     template: str = "{prompt}",
     limit: int | None = None,
     max_words: int | None = None,
-) -> list[str]:
+    system_prompt: str | None = None,
+) -> list[Prompt]:
     """Load prompts.
 
     Args:
@@ -46,33 +143,42 @@ def load_prompts(
             object per line with a ``column`` field), or a Hugging Face dataset: a hub name or a
             local directory (``datasets.load_dataset(source, split=split)``).
         split: dataset split (HF datasets only).
-        column: the field holding the prompt text.
-        template: a format string applied to each prompt, e.g.
+        column: the field holding the prompt: text, an HH transcript, or a list of chat messages.
+            Every other field of the row travels with the prompt (:attr:`Prompt.fields`).
+        template: a format string applied to the last user message, e.g.
             ``"Continue this review: {prompt}"``.
         limit: keep the first ``limit`` prompts.
-        max_words: keep only the first ``max_words`` words of each prompt (before templating),
-            e.g. to turn review sentences into review openings to continue.
+        max_words: keep only the first ``max_words`` words of the last user message (before
+            templating), e.g. to turn review sentences into review openings to continue.
+        system_prompt: a system message for conversations that have none (``None``: the chat
+            template's default, if any).
     """
     if "{prompt}" not in template:
         raise ValueError(f"data.template must contain '{{prompt}}', got {template!r}.")
     if source == POLARITY:
-        raw = [text for _, text in polarity_sentences()]
+        rows = [({column: text}, f"polarity[{i}]") for i, (_, text) in enumerate(polarity_sentences())]
     elif os.path.isfile(source) or source.endswith((".jsonl", ".json")):
-        raw = _read_jsonl(source, column)
+        rows = _read_jsonl(source, column)
     else:
-        raw = _read_hf_dataset(source, split, column)
-    if max_words is not None:
-        raw = [" ".join(p.split()[:max_words]) for p in raw]
-    prompts = [template.format(prompt=p) for p in raw[:limit]]
+        rows = _read_hf_dataset(source, split, column)
+    prompts = []
+    for row, where in rows[:limit]:
+        prompt = to_prompt(row[column], system_prompt, where)
+        text = prompt.text
+        if max_words is not None:
+            text = " ".join(text.split()[:max_words])
+        columns = {k: v for k, v in row.items() if k != column}
+        prompts.append(Prompt(prompt.with_text(template.format(prompt=text)).messages,
+                              {**prompt.fields, **columns}))
     if not prompts:
         raise ValueError(f"The prompt set {source!r} is empty: point data.source at prompts.")
     return prompts
 
 
-def _read_jsonl(path: str, column: str) -> list[str]:
+def _read_jsonl(path: str, column: str) -> list[tuple[dict, str]]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"Prompt file {path!r} does not exist.")
-    prompts = []
+    rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -86,11 +192,11 @@ def _read_jsonl(path: str, column: str) -> list[str]:
                     f"{path}:{lineno}: expected an object with a {column!r} field "
                     f"(set data.column to the field holding the prompt)."
                 )
-            prompts.append(_as_text(row[column], f"{path}:{lineno}"))
-    return prompts
+            rows.append((row, f"{path}:{lineno}"))
+    return rows
 
 
-def _read_hf_dataset(name: str, split: str, column: str) -> list[str]:
+def _read_hf_dataset(name: str, split: str, column: str) -> list[tuple[dict, str]]:
     try:
         import datasets
     except ImportError as e:
@@ -104,71 +210,70 @@ def _read_hf_dataset(name: str, split: str, column: str) -> list[str]:
             f"Dataset {name!r} has no column {column!r}; its columns are {ds.column_names}. "
             "Set data.column."
         )
-    return [_as_text(x, f"{name}[{i}]") for i, x in enumerate(ds[column])]
+    return [(row, f"{name}[{i}]") for i, row in enumerate(ds)]
 
 
-def _as_text(value, where: str) -> str:
-    # chat-format rows ([{"role": "user", "content": ...}, ...]): take the last user message
-    if isinstance(value, list) and value and isinstance(value[-1], dict):
-        value = value[-1].get("content")
-    if not isinstance(value, str):
-        raise ValueError(f"{where}: the prompt is a {type(value).__name__}, expected text.")
-    return value
+def render_prompt(tokenizer, prompt: Prompt | str) -> str:
+    """The prompt as the policy reads it: its chat template applied, generation prompt on."""
+    return tokenizer.apply_chat_template(to_prompt(prompt).messages, add_generation_prompt=True,
+                                         tokenize=False)
 
 
-def templated_length(tokenizer, prompt: str, system_prompt: str | None = None) -> int:
+def prompt_token_ids(tokenizer, prompt: Prompt | str) -> list[int]:
+    """Token ids of the rendered prompt. The template writes every special token it wants (a BOS
+    included), so nothing is added on top: the ids the generation env feeds the policy."""
+    return tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+
+
+def templated_length(tokenizer, prompt: Prompt | str, system_prompt: str | None = None) -> int:
     """Number of tokens of ``prompt`` once the chat template is applied (generation prompt on)."""
-    messages = [{"role": "user", "content": prompt}]
-    if system_prompt:
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return len(ids)
+    return len(prompt_token_ids(tokenizer, to_prompt(prompt, system_prompt)))
 
 
 def check_prompts(
-    prompts: list[str],
+    prompts: Sequence[Prompt | str],
     tokenizer,
     *,
     max_prompt_length: int,
     truncate: bool = False,
     system_prompt: str | None = None,
-) -> tuple[list[str], int]:
+) -> tuple[list[Prompt], int]:
     """Check every prompt fits ``max_prompt_length`` tokens (template included).
 
-    With ``truncate``, over-long prompts lose tokens from the left (the end of a prompt is what
-    the response follows); returns the prompts and how many were truncated. Otherwise raises,
-    naming the first offending prompt.
+    With ``truncate``, an over-long prompt loses tokens from the left of its last user message
+    (the end of a prompt is what the response follows); returns the prompts and how many were
+    truncated. Otherwise raises, naming the first offending prompt.
     """
     if not prompts:
         raise ValueError("The prompt set is empty: point data.source at prompts.")
     out, n_truncated = [], 0
-    for i, prompt in enumerate(prompts):
-        length = templated_length(tokenizer, prompt, system_prompt)
+    for i, item in enumerate(prompts):
+        prompt = to_prompt(item, system_prompt)
+        length = templated_length(tokenizer, prompt)
         if length <= max_prompt_length:
             out.append(prompt)
             continue
         if not truncate:
             raise ValueError(
                 f"Prompt {i} is {length} tokens with the chat template, over "
-                f"data.max_prompt_length={max_prompt_length}: {prompt[:80]!r}... Raise "
+                f"data.max_prompt_length={max_prompt_length}: {prompt.text[:80]!r}... Raise "
                 "data.max_prompt_length, or set data.truncate_prompts=true to cut prompts from "
                 "the left."
             )
-        overhead = length - len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        ids = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        overhead = length - len(ids)
         keep = max_prompt_length - overhead
         if keep <= 0:
             raise ValueError(
-                f"The chat template alone is {overhead} tokens, over "
-                f"data.max_prompt_length={max_prompt_length}: raise it."
+                f"Prompt {i}: the chat template and the earlier turns alone are {overhead} tokens, "
+                f"over data.max_prompt_length={max_prompt_length}: raise it."
             )
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-keep:]
-        prompt = tokenizer.decode(ids)
+        ids = ids[-keep:]
+        prompt = prompt.with_text(tokenizer.decode(ids))
         # re-tokenising decoded text can differ by a token or two: trim until it fits
-        while templated_length(tokenizer, prompt, system_prompt) > max_prompt_length and ids:
+        while templated_length(tokenizer, prompt) > max_prompt_length and ids:
             ids = ids[1:]
-            prompt = tokenizer.decode(ids)
+            prompt = prompt.with_text(tokenizer.decode(ids))
         out.append(prompt)
         n_truncated += 1
     return out, n_truncated

@@ -19,9 +19,15 @@ RESPONSE_MASK = ("masks", "response")
 # (B,) bool, True where the response emitted the stop token.
 HAS_STOP = ("masks", "has_stop_token")
 
-# Decoded text, one string per row (non-tensor data).
+# Decoded text, one string per row (non-tensor data). The prompt as the policy read it (chat
+# template applied); the response without special tokens.
 PROMPT_TEXT = ("text", "prompt")
 RESPONSE_TEXT = ("text", "response")
+# The conversation each prompt renders: a list of {"role", "content"} dicts per row (non-tensor),
+# ending with the user turn the response answers.
+PROMPT_MESSAGES = ("messages", "prompt")
+# Dataset fields that travel with each prompt: ("data", <column>), one value per row (non-tensor).
+DATA = "data"
 
 # (B, R) float32: log-probs of the sampled tokens under the policy that sampled them (old policy).
 LOG_PROB = ("log_probs", "response")
@@ -31,10 +37,6 @@ REF_LOG_PROB = ("ref_log_probs", "response")
 KL = ("kl", "response")
 # (B, R) float32: exact entropy of the sampling distribution at each response token.
 ENTROPY = ("entropy", "response")
-
-# (B, R, H): last hidden states of the response positions, left by a shared-trunk actor for the
-# critic in the same loss call (one forward instead of two). Transient: never stored in a rollout.
-HIDDEN = ("hidden", "response")
 
 # (B,) float32: combined sequence-level score (reward model and/or reward functions, EOS penalty).
 SCORE = "score"

@@ -7,11 +7,13 @@
 - :class:`KLRewardShaper`: ``r[t] = -kl_coef * KL[t]`` on response tokens plus the score at the
   last one; constant or adaptive ``kl_coef``.
 
-Reward function contract: ``fn(prompts: list[str], responses: list[str]) -> list[float]`` (or a
-1-D tensor/array), one finite float per response. ``prompts`` are the prompts as the policy saw them
-(chat template applied), ``responses`` the decoded responses without special tokens. A function
-whose signature has a parameter named ``tensordict`` also receives the rollout TensorDict (keys in
-:mod:`rlhf_torchrl.keys`) as that keyword argument.
+Reward function contract: ``fn(prompts: list[str], responses: list[str], ...) -> list[float]``
+(or a 1-D tensor/array), one finite float per response. ``prompts`` are the prompts as the policy
+saw them (chat template applied), ``responses`` the decoded responses without special tokens. More
+parameters are filled by name: ``tensordict`` receives the rollout TensorDict (keys in
+:mod:`rlhf_torchrl.keys`); any other name receives that dataset column, one value per response
+(``fn(prompts, responses, answer)`` gets each row's ``answer``); ``**kwargs`` receives every
+column. A reward never receives ``None`` in place of a rollout.
 """
 
 from __future__ import annotations
@@ -55,9 +57,15 @@ def load_reward_function(path: str) -> RewardFn:
 
 
 class RewardModel:
-    """Scores ``prompt + response`` with a sequence classifier (one logit = the score).
+    """Scores each (conversation, response) with a sequence classifier (one logit = the score).
 
-    Text is re-encoded with the reward model's own tokenizer (right-padded), so the reward model
+    What the reward model reads (:meth:`render`): with a chat template of its own, the prompt
+    conversation plus the response as the assistant turn, rendered by that template (so it ends
+    with the template's end-of-turn token, as in the chat data the model was trained on);
+    without one, the prompt as the policy saw it, the response, and the reward model's EOS token
+    where the response stopped. Templated text is tokenised without adding special tokens (the
+    template wrote them), raw text with them (a BERT-like model needs its ``[CLS]``). The text is
+    encoded with the reward model's own tokenizer (right-padded, truncated from the left), so it
     may use another vocabulary than the policy; HF decoder classifiers read the score at the last
     non-pad token, encoders at their pooled token. Runs without grad in chunks of ``batch_size``.
     """
@@ -75,6 +83,8 @@ class RewardModel:
                 "EOS/UNK token to use as one: its vocabulary cannot be reconciled with batched "
                 "scoring. Set `tokenizer.pad_token` before building the reward model."
             )
+        # the score is read at the end: if a text must be cut, keep its end
+        tokenizer.truncation_side = "left"
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, **kwargs) -> RewardModel:
@@ -83,27 +93,100 @@ class RewardModel:
         model, tokenizer = load_sequence_classifier(name_or_path)
         return cls(model, tokenizer, **kwargs)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def render(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        messages: Sequence[list[dict]] | None = None,
+        has_stop: Sequence[bool] | None = None,
+    ) -> list[str]:
+        """The exact text the reward model scores, one per response (see the class docstring).
+
+        ``prompts`` are the policy-rendered prompts, ``messages`` the conversations they render
+        (needed with a chat template), ``has_stop`` whether each response ended with its stop token.
+        """
+        if self.has_chat_template:
+            if messages is None:
+                raise ValueError(
+                    "This reward model has a chat template: it needs the prompt conversations "
+                    "(('messages', 'prompt') in the rollout) to render what it reads."
+                )
+            return [
+                self.tokenizer.apply_chat_template(
+                    [*conversation, {"role": "assistant", "content": response}], tokenize=False)
+                for conversation, response in zip(messages, responses)
+            ]
+        eos = self.tokenizer.eos_token or ""
+        stopped = has_stop if has_stop is not None else [False] * len(responses)
+        return [p + r + (eos if s else "") for p, r, s in zip(prompts, responses, stopped)]
+
     @torch.no_grad()
-    def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        texts = [p + r for p, r in zip(prompts, responses)]
+    def __call__(self, prompts: list[str], responses: list[str], tensordict: TensorDictBase) -> torch.Tensor:
+        keys = tensordict.keys(True)
+        texts = self.render(
+            prompts, responses,
+            messages=tensordict.get(K.PROMPT_MESSAGES).tolist() if K.PROMPT_MESSAGES in keys else None,
+            has_stop=tensordict.get(K.HAS_STOP).tolist() if K.HAS_STOP in keys else None,
+        )
         scores = []
         for i in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(
-                texts[i : i + self.batch_size],
-                return_tensors="pt",
-                padding=True,
-                truncation=self.max_length is not None,
-                max_length=self.max_length,
-            )
-            logits = self.model(**enc).logits
+            logits = self.model(**self.encode(texts[i : i + self.batch_size])).logits
             scores.append(logits[:, 0].float())
         return torch.cat(scores)
 
+    def encode(self, texts: list[str]):
+        """Token ids of rendered texts: no special tokens added to templated text (the template
+        wrote them), the tokenizer's own around raw text."""
+        return self.tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            truncation=self.max_length is not None,
+            max_length=self.max_length,
+            add_special_tokens=not self.has_chat_template,
+        )
 
-def _call_reward(name: str, fn: RewardFn, prompts, responses, td) -> torch.Tensor:
+
+def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase) -> dict:
+    """The keyword arguments ``fn`` asks for by name, read from the rollout ``td``.
+
+    ``tensordict`` gets the rollout, a dataset column's name gets that column (one value per row),
+    ``**kwargs`` gets every column; a required parameter that is none of these is an error naming
+    the columns there are.
+    """
+    params = _parameters(fn)
+    if params is None:  # no signature to read (some builtins): the two lists only
+        return {}
+    columns = {}
+    if K.DATA in td.keys():
+        columns = {column: td.get((K.DATA, column)).tolist() for column in td.get(K.DATA).keys()}
     kwargs = {}
-    if "tensordict" in _parameters(fn):
-        kwargs["tensordict"] = td
+    for param in list(params.values())[2:]:
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            kwargs.update({k: v for k, v in columns.items() if k not in kwargs})
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        elif param.name == "tensordict":
+            kwargs["tensordict"] = td
+        elif param.name in columns:
+            kwargs[param.name] = columns[param.name]
+        elif param.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"Reward {name!r} asks for {param.name!r}, which is not a dataset column: the "
+                f"prompts carry {sorted(columns) or 'no columns'}. A reward function takes "
+                "(prompts, responses), then by name 'tensordict' (the rollout) and dataset columns."
+            )
+    return kwargs
+
+
+def _call_reward(name: str, fn: RewardFn, td: TensorDictBase) -> torch.Tensor:
+    prompts = td.get(K.PROMPT_TEXT).tolist()
+    responses = td.get(K.RESPONSE_TEXT).tolist()
+    kwargs = reward_arguments(name, fn, td)
     try:
         out = fn(prompts, responses, **kwargs)
     except Exception as e:
@@ -129,11 +212,11 @@ def _call_reward(name: str, fn: RewardFn, prompts, responses, td) -> torch.Tenso
     return out
 
 
-def _parameters(fn) -> set[str]:
+def _parameters(fn) -> dict[str, inspect.Parameter] | None:
     try:
-        return set(inspect.signature(fn).parameters)
+        return dict(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        return set()
+        return None
 
 
 class Scorer(TensorDictModuleBase):
@@ -165,23 +248,20 @@ class Scorer(TensorDictModuleBase):
         self.in_keys = [K.PROMPT_TEXT, K.RESPONSE_TEXT, K.HAS_STOP]
         self.out_keys = [K.RAW_SCORE, K.SCORE] + [("scores", n) for n in self.rewards]
 
-    def check(self, prompts: Sequence[str]) -> None:
-        """Call every reward once on a two-row probe, so a broken one fails before any work.
+    def check(self, probe: TensorDictBase) -> None:
+        """Call every reward once on a small rollout, so a broken one fails before any work.
 
-        Raises the same clear errors as scoring (naming the reward). Functions that take a
-        ``tensordict`` get ``None`` here.
+        ``probe`` has the layout of a real rollout (e.g.
+        :func:`~rlhf_torchrl.collectors.probe_rollout`: real prompts and their dataset fields,
+        made-up responses). Raises the same clear errors as scoring, naming the reward.
         """
-        probe_prompts = list(prompts[:2])
-        probe_responses = ["", "I really liked it."][: len(probe_prompts)]
         for name, (fn, _) in self.rewards.items():
-            _call_reward(name, fn, probe_prompts, probe_responses, None)
+            _call_reward(name, fn, probe)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        prompts = td.get(K.PROMPT_TEXT).tolist()
-        responses = td.get(K.RESPONSE_TEXT).tolist()
-        total = torch.zeros(len(responses))
+        total = torch.zeros(td.shape[0])
         for name, (fn, weight) in self.rewards.items():
-            value = _call_reward(name, fn, prompts, responses, td)
+            value = _call_reward(name, fn, td)
             td.set(("scores", name), value)
             total = total + weight * value
         td.set(K.RAW_SCORE, total)

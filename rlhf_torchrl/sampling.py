@@ -9,13 +9,32 @@ everywhere but the chosen token, so greedy decoding (``do_sample=False``) emits 
 Because it sees the temperature-scaled logits of every step, it also records the sampled tokens'
 log-probs (and, optionally, the exact entropies): PPO's "old" log-probs come out of generation
 without another forward pass of the policy.
+
+On-policy sampling needs more than a correct sampler: ``generate`` fills every setting it is not
+given from the checkpoint's ``generation_config`` (instruct checkpoints ship repetition penalties,
+suppressed tokens, minimum lengths), and those logits processors run before the sampler.
+:func:`sampling_generation_config` builds the config generation runs under from the recipe's
+settings alone, :func:`ignored_generation_settings` names what it leaves out, and
+:func:`check_on_policy` compares recorded log-probs with the training forward's.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
 
+from . import keys as K
+
+log = logging.getLogger(__name__)
+
 _BLOCK = 256
+# generation_config entries that do not change which token is drawn
+_NEUTRAL_FIELDS = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
+                   "transformers_version", "_from_model_config", "use_cache", "cache_implementation",
+                   "return_dict_in_generate", "output_scores", "output_logits", "output_attentions",
+                   "output_hidden_states"}
 
 
 def sample_inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -124,3 +143,99 @@ class InverseCDFSampler:
         entropies = torch.stack(self._entropies, 1) if self._entropies else None
         self._log_probs, self._entropies = [], []
         return log_probs, entropies
+
+
+def ignored_generation_settings(generation_config) -> dict:
+    """The entries of a checkpoint's ``generation_config`` that would change sampling.
+
+    Everything that differs from transformers' defaults, except token ids and output switches:
+    ``do_sample``, ``temperature``, ``top_k``/``top_p``, ``repetition_penalty``,
+    ``no_repeat_ngram_size``, ``min_new_tokens``, ``suppress_tokens``, ``bad_words_ids``, ...
+    """
+    if generation_config is None:
+        return {}
+    return {k: v for k, v in generation_config.to_diff_dict().items() if k not in _NEUTRAL_FIELDS}
+
+
+def sampling_generation_config(
+    model, *, max_new_tokens: int, pad_token_id: int, eos_token_id: Sequence[int]
+):
+    """The ``GenerationConfig`` a response is generated under: the recipe's settings and nothing else.
+
+    ``generate`` fills every unset entry from ``model.generation_config``, so this config is meant
+    to *replace* it while generating (see :class:`~rlhf_torchrl.collectors.RolloutCollector`):
+    greedy decoding over :class:`InverseCDFSampler`'s one-hot scores, no logits processor from
+    the checkpoint. Only the model's BOS id is kept (it matters for empty inputs only).
+    """
+    from transformers import GenerationConfig
+
+    own = getattr(model, "generation_config", None)
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,  # greedy over the sampler's one-hot scores = the sampler's draw
+        num_beams=1,
+        pad_token_id=pad_token_id,
+        eos_token_id=list(eos_token_id),
+        bos_token_id=getattr(own, "bos_token_id", None),
+    )
+
+
+def warn_ignored_generation_settings(model, temperature: float) -> dict:
+    """Log (once per call) which of the checkpoint's generation settings sampling leaves out."""
+    ignored = ignored_generation_settings(getattr(model, "generation_config", None))
+    if ignored:
+        settings = ", ".join(f"{k}={v!r}" for k, v in sorted(ignored.items()))
+        log.warning(
+            "Ignoring the checkpoint's generation_config for sampling: %s. PPO needs responses drawn "
+            "from the distribution its loss computes, so they are sampled from the policy's full "
+            "distribution at temperature %s (generation.temperature/top_k/top_p are the only "
+            "sampling settings).", settings, temperature,
+        )
+    return ignored
+
+
+class OffPolicyError(RuntimeError):
+    """Recorded log-probs disagree with the training forward: tokens were not drawn on-policy."""
+
+
+@torch.no_grad()
+def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3) -> dict[str, float]:
+    """Recompute a few rows' sampled-token log-probs with ``actor`` and compare with the recorded ones.
+
+    The ratio ``exp(new - old)`` of PPO's first minibatch is 1 only when the recorded ``old``
+    log-probs are those of the distribution the loss computes. Raises :class:`OffPolicyError` when
+    ``max |recorded - recomputed|`` over the valid tokens of the first ``num_rows`` rows exceeds
+    ``atol`` (nats); returns ``{"max_abs_diff", "mean_abs_diff", "tokens"}`` otherwise.
+
+    Shapes: reads (B, P) prompt and (B, R) response tokens/masks and (B, R) ``("log_probs",
+    "response")``; ``actor`` is a :class:`~rlhf_torchrl.modules.TokenLevelActor`.
+    """
+    if K.LOG_PROB not in rollout.keys(True):
+        raise KeyError(
+            "check_on_policy needs the log-probs recorded while sampling (('log_probs', "
+            "'response')): build the generation policy with record_log_probs=True."
+        )
+    rows = rollout[:num_rows].select(*actor.in_keys, K.LOG_PROB).clone()
+    recorded = rows.get(K.LOG_PROB)
+    recomputed = actor.get_dist(rows).log_prob(rows.get(K.RESPONSE_TOKENS))
+    mask = rows.get(K.RESPONSE_MASK)
+    diff = (recorded.double() - recomputed.double()).abs()[mask]
+    stats = {"max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
+             "mean_abs_diff": float(diff.mean()) if diff.numel() else 0.0,
+             "tokens": int(diff.numel())}
+    if not stats["max_abs_diff"] <= atol:  # NaN fails too
+        worst = (recorded - recomputed).abs().masked_fill(~mask, -1).flatten().argmax()
+        row, t = divmod(int(worst), mask.shape[1])
+        raise OffPolicyError(
+            f"Off-policy sampling: the log-probs recorded while sampling differ from the training "
+            f"forward's by up to {stats['max_abs_diff']:.3g} nats (mean {stats['mean_abs_diff']:.3g}"
+            f" over {stats['tokens']} tokens of {recorded.shape[0]} responses; worst: row {row}, "
+            f"token {t}: {float(recorded[row, t]):.4f} recorded vs {float(recomputed[row, t]):.4f}),"
+            f" over the tolerance {atol:g}. PPO's ratio would be wrong from the first step. Usual "
+            "causes: a logits processor in the sampling path (e.g. the checkpoint's repetition "
+            "penalty), a sampling temperature other than the loss's, or a generation backend "
+            "whose numerics differ (bf16, another engine). Fix the cause, or raise "
+            "generation.on_policy_tolerance (or set generation.check_on_policy=false) if the "
+            "difference is expected."
+        )
+    return stats

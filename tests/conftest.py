@@ -61,3 +61,47 @@ def tiny_gpt2_dir(tmp_path_factory, tokenizer) -> str:
         pad_token_id=tokenizer.pad_token_id,
     )
     return _save_tiny(tmp_path_factory.mktemp("tiny_gpt2"), GPT2LMHeadModel(config), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def bos_llama_dir(tmp_path_factory) -> str:
+    """A tiny Llama whose tokenizer adds BOS when encoding and whose chat template writes BOS too
+    (as Llama 3 and Gemma do): rendered prompts must be tokenised without adding specials."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from rlhf_torchrl.modules.models import smollm2_path
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    tok.add_special_tokens({"bos_token": "<|begin_of_text|>", "pad_token": "<|pad|>"})
+    tok.add_bos_token = True
+    tok.update_post_processor()
+    assert tok("hi")["input_ids"][0] == tok.bos_token_id
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content']"
+        " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    return _save_tiny(tmp_path_factory.mktemp("bos_llama"), LlamaForCausalLM(config), tok)
+
+
+@pytest.fixture(scope="session")
+def instruct_llama_dir(tmp_path_factory, tiny_llama_dir) -> str:
+    """The tiny Llama with an instruct checkpoint's generation_config: logits processors that must
+    never reach PPO's sampling (a repetition penalty, suppressed tokens, a minimum length) and
+    sampling settings of its own."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    path = tmp_path_factory.mktemp("instruct_llama")
+    shutil.copytree(tiny_llama_dir, path, dirs_exist_ok=True)
+    config = GenerationConfig.from_pretrained(tiny_llama_dir)
+    config.update(repetition_penalty=1.3, suppress_tokens=list(range(20_000)), min_new_tokens=4,
+                  no_repeat_ngram_size=2, do_sample=True, temperature=0.9, top_k=20, top_p=0.8)
+    config.save_pretrained(path)
+    return str(path)

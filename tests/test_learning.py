@@ -33,7 +33,7 @@ def test_ppo_raises_synthetic_reward(tiny_llama_dir, tokenizer):
                                  stop_token_ids=stop)
     collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=32, stop_token_ids=stop)
     scorer = Scorer({"multiple_of_ten": (multiple_of_ten, 1.0)})
-    actor = TokenLevelActor(policy, temperature=1.0, write_hidden=True)
+    actor = TokenLevelActor(policy, temperature=1.0, trunk_critic=critic)
     ref = TokenLevelActor(reference, temperature=1.0, out_key=K.REF_LOG_PROB)
     shaper = KLRewardShaper(make_kl_controller(0.0))
     gae = ResponseGAE(gamma=1.0, lmbda=0.95)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from rlhf_torchrl import functional as F
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.modules import (
     TokenCritic,
@@ -118,19 +119,107 @@ def test_dropout_is_disabled(tiny_gpt2_dir, tokenizer):
 
 
 @pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_gpt2_dir"])
-def test_shared_trunk_reuses_actor_hidden_states(model_dir, tokenizer, request):
-    """One forward serves actor and shared critic; values equal the critic's own forward."""
+def test_shared_trunk_hands_over_hidden_states(model_dir, tokenizer, request):
+    """One forward serves actor and shared critic; values equal the critic's own forward; nothing
+    is written into the caller's TensorDict."""
     policy = load_causal_lm(request.getfixturevalue(model_dir), tokenizer).eval()
     critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared")
-    actor = TokenLevelActor(policy, temperature=0.7, write_hidden=True)
+    actor = TokenLevelActor(policy, temperature=0.7, trunk_critic=critic)
     td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    calls = []
+    hook = policy.base_model.register_forward_hook(lambda *_: calls.append(1))
     with torch.no_grad():
         own = critic(td.clone())[K.VALUE]
+        assert len(calls) == 1
         shared = td.clone()
+        keys = set(shared.keys(True))
         actor.get_dist(shared)
-        assert K.HIDDEN in shared.keys(True)
+        assert set(shared.keys(True)) == keys  # no hidden state left in the caller's TensorDict
         reused = critic(shared)[K.VALUE]
+    hook.remove()
+    assert len(calls) == 2  # the actor's forward only: the critic took its hidden states
     torch.testing.assert_close(reused, own, atol=1e-6, rtol=1e-5)
+
+
+def test_shared_critic_never_uses_stale_hidden_states(tiny_llama_dir, tokenizer):
+    """Hidden states are used only for the very inputs they came from, in the same grad mode, once."""
+    policy = load_causal_lm(tiny_llama_dir, tokenizer).eval()
+    critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared")
+    actor = TokenLevelActor(policy, trunk_critic=critic)
+    a, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    b = a.clone()
+    b.set(K.RESPONSE_TOKENS, (a[K.RESPONSE_TOKENS] + 7) * a[K.RESPONSE_MASK])  # same shapes
+    with torch.no_grad():
+        expected_b = critic(b.clone())[K.VALUE]
+        actor.get_dist(a)
+        torch.testing.assert_close(critic(b)[K.VALUE], expected_b)  # other inputs: own forward
+        actor.get_dist(a)
+        critic(a)
+        torch.testing.assert_close(critic(b)[K.VALUE], expected_b)  # taken once, then gone
+    with torch.no_grad():
+        actor.get_dist(a)
+    values = critic(a)[K.VALUE]  # grad on now, hidden states were computed without
+    assert values.requires_grad
+    with pytest.raises(ValueError, match="own trunk"):
+        TokenLevelActor(load_causal_lm(tiny_llama_dir, tokenizer), trunk_critic=critic)
+
+
+def test_value_gradient_reaches_the_shared_trunk(tiny_llama_dir, tokenizer):
+    """The value loss trains the shared trunk, with the same gradient whether the critic takes the
+    actor's hidden states or runs the trunk itself, and whichever the loss calls first."""
+    from rlhf_torchrl.objectives import make_ppo_loss
+
+    td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    g = torch.Generator().manual_seed(0)
+    mask = td[K.RESPONSE_MASK]
+    td.update({K.LOG_PROB: torch.zeros(3, 4), K.ADVANTAGE: torch.randn(3, 4, 1, generator=g),
+               K.VALUE: torch.zeros(3, 4, 1), K.VALUE_TARGET: torch.randn(3, 4, 1, generator=g)
+               * mask.unsqueeze(-1)})
+
+    def trunk_grads(handoff: bool, critic_first: bool = False):
+        torch.manual_seed(0)
+        policy = load_causal_lm(tiny_llama_dir, tokenizer)
+        critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared")
+        actor = TokenLevelActor(policy, temperature=0.7, trunk_critic=critic if handoff else None)
+        loss = make_ppo_loss(actor, critic, vf_coef=1.0)
+        if critic_first:  # nothing handed over yet: the critic runs the trunk itself
+            per_token = loss.loss_critic(td.clone(False))[0]
+            loss.actor_network.get_dist(td.clone(False))
+            value_loss = F.masked_mean(per_token.squeeze(-1), mask)
+        else:
+            value_loss = loss(td)["loss_critic"]
+        value_loss.backward()  # the value loss alone
+        return [p.grad for p in policy.base_model.layers[0].parameters()]
+
+    handed = trunk_grads(handoff=True)
+    assert all(g is not None and g.abs().sum() > 0 for g in handed)
+    for own in (trunk_grads(handoff=False), trunk_grads(handoff=True, critic_first=True)):
+        for a, b in zip(handed, own):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+
+def test_values_are_read_at_the_state_before_each_response_token(tokenizer):
+    """V(s_t) for response token t is the hidden state at the position predicting t: one before it.
+
+    The backbone's "hidden state" is the position id, so V[i, t] must equal the number of real
+    tokens before response token t, minus one (position ids count from the first real token)."""
+
+    class PositionBackbone(torch.nn.Module):
+        config = type("Config", (), {"hidden_size": 1})()
+
+        def forward(self, input_ids, attention_mask, position_ids, **_):
+            return type("Out", (), {"last_hidden_state": position_ids.unsqueeze(-1).float()})()
+
+    head = torch.nn.Linear(1, 1)
+    with torch.no_grad():
+        head.weight.fill_(1.0)
+        head.bias.zero_()
+    critic = TokenCritic(PositionBackbone(), head)
+    td, prompts, responses = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    values = critic(td)[K.VALUE].squeeze(-1)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        assert values[i, : len(r)].tolist() == [len(p) - 1 + t for t in range(len(r))]
+        assert (values[i, len(r):] == 0).all()
 
 
 def test_critic_rejects_other_vocabulary(tmp_path, tokenizer):
@@ -159,7 +248,7 @@ def test_critic_from_reward_model_reuses_its_head(tmp_path, tiny_llama_dir, toke
     critic = make_critic(policy=None, tokenizer=tokenizer, init="reward_model",
                          name_or_path=str(tmp_path))
     assert torch.all(critic.head.weight == 0.125) and torch.all(critic.head.bias == 0)
-    assert not critic.read_hidden
+    assert not critic.shares_trunk
     fresh = make_critic(policy=None, tokenizer=tokenizer, init="policy", name_or_path=str(tmp_path))
     hidden = fresh.head.weight.shape[1]
     assert abs(fresh.head.weight.std().item() - (hidden + 1) ** -0.5) < 0.5 * (hidden + 1) ** -0.5

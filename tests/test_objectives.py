@@ -6,6 +6,7 @@ from tensordict import TensorDict
 
 from rlhf_torchrl import functional as F
 from rlhf_torchrl import keys as K
+from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
 from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
 from rlhf_torchrl.objectives import ResponseGAE, make_ppo_loss, ppo_update
 from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
@@ -30,13 +31,14 @@ def _rollout(tokenizer, B=8, P=5, R=6, seed=0):
     }, batch_size=[B])
 
 
-def _setup(tiny_llama_dir, tokenizer, critic_init="policy", vf_coef=0.1, clip_value=0.2):
+def _setup(model_dir, tokenizer, critic_init="policy", vf_coef=0.1, clip_value=0.2, dtype="float32"):
     torch.manual_seed(0)
-    policy = load_causal_lm(tiny_llama_dir, tokenizer)
-    reference = load_causal_lm(tiny_llama_dir, tokenizer).requires_grad_(False)
+    policy = load_causal_lm(model_dir, tokenizer, dtype=dtype)
+    reference = load_causal_lm(model_dir, tokenizer, dtype=dtype).requires_grad_(False)
     critic = make_critic(policy=policy, tokenizer=tokenizer, init=critic_init,
-                         name_or_path=tiny_llama_dir)
-    actor = TokenLevelActor(policy, temperature=0.7, write_hidden=critic.read_hidden)
+                         name_or_path=model_dir, dtype=dtype)
+    actor = TokenLevelActor(policy, temperature=0.7,
+                            trunk_critic=critic if critic.shares_trunk else None)
     ref = TokenLevelActor(reference, temperature=0.7, out_key=K.REF_LOG_PROB)
     loss = make_ppo_loss(actor, critic, clip_epsilon=0.2, clip_value=clip_value, vf_coef=vf_coef)
     return policy, actor, ref, critic, loss
@@ -65,18 +67,30 @@ def test_response_gae_module_matches_functional():
 
 
 @pytest.mark.parametrize("critic_init", ["policy", "shared"])
-def test_first_minibatch_ratio_is_one(critic_init, tiny_llama_dir, tokenizer):
-    """Before any step, the new policy is the old one: ratio 1, nothing clipped, approx KL 0."""
-    _, loss, _, td = _prepared(tiny_llama_dir, tokenizer, critic_init=critic_init)
-    out = loss(td[:4])
-    assert out["clip_fraction"].item() == 0.0
-    assert abs(out["kl_approx"].item()) < 1e-6
-    assert abs(out["mean_ratio"].item() - 1.0) < 1e-6
-    assert abs(out["max_ratio"].item() - 1.0) < 1e-5
+def test_first_minibatch_is_on_policy(critic_init, instruct_llama_dir, tokenizer):
+    """Sampled with recorded log-probs (the default path), from a checkpoint whose generation_config
+    carries logits processors: the first minibatch has ratio 1, nothing clipped, approx KL 0."""
+    policy, actor, ref, critic, loss = _setup(instruct_llama_dir, tokenizer, critic_init=critic_init)
+    env = make_generation_env([f"Prompt {i}" for i in range(8)], tokenizer, batch_size=8, seed=0)
+    gen = make_generation_policy(policy, tokenizer, max_new_tokens=6, temperature=0.7,
+                                 record_log_probs=True)
+    collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=8)
+    td = next(iter(collector))
+    collector.shutdown()
+    td.set(K.SCORE, torch.randn(8))
+    evaluate_rollout(td, actor=actor, reference=ref, critic=critic, chunk_size=4)
+    KLRewardShaper(make_kl_controller(0.05))(td)
+    ResponseGAE()(td)
+    opt = torch.optim.SGD(loss.parameters(), lr=0.0)
+    stats = ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=1)
+    assert stats["val/ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert stats["policy/clipfrac_avg"] == 0.0
+    assert stats["policy/approxkl_avg"] < 1e-8
 
 
 def test_clip_ppo_loss_matches_hand_formula(tiny_llama_dir, tokenizer):
-    """Token-mean clipped surrogate and 0.5 * vf_coef * clipped value loss over valid tokens."""
+    """Token-mean clipped surrogate and 0.5 * vf_coef * clipped value loss over valid tokens, and
+    TRL's diagnostics (where TorchRL's own differ)."""
     policy, loss, critic, td = _prepared(tiny_llama_dir, tokenizer, vf_coef=0.3, clip_value=0.1)
     # perturb the stored old quantities so that clipping is active
     g = torch.Generator().manual_seed(1)
@@ -89,23 +103,51 @@ def test_clip_ppo_loss_matches_hand_formula(tiny_llama_dir, tokenizer):
         new_lp = actor.get_dist(td.clone()).log_prob(td[K.RESPONSE_TOKENS])
         ratio = torch.exp(new_lp - td[K.LOG_PROB])
         adv = td[K.ADVANTAGE].squeeze(-1)
-        pg = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
-        expected_pg = F.masked_mean(pg, mask)
+        pg1, pg2 = -adv * ratio, -adv * ratio.clamp(0.8, 1.2)
+        expected_pg = F.masked_mean(torch.max(pg1, pg2), mask)
         v = critic(td.clone())[K.VALUE].squeeze(-1)
         v_old, ret = td[K.VALUE].squeeze(-1), td[K.VALUE_TARGET].squeeze(-1)
         v_clip = v_old + (v - v_old).clamp(-0.1, 0.1)
-        vf = 0.5 * torch.max((v - ret) ** 2, (v_clip - ret) ** 2)
-        expected_vf = 0.3 * F.masked_mean(vf, mask)
-        clipped = ((ratio < 0.8) | (ratio > 1.2)).float()
+        vf1, vf2 = (v - ret) ** 2, (v_clip - ret) ** 2
+        expected_vf = 0.3 * F.masked_mean(0.5 * torch.max(vf1, vf2), mask)
+        # TRL PPOTrainer / open-instruct definitions, over valid tokens
+        log_ratio = new_lp - td[K.LOG_PROB]
+        approxkl = F.masked_mean(0.5 * log_ratio**2, mask)
+        pg_clipfrac = F.masked_mean((pg2 > pg1).float(), mask)
+        vf_clipfrac = F.masked_mean((vf2 > vf1).float(), mask)
+        outside = F.masked_mean(((ratio < 0.8) | (ratio > 1.2)).float(), mask)
     torch.testing.assert_close(out["loss_objective"], expected_pg, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out["loss_critic"], expected_vf, atol=1e-5, rtol=1e-4)
-    frac = mask.float().mean()
-    torch.testing.assert_close(out["clip_fraction"] / frac, F.masked_mean(clipped, mask),
-                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out["approxkl"], approxkl, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out["pg_clipfrac"], pg_clipfrac)
+    torch.testing.assert_close(out["vf_clipfrac"], vf_clipfrac)
+    torch.testing.assert_close(out["ratio"], F.masked_mean(ratio, mask), atol=1e-6, rtol=1e-5)
+    # the cases this test exists for: TorchRL's approx KL (mean(old - new)) can be negative, its
+    # clip fraction counts every ratio outside the range; TRL's counts where the clip binds
+    assert out["approxkl"] > 0 and out["pg_clipfrac"] < outside
+
+
+def test_update_metrics_are_trl_quantities(tiny_llama_dir, tokenizer):
+    """ppo_update's metrics are the per-micro-batch TRL diagnostics, averaged over micro-batches."""
+    _, loss, _, td = _prepared(tiny_llama_dir, tokenizer)
+    g = torch.Generator().manual_seed(2)
+    td.set(K.LOG_PROB, (td[K.LOG_PROB] + 0.3 * torch.randn(td[K.LOG_PROB].shape, generator=g))
+           * td[K.RESPONSE_MASK])
+    expected = loss(td)  # one minibatch, one micro-batch, before any step
+    opt = torch.optim.SGD(loss.parameters(), lr=0.0)
+    stats = ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=1)
+    assert stats["policy/approxkl_avg"] == pytest.approx(float(expected["approxkl"]), rel=1e-5)
+    assert stats["policy/clipfrac_avg"] == pytest.approx(float(expected["pg_clipfrac"]))
+    assert stats["val/clipfrac_avg"] == pytest.approx(float(expected["vf_clipfrac"]))
+    assert stats["val/ratio"] == pytest.approx(float(expected["ratio"]), rel=1e-5)
+    assert stats["loss/policy_avg"] == pytest.approx(float(expected["loss_objective"]), rel=1e-5)
+    assert stats["loss/value_avg"] == pytest.approx(float(expected["loss_critic"]) / 0.1, rel=1e-5)
+    assert stats["val/ratio_var"] == 0.0  # one micro-batch
 
 
 def test_ppo_update_steps_and_reports(tiny_llama_dir, tokenizer):
-    policy, loss, _, td = _prepared(tiny_llama_dir, tokenizer)
+    policy, loss, _, td = _prepared(tiny_llama_dir, tokenizer, critic_init="shared")
+    keys = set(td.keys(True))
     before = [p.detach().clone() for p in policy.parameters()]
     params = [p for p in loss.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
@@ -116,9 +158,30 @@ def test_ppo_update_steps_and_reports(tiny_llama_dir, tokenizer):
     for key in ("policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
                 "val/clipfrac_avg", "val/ratio", "val/ratio_var", "grad_norm"):
         assert torch.isfinite(torch.tensor(stats[key])), key
-    assert 0.0 <= stats["policy/clipfrac_avg"] <= 1.0
-    # the text entries never reach the buffer; the rollout itself is untouched
-    assert K.HIDDEN not in td.keys(True)
+    assert 0.0 <= stats["policy/clipfrac_avg"] <= 1.0 and stats["policy/approxkl_avg"] >= 0
+    assert set(td.keys(True)) == keys  # the shared-trunk actor leaves nothing in the caller's rollout
+
+
+@pytest.mark.parametrize("critic_init", ["policy", "shared"])
+def test_gradient_accumulation_keeps_the_token_mean(critic_init, tiny_llama_dir, tokenizer):
+    """k micro-batches of different valid-token counts give the gradient of k = 1 (fp64)."""
+    grads = {}
+    for k in (1, 2, 4):
+        _, loss, critic, td = _prepared(tiny_llama_dir, tokenizer, critic_init=critic_init,
+                                        dtype="float64")
+        # strongly ragged: row i keeps 1 + i % 6 response tokens
+        mask = torch.arange(6).expand(8, 6) < (1 + torch.arange(8) % 6)[:, None]
+        td.set(K.RESPONSE_MASK, mask)
+        td = td.apply(lambda x: x.double() if x.is_floating_point() else x)
+        critic.head.double()
+        params = [p for p in loss.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=0.0)  # leaves the gradient of the one step in .grad
+        ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=1,
+                   gradient_accumulation_steps=k, max_grad_norm=None)
+        grads[k] = [p.grad.clone() for p in params]
+    for k in (2, 4):
+        for a, b in zip(grads[1], grads[k]):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-9)
 
 
 def test_adaptive_kl_controller_moves_towards_target():

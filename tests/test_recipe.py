@@ -91,3 +91,59 @@ def test_empty_prompt_file(tmp_path, tiny_llama_dir):
     empty.write_text("")
     with pytest.raises(ValueError, match="empty"):
         ppo.train(_cfg(tmp_path, tiny_llama_dir, f"data.source={empty}"))
+
+
+SEEN: dict = {}
+
+
+def reads_the_rollout(prompts, responses, tensordict):
+    """The README's contract: a reward that reads token ids from the rollout."""
+    SEEN.setdefault("keys", []).append(sorted(str(k) for k in tensordict.keys(True, True)))
+    mask = tensordict.get(("masks", "response"))
+    return (mask.sum(-1) / mask.shape[-1]).tolist()
+
+
+def exact_match(prompts, responses, answer):
+    """A verifiable reward: 1 where the response is the row's answer."""
+    SEEN.setdefault("pairs", []).extend(zip(prompts, answer))
+    return [float(r.strip() == a) for r, a in zip(responses, answer)]
+
+
+def test_recipe_reward_reading_the_rollout(tmp_path, tiny_llama_dir):
+    """A fn(prompts, responses, tensordict) reward runs from start-up on, and the start-up probe
+    gives it the keys a real rollout has."""
+    SEEN.clear()
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, "reward.functions=[test_recipe.reads_the_rollout]",
+                   "ppo.num_iterations=1"))
+    probe_keys, first_keys = SEEN["keys"]
+    assert probe_keys == first_keys
+
+
+def test_recipe_passes_dataset_columns_to_rewards(tmp_path, tiny_llama_dir):
+    """JSON lines with prompt and answer, an exact-match reward: each response is scored against
+    its own row's answer."""
+    rows = [{"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(16)]
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    SEEN.clear()
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, f"data.source={data}",
+                   "reward.functions=[test_recipe.exact_match]"))
+    pairs = SEEN["pairs"]
+    assert len(pairs) == 2 + 2 * 4  # the probe's 2 rows, then 2 iterations of 4
+    for prompt, answer in pairs:
+        i = int(prompt.split("What is ")[1].split()[0])
+        assert answer == str(2 * i)
+
+
+def test_recipe_on_policy_check(tmp_path, tiny_llama_dir, caplog):
+    """On by default: a zero tolerance trips it on float noise (and names the cause); off, the same
+    run goes through."""
+    from rlhf_torchrl.sampling import OffPolicyError
+
+    with pytest.raises(OffPolicyError, match="generation.on_policy_tolerance"):
+        ppo.train(_cfg(tmp_path / "a", tiny_llama_dir, "generation.on_policy_tolerance=0"))
+    ppo.train(_cfg(tmp_path / "b", tiny_llama_dir, "generation.on_policy_tolerance=0",
+                   "generation.check_on_policy=false", "ppo.num_iterations=1"))
+    with caplog.at_level("INFO", logger="ppo"):
+        ppo.train(_cfg(tmp_path / "c", tiny_llama_dir, "ppo.num_iterations=1"))
+    assert "On-policy check: recorded and recomputed log-probs" in caplog.text

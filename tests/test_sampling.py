@@ -6,7 +6,13 @@ import torch
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
 from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
-from rlhf_torchrl.sampling import InverseCDFSampler, sample_inverse_cdf
+from rlhf_torchrl.sampling import (
+    InverseCDFSampler,
+    OffPolicyError,
+    check_on_policy,
+    ignored_generation_settings,
+    sample_inverse_cdf,
+)
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
@@ -130,7 +136,7 @@ def test_recorded_log_probs_equal_a_full_forward(request, model_fixture, tokeniz
 
 
 def test_evaluation_keeps_recorded_log_probs(tiny_llama_dir, tokenizer):
-    """With recorded log-probs, the policy is not run; values come from the trunk alone."""
+    """With recorded log-probs, the policy is not run (unless asked); values come from the trunk."""
     model = load_causal_lm(tiny_llama_dir, tokenizer)
     env = make_generation_env(["a b", "c"] * 2, tokenizer, batch_size=2, seed=0)
     gen = make_generation_policy(model, tokenizer, max_new_tokens=5, record_log_probs=True)
@@ -140,11 +146,55 @@ def test_evaluation_keeps_recorded_log_probs(tiny_llama_dir, tokenizer):
     assert K.ENTROPY not in rollout.keys(True)
     marked = rollout.get(K.LOG_PROB) - 1.0  # a value a recomputation could not give
     rollout.set(K.LOG_PROB, marked)
-    actor = TokenLevelActor(model, write_hidden=True)
     critic = make_critic(policy=model, tokenizer=tokenizer, init="shared")
-    with_head = evaluate_rollout(rollout.exclude(K.LOG_PROB), actor=actor, reference=actor,
-                                 critic=critic, chunk_size=2)
+    actor = TokenLevelActor(model, trunk_critic=critic)
+    recomputed = evaluate_rollout(rollout.clone(), actor=actor, reference=actor, critic=critic,
+                                  chunk_size=2, recompute_log_probs=True)
     evaluate_rollout(rollout, actor=actor, reference=actor, critic=critic, chunk_size=2)
     assert torch.equal(rollout.get(K.LOG_PROB), marked)
     torch.testing.assert_close(rollout.get(K.ENTROPY), -marked)  # the sample estimate
-    torch.testing.assert_close(rollout.get(K.VALUE), with_head.get(K.VALUE))
+    torch.testing.assert_close(rollout.get(K.VALUE), recomputed.get(K.VALUE))
+    torch.testing.assert_close(recomputed.get(K.LOG_PROB), marked + 1.0, atol=1e-4, rtol=0)
+
+
+def _collect_once(model, tokenizer, n_rows=16, temperature=1.0, max_new_tokens=6):
+    env = make_generation_env([f"Prompt number {i}" for i in range(n_rows)], tokenizer,
+                              batch_size=n_rows, seed=0)
+    gen = make_generation_policy(model, tokenizer, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, record_log_probs=True)
+    collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=n_rows)
+    rollout = next(iter(collector))
+    collector.shutdown()
+    return rollout
+
+
+def test_checkpoint_generation_config_never_reaches_sampling(instruct_llama_dir, tokenizer, caplog):
+    """An instruct checkpoint's repetition penalty, suppressed tokens, minimum length and sampling
+    settings are left out of PPO's sampling, with a warning naming them; the recorded log-probs are
+    those of the training forward."""
+    model = load_causal_lm(instruct_llama_dir, tokenizer)
+    own = model.generation_config.to_dict()
+    with caplog.at_level("WARNING", logger="rlhf_torchrl.sampling"):
+        rollout = _collect_once(model, tokenizer, n_rows=64)
+    warning = caplog.text
+    for setting in ("repetition_penalty=1.3", "min_new_tokens=4", "no_repeat_ngram_size=2",
+                    "suppress_tokens=", "temperature=0.9", "top_k=20", "top_p=0.8"):
+        assert setting in warning, setting
+    tokens = rollout.get(K.RESPONSE_TOKENS)[rollout.get(K.RESPONSE_MASK)]
+    # 20,000 of ~49k ids were suppressed by the checkpoint: sampled anyway, at their true rate
+    assert 0.25 < (tokens < 20_000).float().mean() < 0.55
+    stats = check_on_policy(rollout, TokenLevelActor(model, temperature=1.0), num_rows=64, atol=1e-3)
+    assert stats["max_abs_diff"] < 1e-3 and stats["tokens"] == 64 * 6
+    assert model.generation_config.to_dict() == own  # swapped only while generating
+    assert ignored_generation_settings(model.generation_config)["repetition_penalty"] == 1.3
+
+
+def test_on_policy_check_stops_on_a_mismatch(tiny_llama_dir, tokenizer):
+    """Sampled at temperature 1.0, checked against a temperature-0.7 forward: a clear error."""
+    model = load_causal_lm(tiny_llama_dir, tokenizer)
+    rollout = _collect_once(model, tokenizer, n_rows=4, temperature=1.0)
+    check_on_policy(rollout, TokenLevelActor(model, temperature=1.0), atol=1e-3)
+    with pytest.raises(OffPolicyError, match="differ from the training forward's by up to .* nats"):
+        check_on_policy(rollout, TokenLevelActor(model, temperature=0.7), atol=1e-3)
+    with pytest.raises(KeyError, match="record_log_probs=True"):
+        check_on_policy(rollout.exclude(K.LOG_PROB), TokenLevelActor(model), atol=1e-3)

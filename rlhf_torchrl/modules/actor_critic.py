@@ -4,6 +4,15 @@ Both read the same four keys: left-padded prompt tokens and mask, right-padded r
 mask. The full sequence ``[prompt | response]`` is fed with ``position_ids`` counted from the first
 real token, so left padding does not change a single logit. Response token ``t`` is predicted (and
 valued) from position ``P - 1 + t``.
+
+A critic on the policy's own trunk (``init="shared"``) has the shape of TorchRL's
+``ActorValueOperator``: one trunk, an LM head for the actor, a value head for the critic. TorchRL's
+operator runs the trunk once per head; here the actor hands the trunk's output to the critic
+through a :class:`HiddenStateHandoff` instead (one trunk forward and backward per minibatch
+instead of two). The handoff is explicit and checked: the critic takes the hidden states only if
+they were computed for the very same input tensors in the same grad mode, and only once; otherwise
+it runs the trunk itself. Nothing is written into the caller's TensorDict, and the result does not
+depend on which of the two a loss calls first.
 """
 
 from __future__ import annotations
@@ -68,6 +77,34 @@ class ResponseTokenDistribution(Distribution):
         return torch.distributions.Categorical(logits=logits).sample(sample_shape)
 
 
+class HiddenStateHandoff:
+    """Hands a trunk's hidden states from the actor to a critic on the same trunk, once.
+
+    :meth:`put` keeps the hidden states with the input tensors they were computed from and the grad
+    mode; :meth:`take` returns them only for the same input tensors (identity, not equality: a
+    stale rollout with equal tokens never matches) in the same grad mode, and forgets them, so a
+    hidden state is never used twice or across an optimiser step.
+    """
+
+    def __init__(self):
+        self._inputs: tuple | None = None
+        self._hidden: torch.Tensor | None = None
+        self._grad: bool = False
+
+    def put(self, td: TensorDictBase, hidden: torch.Tensor) -> None:
+        self._inputs = tuple(td.get(k) for k in _IN_KEYS)
+        self._hidden, self._grad = hidden, torch.is_grad_enabled()
+
+    def take(self, td: TensorDictBase) -> torch.Tensor | None:
+        hidden, inputs, grad = self._hidden, self._inputs, self._grad
+        self._inputs = self._hidden = None
+        if hidden is None or grad != torch.is_grad_enabled():
+            return None
+        if not all(a is td.get(k) for a, k in zip(inputs, _IN_KEYS)):
+            return None
+        return hidden
+
+
 class TokenLevelActor(TensorDictModuleBase):
     """The policy as a TorchRL actor over response tokens (usable by ``ClipPPOLoss``).
 
@@ -75,9 +112,10 @@ class TokenLevelActor(TensorDictModuleBase):
     :class:`ResponseTokenDistribution` of the response tokens at the sampling ``temperature``
     (the distribution the tokens were drawn from; log-probs in fp32). The LM head runs only on the
     ``R`` positions that predict response tokens (``logits_to_keep``). ``forward`` writes the
-    log-probs of the response tokens to ``out_key``. With ``write_hidden`` (a critic sharing the policy's trunk),
-    it also leaves the last hidden states of the response positions under ``("hidden",
-    "response")`` so that the critic skips its own forward.
+    log-probs of the response tokens to ``out_key``. With ``trunk_critic`` (a :class:`TokenCritic`
+    on this policy's own trunk, ``make_critic(init="shared")``) the trunk's hidden states of the
+    response positions are handed to that critic (:class:`HiddenStateHandoff`), which then skips
+    its own trunk forward.
 
     Shapes: reads (B, P) and (B, R) tokens/masks; writes (B, R) float32.
 
@@ -91,16 +129,23 @@ class TokenLevelActor(TensorDictModuleBase):
         model: nn.Module,
         temperature: float = 1.0,
         out_key=K.LOG_PROB,
-        write_hidden: bool = False,
+        trunk_critic: TokenCritic | None = None,
     ):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}.")
         self.model = model
         self.temperature = temperature
-        self.write_hidden = write_hidden
+        self.handoff = None
+        if trunk_critic is not None:
+            if trunk_critic.handoff is None or trunk_critic.backbone is not model.base_model:
+                raise ValueError(
+                    "trunk_critic must be a critic on this policy's own trunk "
+                    "(make_critic(policy=..., init='shared')); a separate critic runs its own."
+                )
+            self.handoff = trunk_critic.handoff
         self.in_keys = list(_IN_KEYS)
-        self.out_keys = [out_key] + ([K.HIDDEN] if write_hidden else [])
+        self.out_keys = [out_key]
 
     def logits(self, td: TensorDictBase) -> torch.Tensor:
         """(B, R, V) logits of the response tokens, as the model gives them (before temperature)."""
@@ -113,10 +158,10 @@ class TokenLevelActor(TensorDictModuleBase):
             **model_inputs(td),
             logits_to_keep=positions,
             use_cache=False,
-            output_hidden_states=self.write_hidden,
+            output_hidden_states=self.handoff is not None,
         )
-        if self.write_hidden:
-            td.set(K.HIDDEN, out.hidden_states[-1][:, n_prompt - 1 : n_prompt - 1 + n_response])
+        if self.handoff is not None:
+            self.handoff.put(td, out.hidden_states[-1][:, n_prompt - 1 : n_prompt - 1 + n_response])
         return out.logits
 
     def get_dist(self, td: TensorDictBase) -> ResponseTokenDistribution:
@@ -133,14 +178,14 @@ class TokenCritic(TensorDictModuleBase):
     ``V(s_t)`` for response token ``t`` is read from the hidden state at position ``P - 1 + t``
     (the state before the token is chosen). Writes ``"state_value"`` (B, R, 1) fp32, 0 on pads.
     The backbone is any HF base model returning ``last_hidden_state`` (a separate copy, or the
-    policy's own backbone for a shared-trunk actor-critic). With ``read_hidden``, hidden states
-    already left in the TensorDict by a shared-trunk actor (``("hidden", "response")``) are used
-    instead of running the backbone again.
+    policy's own backbone for a shared-trunk actor-critic). With ``shared_trunk``, the critic owns
+    a :class:`HiddenStateHandoff` through which a :class:`TokenLevelActor` on the same trunk
+    hands over its hidden states; the critic uses them only when they match its inputs.
     """
 
-    def __init__(self, backbone: nn.Module, head: nn.Linear | None = None, read_hidden: bool = False):
+    def __init__(self, backbone: nn.Module, head: nn.Linear | None = None, shared_trunk: bool = False):
         super().__init__()
-        self.read_hidden = read_hidden
+        self.handoff = HiddenStateHandoff() if shared_trunk else None
         self.backbone = backbone
         if head is None:
             hidden = backbone.config.hidden_size
@@ -152,14 +197,19 @@ class TokenCritic(TensorDictModuleBase):
         self.in_keys = list(_IN_KEYS)
         self.out_keys = [K.VALUE]
 
+    @property
+    def shares_trunk(self) -> bool:
+        return self.handoff is not None
+
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        hidden = td.get(K.HIDDEN, None) if self.read_hidden else None
+        hidden = self.handoff.take(td) if self.handoff is not None else None
         if hidden is None:
             n_prompt = td.get(K.PROMPT_TOKENS).shape[1]
             n_response = td.get(K.RESPONSE_TOKENS).shape[1]
             hidden = self.backbone(**model_inputs(td), use_cache=False).last_hidden_state
             hidden = hidden[:, n_prompt - 1 : n_prompt - 1 + n_response]  # (B, R, H)
-        values = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+        values = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
+        values = values.to(torch.promote_types(values.dtype, torch.float32))  # fp32 (fp64 kept)
         values = torch.where(td.get(K.RESPONSE_MASK), values, torch.zeros_like(values))
         td.set(K.VALUE, values.unsqueeze(-1))
         return td
@@ -186,7 +236,7 @@ def make_critic(
     from .models import disable_dropout, match_vocab, resolve_model_path
 
     if init == "shared":
-        return TokenCritic(policy.base_model, read_hidden=True)
+        return TokenCritic(policy.base_model, shared_trunk=True)
     if init not in ("policy", "reward_model", "model"):
         raise ValueError(
             f"Unknown critic init {init!r}: choose 'policy' (copy of the policy), 'reward_model' "
@@ -255,6 +305,7 @@ def evaluate_rollout(
     critic: TokenCritic,
     chunk_size: int,
     exact_entropy: bool = True,
+    recompute_log_probs: bool = False,
 ) -> TensorDictBase:
     """Old-policy log-probs and entropy, reference log-probs and values, without grad.
 
@@ -266,26 +317,26 @@ def evaluate_rollout(
 
     Log-probs (and entropies) already in the rollout, recorded while sampling
     (:func:`~rlhf_torchrl.collectors.make_generation_policy` with ``record_log_probs``), are kept
-    and the policy is not run: a shared-trunk critic then runs the trunk alone, without the LM head.
-    Without recorded entropies the entropy is then the sample estimate, whatever ``exact_entropy``
-    says (record them with ``record_entropy``).
+    and the policy is not run, unless ``recompute_log_probs``: a shared-trunk critic then runs the
+    trunk alone, without the LM head. Without recorded entropies the entropy is then the sample
+    estimate, whatever ``exact_entropy`` says (record them with ``record_entropy``).
     """
-    have_log_probs = K.LOG_PROB in rollout.keys(True)
-    have_entropy = K.ENTROPY in rollout.keys(True)
+    keys = rollout.keys(True)
+    run_actor = recompute_log_probs or K.LOG_PROB not in keys
     outputs: dict = {K.REF_LOG_PROB: [], K.VALUE: []}
-    if not have_log_probs:
+    if run_actor:
         outputs.update({K.LOG_PROB: [], K.ENTROPY: []})
     for chunk in rollout.select(*_IN_KEYS).split(chunk_size):
-        if not have_log_probs:
+        if run_actor:
             dist = actor.get_dist(chunk)
             log_prob = dist.log_prob(chunk.get(K.RESPONSE_TOKENS))
             outputs[K.LOG_PROB].append(log_prob)
             outputs[K.ENTROPY].append(dist.entropy() if exact_entropy else -log_prob)
             del dist  # free the (b, R, V) logits before the next forward
-        outputs[K.VALUE].append(critic(chunk).get(K.VALUE))  # reuses a shared trunk's hidden states
+        outputs[K.VALUE].append(critic(chunk).get(K.VALUE))  # takes a shared trunk's hidden states
         outputs[K.REF_LOG_PROB].append(reference(chunk.clone(False)).get(reference.out_keys[0]))
     for key, parts in outputs.items():
         rollout.set(key, torch.cat(parts))
-    if have_log_probs and not have_entropy:
+    if not run_actor and K.ENTROPY not in keys:
         rollout.set(K.ENTROPY, -rollout.get(K.LOG_PROB))  # the one-sample estimate (0 on pads)
     return rollout
