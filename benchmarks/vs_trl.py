@@ -64,7 +64,7 @@ def make_fixture(path: Path, seed: int) -> None:
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
     with open(path / "prompts.jsonl", "w") as f:
         for p in prompts:
-            f.write(json.dumps({"prompt": p}) + "\n")
+            f.write(json.dumps({"prompt": p.text}) + "\n")
 
 
 def run_worker(python: str, side: str, fixture: Path, args, out: Path) -> dict:

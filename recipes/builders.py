@@ -30,6 +30,7 @@ from rlhf_torchrl.rewards import (
     load_reward_function,
     make_kl_controller,
 )
+from rlhf_torchrl.runtime import ThreadTuner
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,14 @@ def check_config(cfg: DictConfig) -> Sizes:
         )
     steps = p.num_iterations * p.num_ppo_epochs * p.num_mini_batches
     return Sizes(p.batch_size, mini, micro, steps)
+
+
+def make_thread_tuner(cfg: DictConfig) -> ThreadTuner:
+    """``threads: null``: follow the cores other processes leave free; ``threads: N``: N, fixed."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+        return ThreadTuner(max_threads=cfg.threads, adapt=False)
+    return ThreadTuner()
 
 
 def make_reward_functions(cfg: DictConfig) -> dict:

@@ -47,8 +47,7 @@ def train(cfg: DictConfig) -> dict:
     sizes = builders.check_config(cfg)
     reward_functions = builders.make_reward_functions(cfg)
     torch.manual_seed(cfg.seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    threads = builders.make_thread_tuner(cfg)
     if cfg.reuse_freed_memory:
         reuse_freed_memory()
 
@@ -75,6 +74,7 @@ def train(cfg: DictConfig) -> dict:
     for iteration in bar:
         times: dict[str, float] = {}
         start = time.perf_counter()
+        n_threads = threads.update()  # the cores other processes left free (or threads=N)
         policy.eval()
         # 1. Collect: sample responses for a batch of prompts, truncate after the stop token.
         with timed(times, "generation"):
@@ -116,6 +116,7 @@ def train(cfg: DictConfig) -> dict:
         metrics.update(stats)
         metrics.update(times)
         metrics["lr"] = optimizer.param_groups[0]["lr"]
+        metrics["threads"] = n_threads
         metrics["episode"] = (iteration + 1) * p.batch_size
         writer.log(iteration, metrics)
         history.append(metrics)

@@ -41,3 +41,91 @@ def reuse_freed_memory() -> bool:
     applied = bool(mallopt(_M_MMAP_THRESHOLD, _INT_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _INT_MAX))
     log.debug("reuse_freed_memory: %s", "applied" if applied else "refused by the C library")
     return applied
+
+
+def _busy_ticks(cpus: set[int]) -> tuple[int, int] | None:
+    """(busy, total) clock ticks summed over ``cpus`` since boot, from ``/proc/stat``.
+
+    Busy counts user, system, irq, softirq and steal time; nice time (processes that yield to
+    normal-priority work) and idle/iowait count as free.
+    """
+    try:
+        with open("/proc/stat") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    busy = total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[:8])
+        busy += user + system + irq + softirq + steal
+        total += user + nice + system + idle + iowait + irq + softirq + steal
+    return (busy, total) if total else None
+
+
+class ThreadTuner:
+    """Keeps torch's intra-op threads to the cores that other processes leave free.
+
+    A torch CPU op splits its work over its OpenMP threads and waits for the slowest; OpenMP
+    threads spin while they wait. With as many threads as cores and another busy process on one
+    of them, one thread is descheduled and the others spin at every barrier: a PPO iteration on 2
+    cores took 45 s instead of 16 s beside one busy process. :meth:`update` measures, since its
+    last call, how many cores other processes kept busy (``/proc/stat`` over the cores this
+    process may run on, minus this process's own CPU time; niced processes count as free, since
+    they yield), and sets ``torch.set_num_threads`` to the cores left, between ``1`` and
+    ``max_threads`` (torch's default, i.e. ``OMP_NUM_THREADS`` or the core count). Call it between
+    iterations. Where ``/proc/stat`` is missing (not Linux), or with ``adapt=False``, it keeps
+    ``max_threads``.
+
+    Example:
+        >>> tuner = ThreadTuner()
+        >>> for batch in batches:
+        ...     tuner.update()  # threads for this iteration
+    """
+
+    def __init__(self, max_threads: int | None = None, adapt: bool = True):
+        import os
+
+        import torch
+
+        self.max_threads = max_threads or torch.get_num_threads()
+        self.adapt = adapt
+        try:
+            self.cpus = os.sched_getaffinity(0)
+        except AttributeError:  # not Linux
+            self.cpus = set(range(os.cpu_count() or 1))
+        self.threads = self.max_threads
+        self._last = self._sample()
+
+    def _sample(self):
+        import time
+
+        ticks = _busy_ticks(self.cpus)
+        return None if ticks is None else (*ticks, time.process_time())
+
+    def others_busy(self) -> float | None:
+        """Cores kept busy by other processes since the last call (None without ``/proc/stat``)."""
+        import os
+
+        now, last = self._sample(), self._last
+        self._last = now
+        if now is None or last is None or now[1] <= last[1]:
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        elapsed = (now[1] - last[1]) / len(self.cpus)  # wall ticks per core
+        others = (now[0] - last[0]) - (now[2] - last[2]) * hz  # busy ticks not ours
+        return max(0.0, others / elapsed)
+
+    def update(self) -> int:
+        """Set and return the thread count for the next stretch of work."""
+        import torch
+
+        busy = self.others_busy() if self.adapt else None
+        if busy is not None:
+            free = len(self.cpus) - round(busy)
+            self.threads = max(1, min(self.max_threads, free))
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        return self.threads

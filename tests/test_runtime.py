@@ -36,3 +36,51 @@ def test_reuse_freed_memory_avoids_page_faults():
     pages = 5 * (64 << 20) // 4096  # one fault per 4 KB page when every allocation is fresh
     assert faults_off > pages // 2, faults_off
     assert faults_on < pages // 20, faults_on
+
+
+def _spinner(nice: int = 0) -> subprocess.Popen:
+    cmd = [sys.executable, "-c", "while True: pass"]
+    return subprocess.Popen(["nice", "-n", str(nice), *cmd] if nice else cmd)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) < 2,
+                    reason="reads /proc/stat; needs 2 cores to have one to give up")
+def test_thread_tuner_gives_a_busy_core_back():
+    """A normal-priority busy process takes a core: one thread fewer. A niced one yields: all."""
+    import time
+
+    import torch
+
+    from rlhf_torchrl.runtime import ThreadTuner
+
+    threads = torch.get_num_threads()
+    tuner = ThreadTuner(max_threads=len(os.sched_getaffinity(0)))
+    try:
+        time.sleep(0.5)
+        baseline = tuner.others_busy()
+        for nice, expect_busy in ((0, True), (19, False)):
+            spinner = _spinner(nice)
+            try:
+                time.sleep(0.3)
+                tuner.others_busy()  # start measuring once the spinner runs
+                time.sleep(1.0)
+                busy = tuner.others_busy()
+            finally:
+                spinner.kill()
+                spinner.wait()
+            if expect_busy:
+                assert busy > baseline + 0.7, (busy, baseline)
+            else:
+                assert busy < baseline + 0.3, (busy, baseline)
+        spinner = _spinner()
+        try:
+            time.sleep(0.3)
+            tuner.others_busy()
+            time.sleep(1.0)
+            assert tuner.update() == tuner.max_threads - 1 == torch.get_num_threads()
+        finally:
+            spinner.kill()
+            spinner.wait()
+        assert ThreadTuner(max_threads=2, adapt=False).update() == 2
+    finally:
+        torch.set_num_threads(threads)
