@@ -60,10 +60,10 @@ class RewardModel:
     """Scores each (conversation, response) with a sequence classifier (one logit = the score).
 
     What the reward model reads (:meth:`render`): with a chat template of its own, the prompt
-    conversation plus the response as the assistant turn, rendered by that template (so it ends
-    with the template's end-of-turn token, as in the chat data the model was trained on);
-    without one, the prompt as the policy saw it, the response, and the reward model's EOS token
-    where the response stopped. Templated text is tokenised without adding special tokens (the
+    conversation plus the response as the assistant turn, rendered by that template (ending with
+    the template's end-of-turn token where the response stopped, as in the chat data the model was
+    trained on; left open where it was cut short); without one, the prompt as the policy saw it,
+    the response, and the reward model's EOS token where the response stopped. Templated text is tokenised without adding special tokens (the
     template wrote them), raw text with them (a BERT-like model needs its ``[CLS]``). The text is
     encoded with the reward model's own tokenizer (right-padded, truncated from the left), so it
     may use another vocabulary than the policy; HF decoder classifiers read the score at the last
@@ -107,22 +107,32 @@ class RewardModel:
         """The exact text the reward model scores, one per response (see the class docstring).
 
         ``prompts`` are the policy-rendered prompts, ``messages`` the conversations they render
-        (needed with a chat template), ``has_stop`` whether each response ended with its stop token.
+        (needed with a chat template), ``has_stop`` whether each response ended with its stop token
+        (default: all did).
         """
+        stopped = has_stop if has_stop is not None else [True] * len(responses)
         if self.has_chat_template:
             if messages is None:
                 raise ValueError(
                     "This reward model has a chat template: it needs the prompt conversations "
                     "(('messages', 'prompt') in the rollout) to render what it reads."
                 )
-            return [
-                self.tokenizer.apply_chat_template(
-                    [*conversation, {"role": "assistant", "content": response}], tokenize=False)
-                for conversation, response in zip(messages, responses)
-            ]
+            return [self._render_chat(conversation, response, s)
+                    for conversation, response, s in zip(messages, responses, stopped)]
         eos = self.tokenizer.eos_token or ""
-        stopped = has_stop if has_stop is not None else [False] * len(responses)
         return [p + r + (eos if s else "") for p, r, s in zip(prompts, responses, stopped)]
+
+    def _render_chat(self, conversation: list[dict], response: str, stopped: bool) -> str:
+        """The conversation with the response as the assistant turn: closed by the template's
+        end-of-turn token if the response stopped, left open if it was cut short."""
+        chat = [*conversation, {"role": "assistant", "content": response}]
+        if not stopped and response:
+            try:
+                return self.tokenizer.apply_chat_template(chat, tokenize=False,
+                                                          continue_final_message=True)
+            except ValueError:  # a template that rewrites the content: close the turn
+                pass
+        return self.tokenizer.apply_chat_template(chat, tokenize=False)
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str], tensordict: TensorDictBase) -> torch.Tensor:

@@ -178,16 +178,19 @@ def test_decoder_reward_model_reads_last_token(tiny_llama_dir):
 
 def test_reward_model_reads_the_conversation_in_its_own_template(tiny_llama_dir, tokenizer):
     """With a chat template, the RM reads [prompt messages, assistant response] rendered by it,
-    closed by its end-of-turn token, whatever the policy's rendering was."""
+    closed by its end-of-turn token where the response stopped, whatever the policy's rendering."""
     rm = RewardModel.from_pretrained(tiny_llama_dir)
     conversation = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi?"}]
     policy_prompt = "PROMPT AS THE POLICY SAW IT"
-    texts = rm.render([policy_prompt], ["Hello there."], messages=[conversation], has_stop=[False])
-    assert texts == ["<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
-                     "<|im_start|>assistant\nHello there.<|im_end|>\n"]
+    texts = rm.render([policy_prompt] * 2, ["Hello there.", "Hello th"],
+                      messages=[conversation] * 2, has_stop=[True, False])
+    head = "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
+    assert texts == [head + "<|im_start|>assistant\nHello there.<|im_end|>\n",
+                     head + "<|im_start|>assistant\nHello th"]  # cut short: the turn stays open
+    texts = texts[:1]
     # what __call__ scores is exactly that text, tokenised without added specials
     score = rm([policy_prompt], ["Hello there."], _score_td([policy_prompt], ["Hello there."],
-                                                            [conversation], [False]))
+                                                            [conversation], [True]))
     enc = tokenizer(texts, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         expected = rm.model(**enc).logits[:, 0]

@@ -174,3 +174,17 @@ def test_transformers_wrapper_adds_no_second_bos(bos_llama_dir):
     td.set(("text", "prompt"), [text])
     prompt = wrapper(td)["tokens", "prompt"].reshape(-1).tolist()
     assert prompt.count(tok.bos_token_id) == 1
+
+
+@pytest.mark.xfail(strict=True, reason="ChatEnv documents a list of chat messages as a valid query, "
+                   "but DataLoadingPrimer turns a collated dict of such lists into a lazy stack "
+                   "whose batch size cannot be set; we collate prompts into a TensorDict of "
+                   "non-tensor entries ourselves.", raises=RuntimeError)
+def test_chat_env_takes_collated_message_lists(tokenizer):
+    from torchrl.envs.llm import ChatEnv
+
+    chats = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "hello there"}]]
+    loader = DataLoader(chats, batch_size=2, collate_fn=lambda b: {"query": list(b)})
+    env = ChatEnv.from_dataloader(loader, batch_size=(2,), tokenizer=tokenizer,
+                                  input_mode="text", data_key="query")
+    env.reset()
