@@ -145,7 +145,8 @@ def build(args):
                                  temperature=args.temperature,
                                  record_log_probs=not args.recompute_log_probs,
                                  record_entropy=not args.sample_entropy)
-    actor = TokenLevelActor(policy, temperature=args.temperature, trunk_critic=critic)
+    actor = TokenLevelActor(policy, temperature=args.temperature,
+                            trunk_critic=None if args.no_trunk_handoff else critic)
     loss = make_ppo_loss(actor, critic)
     return {
         "tokenizer": tokenizer, "policy": policy, "reference": reference, "critic": critic,
@@ -177,6 +178,8 @@ def main(argv=None) -> dict:
                         help="log the free sample estimate of the entropy instead of the exact one")
     parser.add_argument("--recompute-log-probs", action="store_true",
                         help="old log-probs from a policy forward instead of recorded while sampling")
+    parser.add_argument("--no-trunk-handoff", action="store_true",
+                        help="the shared-trunk critic runs the trunk itself (no hidden-state handoff)")
     add_runtime_args(parser)
     parser.add_argument("--json", default="benchmarks/results/ppo_iteration.json")
     args = parser.parse_args(argv)

@@ -169,6 +169,10 @@ def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
 def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids) -> RolloutCollector:
     env = make_generation_env(prompts, tokenizer, batch_size=cfg.ppo.batch_size, seed=cfg.seed)
     g = cfg.generation
+    if g.top_k or g.top_p < 1:
+        log.warning("generation.top_k=%s / top_p=%s: responses come from a truncated distribution "
+                    "while PPO's ratio and KL use the full one (off-policy; the on-policy check "
+                    "compares full-distribution log-probs and cannot see it).", g.top_k, g.top_p)
     gen_policy = make_generation_policy(
         policy, tokenizer, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
         top_k=g.top_k, top_p=g.top_p, stop_token_ids=stop_ids,

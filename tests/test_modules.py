@@ -187,7 +187,11 @@ def test_value_gradient_reaches_the_shared_trunk(tiny_llama_dir, tokenizer):
             loss.actor_network.get_dist(td.clone(False))
             value_loss = F.masked_mean(per_token.squeeze(-1), mask)
         else:
+            calls = []
+            hook = policy.base_model.register_forward_hook(lambda *_: calls.append(1))
             value_loss = loss(td)["loss_critic"]
+            hook.remove()
+            assert len(calls) == (1 if handoff else 2)  # one trunk forward serves both losses
         value_loss.backward()  # the value loss alone
         return [p.grad for p in policy.base_model.layers[0].parameters()]
 
