@@ -248,15 +248,17 @@ def probe_rollout(
     stopped: Sequence[bool] | None = None,
     with_log_probs: bool = False,
 ) -> TensorDict:
-    """A rollout of ``len(responses)`` rows as :class:`RolloutCollector` would emit it, without a model.
+    """A rollout in :class:`RolloutCollector`'s layout, made without a model.
 
-    Row ``i`` pairs ``prompts[i]`` (rendered and tokenised as the env does) with ``responses[i]``
-    (tokenised, plus the first stop token where ``stopped[i]``; default: rows 0, 2, ... stopped).
+    One row per prompt, at most ``len(responses)``: row ``i`` pairs ``prompts[i]`` (rendered and
+    tokenised as the env does) with ``responses[i]`` (tokenised, plus the first stop token where
+    ``stopped[i]``; default: rows 0, 2, ... stopped).
     Used to call every reward on the real rollout layout before any model is loaded; with
     ``with_log_probs`` it also holds the sampler's records (zeros here), as a recording collector's
     rollouts do.
     """
     rows = [to_prompt(p) for p in prompts[: len(responses)]]
+    responses = list(responses)[: len(rows)]
     stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
     stopped = [i % 2 == 0 for i in range(len(rows))] if stopped is None else stopped
     if any(not text and not s for text, s in zip(responses, stopped)):
