@@ -92,9 +92,9 @@ def make_generation_policy(
     Tokens are drawn by :class:`~rlhf_torchrl.sampling.InverseCDFSampler` (exact, and on CPU
     several times faster than ``generate``'s multinomial). ``top_k=0`` and ``top_p=1.0`` sample
     from the full temperature-scaled distribution, the one the PPO log-probs are computed under.
-    Nothing else touches the logits: ``generate`` runs under a config built from these settings
-    alone (:func:`~rlhf_torchrl.sampling.sampling_generation_config`), never the checkpoint's own
-    ``generation_config`` (a warning names what that leaves out). The rendered prompt is tokenised
+    Nothing else touches the logits: ``generate`` gets these settings and transformers' neutral
+    defaults (:func:`~rlhf_torchrl.sampling.sampling_generation_config`), never the checkpoint's
+    own ``generation_config`` (a warning names what that leaves out). The rendered prompt is tokenised
     without adding special tokens (the chat template already wrote them).
 
     With ``record_log_probs`` (and ``record_entropy``) the sampler keeps the sampled tokens'
@@ -130,9 +130,7 @@ def make_generation_policy(
             "eos_token_id": stop_token_ids,
         },
     )
-    policy.generation_config = sampling_generation_config(
-        model, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=stop_token_ids)
+    policy.generation_config = sampling_generation_config(model)
     # TransformersWrapper drops generate_kwargs it does not know, logits_processor among them
     # (tests/test_torchrl_upstream.py): set it on the built wrapper
     policy.generate_kwargs["logits_processor"] = LogitsProcessorList([sampler])
@@ -263,19 +261,14 @@ def probe_rollout(
     stopped = [i % 2 == 0 for i in range(len(rows))] if stopped is None else stopped
     if any(not text and not s for text, s in zip(responses, stopped)):
         raise ValueError("An empty response must end with the stop token (stopped=True).")
-    pad = tokenizer.pad_token_id
-    prompt_ids = [prompt_token_ids(tokenizer, r) for r in rows]
-    response_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + ([stop_token_ids[0]] if s else [])
-                    for t, s in zip(responses, stopped)]
-    P, R = max(map(len, prompt_ids)), max(1, *map(len, response_ids))
-    prompt = torch.full((len(rows), P), pad)
-    response = torch.full((len(rows), R), pad)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        prompt[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        response[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    prompt_mask = torch.arange(P).expand(len(rows), P) >= torch.tensor([P - len(p) for p in prompt_ids])[:, None]
-    rollout = build_rollout(prompt, prompt_mask, response, stop_token_ids=stop_token_ids,
-                            pad_token_id=pad, tokenizer=tokenizer,
+    prompt = tokenizer.pad({"input_ids": [prompt_token_ids(tokenizer, r) for r in rows]},
+                           padding_side="left", return_tensors="pt")
+    response = tokenizer.pad({"input_ids": [
+        tokenizer(text, add_special_tokens=False)["input_ids"] + ([stop_token_ids[0]] if s else [])
+        for text, s in zip(responses, stopped)]}, padding_side="right", return_tensors="pt")
+    rollout = build_rollout(prompt["input_ids"], prompt["attention_mask"].bool(),
+                            response["input_ids"], stop_token_ids=stop_token_ids,
+                            pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
                             messages=[r.messages for r in rows], fields=[r.fields for r in rows])
     if with_log_probs:
         zeros = torch.zeros(rollout.get(K.RESPONSE_MASK).shape)

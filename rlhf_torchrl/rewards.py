@@ -63,9 +63,9 @@ class RewardModel:
     conversation plus the response as the assistant turn, rendered by that template (ending with
     the template's end-of-turn token where the response stopped, as in the chat data the model was
     trained on; left open where it was cut short); without one, the prompt as the policy saw it,
-    the response, and the reward model's EOS token where the response stopped. Templated text is tokenised without adding special tokens (the
-    template wrote them), raw text with them (a BERT-like model needs its ``[CLS]``). The text is
-    encoded with the reward model's own tokenizer (right-padded, truncated from the left), so it
+    the response, and the reward model's EOS token where the response stopped. Templated text is
+    tokenised without adding special tokens (the template wrote them), raw text with them (a
+    BERT-like model needs its ``[CLS]``). The text is encoded with the reward model's own tokenizer (right-padded, truncated from the left), so it
     may use another vocabulary than the policy; HF decoder classifiers read the score at the last
     non-pad token, encoders at their pooled token. Runs without grad in chunks of ``batch_size``.
     """
@@ -171,26 +171,22 @@ def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase) -> dict:
     params = _parameters(fn)
     if params is None:  # no signature to read (some builtins): the two lists only
         return {}
-    columns = {}
-    if K.DATA in td.keys():
-        columns = {column: td.get((K.DATA, column)).tolist() for column in td.get(K.DATA).keys()}
-    kwargs = {}
+    columns = set(td.get(K.DATA).keys()) if K.DATA in td.keys() else set()
+    wanted = {}
     for param in list(params.values())[2:]:
         if param.kind is inspect.Parameter.VAR_KEYWORD:
-            kwargs.update({k: v for k, v in columns.items() if k not in kwargs})
+            wanted.update({c: c for c in columns if c not in wanted})
         elif param.kind is inspect.Parameter.VAR_POSITIONAL:
             continue
-        elif param.name == "tensordict":
-            kwargs["tensordict"] = td
-        elif param.name in columns:
-            kwargs[param.name] = columns[param.name]
+        elif param.name == "tensordict" or param.name in columns:
+            wanted[param.name] = param.name
         elif param.default is inspect.Parameter.empty:
             raise ValueError(
                 f"Reward {name!r} asks for {param.name!r}, which is not a dataset column: the "
                 f"prompts carry {sorted(columns) or 'no columns'}. A reward function takes "
                 "(prompts, responses), then by name 'tensordict' (the rollout) and dataset columns."
             )
-    return kwargs
+    return {k: td if k == "tensordict" else td.get((K.DATA, k)).tolist() for k in wanted}
 
 
 def _call_reward(name: str, fn: RewardFn, td: TensorDictBase) -> torch.Tensor:

@@ -13,7 +13,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
+import time
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +90,6 @@ class ThreadTuner:
     """
 
     def __init__(self, max_threads: int | None = None, adapt: bool = True):
-        import os
-
-        import torch
-
         self.max_threads = max_threads or torch.get_num_threads()
         self.adapt = adapt
         try:
@@ -100,15 +100,11 @@ class ThreadTuner:
         self._last = self._sample()
 
     def _sample(self):
-        import time
-
         ticks = _busy_ticks(self.cpus)
         return None if ticks is None else (*ticks, time.process_time())
 
     def others_busy(self) -> float | None:
         """Cores kept busy by other processes since the last call (None without ``/proc/stat``)."""
-        import os
-
         now, last = self._sample(), self._last
         self._last = now
         if now is None or last is None or now[1] <= last[1]:
@@ -120,8 +116,6 @@ class ThreadTuner:
 
     def update(self) -> int:
         """Set and return the thread count for the next stretch of work."""
-        import torch
-
         busy = self.others_busy() if self.adapt else None
         if busy is not None:
             free = len(self.cpus) - round(busy)

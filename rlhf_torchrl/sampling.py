@@ -21,7 +21,6 @@ settings alone, :func:`ignored_generation_settings` names what it leaves out, an
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import torch
 
@@ -157,27 +156,18 @@ def ignored_generation_settings(generation_config) -> dict:
     return {k: v for k, v in generation_config.to_diff_dict().items() if k not in _NEUTRAL_FIELDS}
 
 
-def sampling_generation_config(
-    model, *, max_new_tokens: int, pad_token_id: int, eos_token_id: Sequence[int]
-):
-    """The ``GenerationConfig`` a response is generated under: the recipe's settings and nothing else.
+def sampling_generation_config(model):
+    """The ``GenerationConfig`` that stands in for the checkpoint's own while a response is generated.
 
-    ``generate`` fills every unset entry from ``model.generation_config``, so this config is meant
-    to *replace* it while generating (see :class:`~rlhf_torchrl.collectors.RolloutCollector`):
-    greedy decoding over :class:`InverseCDFSampler`'s one-hot scores, no logits processor from
-    the checkpoint. Only the model's BOS id is kept (it matters for empty inputs only).
+    ``generate`` fills every setting it is not passed from ``model.generation_config``; with this
+    config in its place (see :class:`~rlhf_torchrl.collectors.RolloutCollector`) the unset ones
+    fall back to transformers' neutral defaults (no penalty, no suppressed token, no minimum
+    length, greedy over :class:`InverseCDFSampler`'s one-hot scores), and the recipe's settings
+    come only from the ``generate`` arguments. The model's BOS id is kept (for empty inputs).
     """
     from transformers import GenerationConfig
 
-    own = getattr(model, "generation_config", None)
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,  # greedy over the sampler's one-hot scores = the sampler's draw
-        num_beams=1,
-        pad_token_id=pad_token_id,
-        eos_token_id=list(eos_token_id),
-        bos_token_id=getattr(own, "bos_token_id", None),
-    )
+    return GenerationConfig(bos_token_id=getattr(model.generation_config, "bos_token_id", None))
 
 
 def warn_ignored_generation_settings(model, temperature: float) -> dict:
@@ -219,13 +209,12 @@ def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3) ->
     recorded = rows.get(K.LOG_PROB)
     recomputed = actor.get_dist(rows).log_prob(rows.get(K.RESPONSE_TOKENS))
     mask = rows.get(K.RESPONSE_MASK)
-    diff = (recorded.double() - recomputed.double()).abs()[mask]
-    stats = {"max_abs_diff": float(diff.max()) if diff.numel() else 0.0,
-             "mean_abs_diff": float(diff.mean()) if diff.numel() else 0.0,
-             "tokens": int(diff.numel())}
+    gap = (recorded.double() - recomputed.double()).abs().masked_fill(~mask, 0.0)  # (B, R)
+    n = int(mask.sum())
+    stats = {"max_abs_diff": float(gap.max()), "mean_abs_diff": float(gap.sum()) / max(n, 1),
+             "tokens": n}
     if not stats["max_abs_diff"] <= atol:  # NaN fails too
-        worst = (recorded - recomputed).abs().masked_fill(~mask, -1).flatten().argmax()
-        row, t = divmod(int(worst), mask.shape[1])
+        row, t = divmod(int(gap.flatten().argmax()), mask.shape[1])
         raise OffPolicyError(
             f"Off-policy sampling: the log-probs recorded while sampling differ from the training "
             f"forward's by up to {stats['max_abs_diff']:.3g} nats (mean {stats['mean_abs_diff']:.3g}"
