@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,9 @@ from rlhf_torchrl.collectors import (
     probe_rollout,
 )
 from rlhf_torchrl.data import Prompt, check_prompts, load_prompts
+from rlhf_torchrl.distributed import STRATEGIES, DataParallel, init_data_parallel
 from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, load_tokenizer, make_critic
+from rlhf_torchrl.modules.models import torch_dtype
 from rlhf_torchrl.objectives import ResponseGAE, make_minibatch_buffer, make_ppo_loss
 from rlhf_torchrl.rewards import (
     KLRewardShaper,
@@ -30,7 +33,7 @@ from rlhf_torchrl.rewards import (
     load_reward_function,
     make_kl_controller,
 )
-from rlhf_torchrl.runtime import ThreadTuner
+from rlhf_torchrl.runtime import ThreadTuner, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +42,11 @@ log = logging.getLogger(__name__)
 class Sizes:
     """Batch sizes derived once from the config, with exact division."""
 
-    batch_size: int
-    mini_batch_size: int
-    micro_batch_size: int
+    batch_size: int  # global, over all processes
+    mini_batch_size: int  # global
+    micro_batch_size: int  # per process (row-count split)
     optimizer_steps: int  # over the whole run
+    world_size: int
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -58,11 +62,31 @@ def check_config(cfg: DictConfig) -> Sizes:
                  "num_iterations", "forward_batch_size"):
         if int(p[name]) < 1:
             raise ValueError(f"ppo.{name} must be >= 1, got {p[name]}.")
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's process count
     mini = exact_div(p.batch_size, p.num_mini_batches,
                      "ppo.batch_size must split into ppo.num_mini_batches equal minibatches")
-    micro = exact_div(mini, p.gradient_accumulation_steps,
-                      f"the minibatch size ({mini} = batch_size / num_mini_batches) must split into "
+    local = exact_div(mini, world, f"the minibatch size ({mini} = batch_size / num_mini_batches) "
+                      f"must split over the {world} processes")
+    micro = exact_div(local, p.gradient_accumulation_steps,
+                      f"each process's share of a minibatch ({local} = batch_size / "
+                      "num_mini_batches / processes) must split into "
                       "ppo.gradient_accumulation_steps micro-batches")
+    if p.micro_batch_tokens is not None and int(p.micro_batch_tokens) < 1:
+        raise ValueError(f"ppo.micro_batch_tokens must be >= 1 (or null), got {p.micro_batch_tokens}.")
+    if cfg.distributed.strategy not in STRATEGIES:
+        raise ValueError(f"distributed.strategy must be one of {STRATEGIES}, got "
+                         f"{cfg.distributed.strategy!r}.")
+    m = cfg.model
+    for name, value in (("model.dtype", m.dtype), ("reward.model_dtype", cfg.reward.model_dtype)):
+        try:
+            torch_dtype(value)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    if m.autocast not in (None, "bfloat16", "float16"):
+        raise ValueError(f"model.autocast must be bfloat16, float16 or null, got {m.autocast!r}.")
+    if m.autocast and m.dtype != "float32":
+        raise ValueError(f"model.autocast={m.autocast} keeps fp32 master weights: set model.dtype="
+                         f"float32 (now {m.dtype}), or drop autocast to train in {m.dtype}.")
     F.check_kl_estimator(p.kl_estimator)
     if cfg.value_model.init not in ("policy", "reward_model", "model", "shared"):
         raise ValueError(
@@ -94,7 +118,20 @@ def check_config(cfg: DictConfig) -> Sizes:
             f"{len(cfg.reward.functions or [])} reward.functions: give one weight per function."
         )
     steps = p.num_iterations * p.num_ppo_epochs * p.num_mini_batches
-    return Sizes(p.batch_size, mini, micro, steps)
+    return Sizes(p.batch_size, mini, micro, steps, world)
+
+
+def make_device(cfg: DictConfig) -> torch.device:
+    return resolve_device(cfg.device)
+
+
+def make_data_parallel(cfg: DictConfig, device: torch.device) -> DataParallel:
+    """This process's place in a torchrun job (the single process without one)."""
+    return init_data_parallel(cfg.distributed.strategy, device=device, backend=cfg.distributed.backend)
+
+
+def autocast_dtype(cfg: DictConfig) -> torch.dtype | None:
+    return torch_dtype(cfg.model.autocast) if cfg.model.autocast else None
 
 
 def make_thread_tuner(cfg: DictConfig) -> ThreadTuner:
@@ -141,18 +178,31 @@ def make_tokenizer(cfg: DictConfig):
     return load_tokenizer(cfg.model.policy)
 
 
-def make_models(cfg: DictConfig, tokenizer):
-    """Policy, frozen reference and critic (dropout off everywhere)."""
-    policy = load_causal_lm(cfg.model.policy, tokenizer, dtype=cfg.model.dtype)
-    if cfg.model.reference:
-        reference = load_causal_lm(cfg.model.reference, tokenizer, dtype=cfg.model.dtype)
+def make_models(cfg: DictConfig, tokenizer, device: torch.device):
+    """Policy, frozen reference and critic (dropout off everywhere) on ``device``; the reference on
+    the CPU with ``model.offload_reference``."""
+    m = cfg.model
+    policy = load_causal_lm(m.policy, tokenizer, dtype=m.dtype, attn_implementation=m.attn_implementation)
+    if m.reference:
+        reference = load_causal_lm(m.reference, tokenizer, dtype=m.dtype,
+                                   attn_implementation=m.attn_implementation)
     else:
         reference = copy.deepcopy(policy)
     reference.eval().requires_grad_(False)
     v = cfg.value_model
-    source = v.name_or_path or (cfg.reward.model if v.init == "reward_model" else cfg.model.policy)
+    source = v.name_or_path or (cfg.reward.model if v.init == "reward_model" else m.policy)
     critic = make_critic(policy=policy, tokenizer=tokenizer, init=v.init, name_or_path=source,
-                         dtype=cfg.model.dtype)
+                         dtype=m.dtype, attn_implementation=m.attn_implementation,
+                         autocast_dtype=autocast_dtype(cfg))
+    if m.gradient_checkpointing:
+        # non-reentrant: works with frozen inputs and keyword arguments; active in train() only
+        kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+        policy.gradient_checkpointing_enable(**kwargs)
+        if not critic.shares_trunk:
+            critic.backbone.gradient_checkpointing_enable(**kwargs)
+    policy.to(device)
+    critic.to(device)
+    reference.to("cpu" if m.offload_reference else device)
     return policy, reference, critic
 
 
@@ -166,8 +216,12 @@ def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
     return ids
 
 
-def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids) -> RolloutCollector:
-    env = make_generation_env(prompts, tokenizer, batch_size=cfg.ppo.batch_size, seed=cfg.seed)
+def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids, device,
+                   parallel: DataParallel) -> RolloutCollector:
+    """This process's share of every global batch, each row sampled from its own stream."""
+    batch, world, rank = cfg.ppo.batch_size, parallel.world_size, parallel.rank
+    env = make_generation_env(prompts, tokenizer, batch_size=batch, seed=cfg.seed, rank=rank,
+                              world_size=world)
     g = cfg.generation
     if g.top_k or g.top_p < 1:
         log.warning("generation.top_k=%s / top_p=%s: responses come from a truncated distribution "
@@ -179,9 +233,13 @@ def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids) -> Rol
         # always recorded: the old log-probs (unless recomputed) and the on-policy check's reference
         record_log_probs=True,
         record_entropy=g.log_probs_from_sampling and cfg.logging.exact_entropy,
+        device=device, autocast_dtype=autocast_dtype(cfg),
     )
-    return RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=cfg.ppo.batch_size,
-                            stop_token_ids=stop_ids)
+    gen_policy.generate_kwargs.update(parallel.generate_kwargs())
+    local = batch // world
+    return RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=local,
+                            stop_token_ids=stop_ids, seed=cfg.seed, row_offset=rank * local,
+                            device=device)
 
 
 def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids):
@@ -191,12 +249,14 @@ def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids):
                          with_log_probs=True)
 
 
-def make_scorer(cfg: DictConfig, reward_functions: dict) -> Scorer:
+def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device) -> Scorer:
+    r = cfg.reward
     rewards = dict(reward_functions)
-    if cfg.reward.model:
+    if r.model:
         rewards["reward_model"] = (
-            RewardModel.from_pretrained(cfg.reward.model, batch_size=cfg.reward.model_batch_size),
-            float(cfg.reward.model_weight),
+            RewardModel.from_pretrained(r.model, dtype=r.model_dtype, batch_size=r.model_batch_size,
+                                        device=device, offload=r.offload),
+            float(r.model_weight),
         )
     return Scorer(rewards, missing_eos_penalty=cfg.reward.missing_eos_penalty)
 
@@ -210,10 +270,11 @@ def make_shaper(cfg: DictConfig) -> KLRewardShaper:
 
 def make_actors(cfg: DictConfig, policy, reference, critic):
     """Policy and reference actors; a shared-trunk critic gets its hidden states from the policy."""
-    t = cfg.generation.temperature
-    return (TokenLevelActor(policy, temperature=t,
+    t, dtype = cfg.generation.temperature, autocast_dtype(cfg)
+    return (TokenLevelActor(policy, temperature=t, autocast_dtype=dtype,
                             trunk_critic=critic if critic.shares_trunk else None),
-            TokenLevelActor(reference, temperature=t, out_key=("ref_log_probs", "response")))
+            TokenLevelActor(reference, temperature=t, out_key=("ref_log_probs", "response"),
+                            autocast_dtype=dtype))
 
 
 def make_advantage(cfg: DictConfig) -> ResponseGAE:
@@ -228,8 +289,14 @@ def make_loss(cfg: DictConfig, actor, critic):
 
 
 def make_replay_buffer(cfg: DictConfig, sizes: Sizes):
-    """The minibatch buffer, built once for the run."""
-    return make_minibatch_buffer(sizes.batch_size, sizes.mini_batch_size)
+    """The minibatch buffer, built once for the run, with its own seeded shuffle (the same
+    minibatches on every process)."""
+    return make_minibatch_buffer(sizes.batch_size, sizes.mini_batch_size, seed=cfg.seed)
+
+
+def make_grad_scaler(cfg: DictConfig, device: torch.device):
+    """fp16 autocast needs its loss scaled (bf16 does not)."""
+    return torch.amp.GradScaler(device.type) if cfg.model.autocast == "float16" else None
 
 
 def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):

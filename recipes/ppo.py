@@ -2,6 +2,7 @@
 
     python recipes/ppo.py                                  # offline default (SmolLM2 + VADER)
     python recipes/ppo.py model.policy=gpt2 ppo.batch_size=64 reward.model=./my_rm
+    torchrun --nproc_per_node=2 recipes/ppo.py distributed.strategy=fsdp2   # data parallel
 
 Every setting lives in ``recipes/config/ppo.yaml``; ``builders.py`` turns config into objects.
 """
@@ -28,7 +29,7 @@ from rlhf_torchrl import keys as K  # noqa: E402
 from rlhf_torchrl.metrics import MetricsWriter, rollout_metrics  # noqa: E402
 from rlhf_torchrl.modules import evaluate_rollout  # noqa: E402
 from rlhf_torchrl.objectives import ppo_update  # noqa: E402
-from rlhf_torchrl.runtime import reuse_freed_memory  # noqa: E402
+from rlhf_torchrl.runtime import placed, reuse_freed_memory  # noqa: E402
 from rlhf_torchrl.sampling import check_on_policy  # noqa: E402
 
 log = logging.getLogger("ppo")
@@ -42,10 +43,18 @@ def timed(times: dict, name: str):
 
 
 def train(cfg: DictConfig) -> dict:
-    """Run PPO as configured; returns the report (also written to ``report.json``)."""
+    """Run PPO as configured; returns the report (also written to ``report.json``).
+
+    Under ``torchrun`` every process runs this function on its share of each batch
+    (``rlhf_torchrl.distributed``); only rank 0 prints, logs and saves.
+    """
     # Everything cheap is checked before any model is loaded.
     sizes = builders.check_config(cfg)
     reward_functions = builders.make_reward_functions(cfg)
+    device = builders.make_device(cfg)
+    parallel = builders.make_data_parallel(cfg, device)
+    if not parallel.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
     torch.manual_seed(cfg.seed)
     threads = builders.make_thread_tuner(cfg)
     if cfg.reuse_freed_memory:
@@ -54,29 +63,38 @@ def train(cfg: DictConfig) -> dict:
     tokenizer = builders.make_tokenizer(cfg)
     prompts = builders.make_prompts(cfg, tokenizer)
     stop_ids = builders.stop_token_ids(cfg, tokenizer)
-    scorer = builders.make_scorer(cfg, reward_functions)
+    scorer = builders.make_scorer(cfg, reward_functions, device)
     scorer.check(builders.make_reward_probe(cfg, prompts, tokenizer, stop_ids))
-    policy, reference, critic = builders.make_models(cfg, tokenizer)
-    collector = builders.make_collector(cfg, prompts, tokenizer, policy, stop_ids)
+    policy, reference, critic = builders.make_models(cfg, tokenizer, device)
+    # FSDP2 shards the models before the optimiser sees their parameters (no-op otherwise)
+    parallel.shard(policy, reference, *critic.modules_to_shard(),
+                   mixed_precision=builders.autocast_dtype(cfg))
+    collector = builders.make_collector(cfg, prompts, tokenizer, policy, stop_ids, device, parallel)
     actor, ref_actor = builders.make_actors(cfg, policy, reference, critic)
     shaper = builders.make_shaper(cfg)
     advantage = builders.make_advantage(cfg)
     loss_module = builders.make_loss(cfg, actor, critic)
+    parallel.wrap_loss(loss_module)  # DDP (no-op otherwise)
     optimizer, scheduler = builders.make_optimizer(cfg, policy, critic, sizes)
+    grad_scaler = builders.make_grad_scaler(cfg, device)
     replay_buffer = builders.make_replay_buffer(cfg, sizes)
-    writer = MetricsWriter(cfg.output_dir, logger=cfg.logging.logger)
-    log.info("Output directory: %s", cfg.output_dir)
+    writer = MetricsWriter(cfg.output_dir, logger=cfg.logging.logger) if parallel.is_main else None
+    log.info("Output directory: %s (device %s, %d process%s)", cfg.output_dir, device,
+             parallel.world_size, "es" if parallel.enabled else "")
+    # a shared trunk under FSDP2 is run through the whole (sharded) model, never the bare trunk
+    recompute = not cfg.generation.log_probs_from_sampling or (parallel.fsdp and critic.shares_trunk)
 
     p = cfg.ppo
     history, first_samples, rollout = [], None, None
     rollouts = iter(collector)
-    bar = tqdm(range(p.num_iterations), desc="PPO", disable=not cfg.logging.progress_bar)
+    bar = tqdm(range(p.num_iterations), desc="PPO",
+               disable=not (cfg.logging.progress_bar and parallel.is_main))
     for iteration in bar:
         times: dict[str, float] = {}
         start = time.perf_counter()
         n_threads = threads.update()  # the cores other processes left free (or threads=N)
         policy.eval()
-        # 1. Collect: sample responses for a batch of prompts, truncate after the stop token.
+        # 1. Collect: sample responses for this process's prompts, truncate after the stop token.
         with timed(times, "generation"):
             rollout = next(rollouts)
         if iteration == 0 and cfg.generation.check_on_policy:
@@ -89,48 +107,58 @@ def train(cfg: DictConfig) -> dict:
         with timed(times, "scoring"):
             scorer(rollout)
         # 3. Old quantities, no grad: policy and reference log-probs (fp32, temperature), values.
-        with timed(times, "evaluation"):
+        with timed(times, "evaluation"), placed(reference, device, cfg.model.offload_reference):
             evaluate_rollout(rollout, actor=actor, reference=ref_actor, critic=critic,
                              chunk_size=p.forward_batch_size,
                              exact_entropy=cfg.logging.exact_entropy,
-                             recompute_log_probs=not cfg.generation.log_probs_from_sampling)
-        # 4-5. Per-token rewards (-kl_coef * KL, + score at the end), then GAE advantages.
+                             recompute_log_probs=recompute)
+        # 4-5. On the global batch (all processes' rows): per-token rewards (-kl_coef * KL, + score
+        # at the end), then GAE advantages, whitened over the whole batch.
         with timed(times, "advantages"):
-            shaper(rollout)
-            advantage(rollout)
-        # 6. PPO epochs over shuffled minibatches.
+            batch = parallel.gather_rollout(rollout, tokenizer.pad_token_id)
+            shaper(batch)
+            advantage(batch)
+        # 6. PPO epochs over shuffled minibatches (each process runs its slice of each).
         with timed(times, "update"):
             stats = ppo_update(
-                rollout, loss_module, optimizer,
+                batch, loss_module, optimizer,
                 num_ppo_epochs=p.num_ppo_epochs, num_mini_batches=p.num_mini_batches,
                 gradient_accumulation_steps=p.gradient_accumulation_steps,
+                micro_batch_tokens=p.micro_batch_tokens,
                 max_grad_norm=cfg.optim.max_grad_norm, scheduler=scheduler,
-                replay_buffer=replay_buffer,
+                replay_buffer=replay_buffer, grad_scaler=grad_scaler, parallel=parallel,
             )
-        # 7. Log.
-        metrics = rollout_metrics(rollout, kl_coef=shaper.kl_coef)
-        shaper.update_kl_coef(rollout)
+        # 7. Log (the global batch's statistics, the same on every process).
+        metrics = rollout_metrics(batch, kl_coef=shaper.kl_coef)
+        shaper.update_kl_coef(batch)
         times["time/total"] = time.perf_counter() - start
-        n_tokens = float(rollout.get(K.RESPONSE_MASK).sum())
+        n_tokens = float(batch.get(K.RESPONSE_MASK).sum())
         times["time/tokens_per_second"] = n_tokens / max(times["time/generation"], 1e-9)
         metrics.update(stats)
         metrics.update(times)
         metrics["lr"] = optimizer.param_groups[0]["lr"]
         metrics["threads"] = n_threads
         metrics["episode"] = (iteration + 1) * p.batch_size
-        writer.log(iteration, metrics)
+        if writer is not None:
+            writer.log(iteration, metrics)
         history.append(metrics)
         if first_samples is None:
             first_samples = _samples(rollout, cfg.logging.num_samples)
         bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
     collector.shutdown()
-    writer.close()
     if cfg.logging.save_model:
-        policy.save_pretrained(os.path.join(cfg.output_dir, "policy"))
-        tokenizer.save_pretrained(os.path.join(cfg.output_dir, "policy"))
-    report = _report(history, first_samples, _samples(rollout, cfg.logging.num_samples))
-    with open(os.path.join(cfg.output_dir, "report.json"), "w") as f:
-        json.dump({"config": OmegaConf.to_container(cfg, resolve=True), **report}, f, indent=1)
+        state = parallel.full_state_dict(policy)  # gathered from the shards under FSDP2
+        if parallel.is_main:
+            policy.save_pretrained(os.path.join(cfg.output_dir, "policy"), state_dict=state)
+            tokenizer.save_pretrained(os.path.join(cfg.output_dir, "policy"))
+    report = _report(history, first_samples, _samples(rollout, cfg.logging.num_samples),
+                     quiet=not parallel.is_main)
+    if writer is not None:
+        writer.close()
+        with open(os.path.join(cfg.output_dir, "report.json"), "w") as f:
+            json.dump({"config": OmegaConf.to_container(cfg, resolve=True), **report}, f, indent=1)
+    parallel.barrier()
+    parallel.shutdown()
     return report
 
 
@@ -141,7 +169,7 @@ def _samples(rollout, n: int) -> list[dict]:
             for i in range(min(n, len(scores)))]
 
 
-def _report(history: list[dict], before: list[dict], after: list[dict]) -> dict:
+def _report(history: list[dict], before: list[dict], after: list[dict], quiet: bool = False) -> dict:
     """Print and return initial vs final score and KL, with a few responses from each end."""
     k = max(1, min(3, len(history) // 4))  # average the ends over a few iterations: less noise
     def avg(rows, key):
@@ -169,7 +197,8 @@ def _report(history: list[dict], before: list[dict], after: list[dict]) -> dict:
         for s in samples:
             lines.append(f"    [{s['score']:+.2f}] {s['response'].strip()[:150]!r}")
     lines.append("=" * 72)
-    print("\n".join(lines), flush=True)
+    if not quiet:
+        print("\n".join(lines), flush=True)
     return report
 
 

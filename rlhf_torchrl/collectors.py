@@ -9,6 +9,7 @@ the dense layout of :mod:`rlhf_torchrl.keys` and truncates responses after the f
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -29,8 +30,10 @@ def make_generation_env(
     shuffle: bool = True,
     seed: int = 0,
     system_prompt: str | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ):
-    """A TorchRL ``ChatEnv`` that yields ``batch_size`` prompts per reset, cycling forever.
+    """A TorchRL ``ChatEnv`` that yields prompts from global batches of ``batch_size``, cycling forever.
 
     ``prompts`` are :class:`~rlhf_torchrl.data.Prompt` rows (a conversation and dataset fields)
     or plain user messages; ``system_prompt`` goes first in conversations that have none. The env
@@ -38,6 +41,10 @@ def make_generation_env(
     models, see :func:`~rlhf_torchrl.modules.load_tokenizer`); the conversation and the fields ride
     along in every batch (``"query"`` and ``"fields"``), so that :func:`to_rollout` hands them to
     the reward functions.
+
+    Data parallel: every process shuffles the same global batches (``seed``) and process ``rank`` of
+    ``world_size`` gets rows ``rank * b ... (rank + 1) * b - 1`` of each, ``b = batch_size /
+    world_size`` (its env's batch size).
     """
     from torchrl.envs import InitTracker, StepCounter
     from torchrl.envs.llm import ChatEnv
@@ -47,13 +54,17 @@ def make_generation_env(
             f"The prompt set has {len(prompts)} prompts, fewer than one batch "
             f"(batch_size={batch_size}): add prompts or lower the batch size."
         )
+    if batch_size % world_size or not 0 <= rank < world_size:
+        raise ValueError(f"A global batch of {batch_size} rows does not split over {world_size} "
+                         f"processes (rank {rank}): make the batch size a multiple of the world size.")
     rows = [to_prompt(p, system_prompt) for p in prompts]
-    generator = torch.Generator().manual_seed(seed)
-    loader = DataLoader(rows, batch_size=batch_size, shuffle=shuffle, drop_last=True,
-                        generator=generator, collate_fn=_collate_prompts)
+    local = batch_size // world_size
+    batches = ShardedBatchSampler(len(rows), batch_size, rank=rank, world_size=world_size,
+                                  shuffle=shuffle, seed=seed)
+    loader = DataLoader(rows, batch_sampler=batches, collate_fn=_collate_prompts)
     env = ChatEnv.from_dataloader(
         loader,
-        batch_size=(batch_size,),
+        batch_size=(local,),
         tokenizer=tokenizer,
         input_mode="text",
         data_key="query",
@@ -63,6 +74,28 @@ def make_generation_env(
     )
     # InitTracker: the transform TransformersWrapper expects on the env (LLMCollector checks it)
     return env.append_transform(StepCounter(max_steps=1)).append_transform(InitTracker())
+
+
+class ShardedBatchSampler(torch.utils.data.Sampler):
+    """Global batches of ``batch_size`` row indices (shuffled with ``seed``, a new order every epoch,
+    incomplete last batch dropped); yields this ``rank``'s contiguous ``batch_size / world_size``
+    slice of each. Every process draws the same global order."""
+
+    def __init__(self, n: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, seed: int = 0):
+        self.n, self.batch_size, self.shuffle = n, batch_size, shuffle
+        self.local = batch_size // world_size
+        self.start = rank * self.local
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return self.n // self.batch_size
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=self.generator) if self.shuffle else torch.arange(self.n)
+        for i in range(len(self)):
+            batch = order[i * self.batch_size : (i + 1) * self.batch_size]
+            yield batch[self.start : self.start + self.local].tolist()
 
 
 def _collate_prompts(rows: list[Prompt]) -> TensorDict:
@@ -86,6 +119,8 @@ def make_generation_policy(
     stop_token_ids: Sequence[int] | None = None,
     record_log_probs: bool = False,
     record_entropy: bool = False,
+    device: torch.device | str | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ):
     """TorchRL's ``TransformersWrapper`` set up to sample responses on-policy.
 
@@ -101,9 +136,13 @@ def make_generation_policy(
     log-probs (and exact entropies), which :class:`RolloutCollector` writes to each rollout: no
     policy forward is needed to get PPO's old log-probs. TorchRL's own log-probs are never
     requested: they are wrong for PPO (see :mod:`rlhf_torchrl.modules.actor_critic`).
+
+    Prompts are tokenised onto ``device`` (default: the model's); ``autocast_dtype`` runs
+    ``generate`` under ``torch.autocast`` (the sampler still works in fp32).
     """
     from transformers import LogitsProcessorList
 
+    from .runtime import module_device
     from .sampling import (
         InverseCDFSampler,
         sampling_generation_config,
@@ -123,6 +162,7 @@ def make_generation_policy(
         pad_output=True,
         # the chat template already wrote BOS (Llama 3, Gemma): adding specials would double it
         tokenizer_kwargs={"add_special_tokens": False},
+        device=torch.device(device) if device is not None else module_device(model),
         generate_kwargs={
             "max_new_tokens": max_new_tokens,
             "do_sample": False,  # greedy over the sampler's one-hot scores = the sampler's draw
@@ -131,6 +171,7 @@ def make_generation_policy(
         },
     )
     policy.generation_config = sampling_generation_config(model)
+    policy.autocast_dtype = autocast_dtype
     # TransformersWrapper drops generate_kwargs it does not know, logits_processor among them
     # (tests/test_torchrl_upstream.py): set it on the built wrapper
     policy.generate_kwargs["logits_processor"] = LogitsProcessorList([sampler])
@@ -142,18 +183,22 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
 
     transformers fills every generation setting it is not given from ``model.generation_config``,
     and a checkpoint's repetition penalty or suppressed tokens would bend the distribution the
-    tokens are drawn from (off-policy). The model's own config is swapped out only for the call.
+    tokens are drawn from (off-policy). The model's own config is swapped out only for the call,
+    which runs under ``torch.autocast`` when ``autocast_dtype`` is set.
     """
 
     generation_config = None
+    autocast_dtype = None
 
     def forward(self, *args, **kwargs):
-        if self.generation_config is None:
-            return super().forward(*args, **kwargs)
+        from .runtime import autocast
+
         own = self.model.generation_config
-        self.model.generation_config = self.generation_config
+        if self.generation_config is not None:
+            self.model.generation_config = self.generation_config
         try:
-            return super().forward(*args, **kwargs)
+            with autocast(self._device, self.autocast_dtype):
+                return super().forward(*args, **kwargs)
         finally:
             self.model.generation_config = own
 
@@ -292,6 +337,11 @@ class RolloutCollector:
     when the policy's sampler records them. The collector samples with the live policy weights
     (the wrapped model is the trained one).
 
+    With ``seed``, row ``i`` of batch ``k`` is sampled from its own random stream, seeded by
+    ``(seed, k, row_offset + i)`` (:func:`~rlhf_torchrl.sampling.row_stream_seeds`): a process that
+    collects rows ``row_offset...`` of a global batch draws exactly the tokens a single process
+    would for those rows. Rollouts are moved to ``device`` when given.
+
     Example:
         >>> collector = RolloutCollector(env, policy, tokenizer=tok, batch_size=16)
         >>> rollout = next(iter(collector))
@@ -307,11 +357,20 @@ class RolloutCollector:
         batch_size: int,
         stop_token_ids: Sequence[int] | None = None,
         total_batches: int = -1,
+        seed: int | None = None,
+        row_offset: int = 0,
+        device: torch.device | str | None = None,
     ):
         from torchrl.collectors.llm import LLMCollector
 
         self.tokenizer = tokenizer
-        sampler = sampler_of(policy)
+        self.batch_size = batch_size
+        self.seed, self.row_offset, self.device = seed, row_offset, device
+        self.streams = sampler_of(policy)  # draws the tokens: row streams are set on it
+        if seed is not None and self.streams is None:
+            raise ValueError("RolloutCollector(seed=...) needs a policy from make_generation_policy "
+                             "(its InverseCDFSampler draws the tokens from per-row streams).")
+        sampler = self.streams
         self.sampler = sampler if sampler is not None and sampler.record else None  # has log-probs
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         total = -1 if total_batches < 0 else total_batches * batch_size
@@ -320,9 +379,18 @@ class RolloutCollector:
         )
 
     def __iter__(self) -> Iterator[TensorDict]:
+        from .sampling import row_stream_seeds
+
         if self.sampler is not None:
             self.sampler.pop()  # nothing recorded outside this loop belongs to its batches
-        for batch in self.collector:
+        batches = iter(self.collector)
+        rows = range(self.row_offset, self.row_offset + self.batch_size)
+        for index in itertools.count():
+            if self.seed is not None:  # the streams of the batch the collector generates next
+                self.streams.set_streams(row_stream_seeds(self.seed, index, rows))
+            batch = next(batches, None)
+            if batch is None:
+                return
             rollout = to_rollout(
                 batch,
                 pad_token_id=self.tokenizer.pad_token_id,
@@ -331,7 +399,7 @@ class RolloutCollector:
             )
             if self.sampler is not None:
                 self._add_sampling_record(rollout, batch)
-            yield rollout
+            yield rollout if self.device is None else rollout.to(self.device)
 
     def _add_sampling_record(self, rollout: TensorDict, batch: TensorDictBase) -> None:
         """Write the sampler's per-token log-probs (and entropies) of this batch, 0 on pads."""

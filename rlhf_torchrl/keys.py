@@ -12,6 +12,8 @@ Reused from TorchRL's LLM vocabulary: ``("tokens", "prompt")``, ``("tokens", "re
 PROMPT_TOKENS = ("tokens", "prompt")
 # (B, P) bool, True on real prompt tokens.
 PROMPT_MASK = ("masks", "prompt")
+# The entries of prompt width P; every other (B, W, ...) tensor entry of a rollout has width R.
+PROMPT_WIDTH = (PROMPT_TOKENS, PROMPT_MASK)
 # (B, R) int64, right-padded: truncated after the first stop token, pad after it.
 RESPONSE_TOKENS = ("tokens", "response")
 # (B, R) bool, True on response tokens that count (the stop token included).

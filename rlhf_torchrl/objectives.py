@@ -6,13 +6,11 @@
   actor and critic, token-mean over valid response tokens (``loss_mask_key``), with TRL's
   diagnostics added.
 - :func:`ppo_update`: ``num_ppo_epochs`` passes, each a shuffle into minibatches served by a
-  TorchRL replay buffer, with gradient accumulation that keeps the minibatch's token-mean, and
-  gradient-norm clipping.
+  TorchRL replay buffer, with gradient accumulation over equal or token-budget micro-batches that
+  keeps the minibatch's token-mean, gradient-norm clipping, and data parallelism.
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import torch
 from tensordict import TensorDictBase
@@ -156,26 +154,92 @@ def make_ppo_loss(
     return loss
 
 
-def make_minibatch_buffer(batch_size: int, mini_batch_size: int):
+def make_minibatch_buffer(batch_size: int, mini_batch_size: int, seed: int | None = None):
     """TorchRL replay buffer that serves one rollout as shuffled minibatches, without replacement.
 
     ``LazyStackStorage`` because the padded widths change from one rollout to the next
     (``LazyTensorStorage`` fails then); :func:`ppo_update` empties and refills it every iteration.
+    With ``seed`` the shuffle has its own generator: every data-parallel process draws the same
+    minibatches, whatever else consumes torch's global random numbers.
     """
     from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
 
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return ReplayBuffer(storage=LazyStackStorage(batch_size), sampler=SamplerWithoutReplacement(),
-                        batch_size=mini_batch_size)
-
-
-def _valid_fraction(td: TensorDictBase) -> float:
-    mask = td.get(K.RESPONSE_MASK)
-    return float(mask.sum()) / mask.numel()
+                        batch_size=mini_batch_size, generator=generator)
 
 
 def _tensors_only(td: TensorDictBase) -> TensorDictBase:
     """``td`` without its non-tensor entries (text, conversations, dataset fields)."""
     return td.select(*(k for k, v in td.items(True, True) if isinstance(v, torch.Tensor)))
+
+
+def trim_padding(td: TensorDictBase) -> TensorDictBase:
+    """``td`` cut to its own widths: prompt columns that are padding in every row (on the left) and
+    response columns that are padding in every row (on the right) removed.
+
+    Every entry whose second dimension is the response width is cut with the response. Left
+    padding only shifts nothing (position ids count from the first real token) and right padding
+    is never attended to, so a trimmed batch gives the same log-probs and values on its tokens.
+    """
+    prompt_mask, response_mask = td.get(K.PROMPT_MASK), td.get(K.RESPONSE_MASK)
+    p_width, r_width = prompt_mask.shape[1], response_mask.shape[1]
+    # at least one column each (a prompt predicts the first response token)
+    p_keep = max(p_width - int(prompt_mask.any(0).long().argmax()), 1)  # from the first real column
+    r_keep = max(int(F.last_token_index(response_mask.any(0, keepdim=True))) + 1, 1)
+    if p_keep == p_width and r_keep == r_width:
+        return td
+    out = td.clone(False)
+    for key in K.PROMPT_WIDTH:
+        out.set(key, td.get(key)[:, p_width - p_keep :])
+    for key, value in td.items(True, True):
+        if key not in K.PROMPT_WIDTH and isinstance(value, torch.Tensor) and value.ndim >= 2 \
+                and value.shape[1] == r_width:
+            out.set(key, value[:, :r_keep])
+    return out
+
+
+def token_budget_split(mask_prompt: torch.Tensor, mask_response: torch.Tensor, max_tokens: int,
+                       min_parts: int = 1) -> list[torch.Tensor]:
+    """Rows grouped into micro-batches of at most ``max_tokens`` padded tokens each.
+
+    The padded cost of a micro-batch is ``rows * (longest prompt + longest response)`` in it, after
+    :func:`trim_padding`. Rows are sorted by length (longest first) and packed greedily, so each
+    micro-batch holds rows of similar length; a row longer than the budget goes alone. Then the
+    costliest micro-batches are halved until there are ``min_parts`` (data-parallel processes must
+    run the same number of micro-batches); where no micro-batch can be halved, empty ones (no rows)
+    are added. Returns one index tensor per micro-batch, longest rows first.
+    """
+    p_len, r_len = mask_prompt.sum(-1), mask_response.sum(-1)
+    order = torch.argsort(p_len + r_len, descending=True, stable=True).tolist()
+    p_len, r_len = p_len.tolist(), r_len.tolist()
+    groups: list[list[int]] = []
+    p_max = r_max = 0
+    for i in order:
+        p_new, r_new = max(p_max, p_len[i]), max(r_max, r_len[i])
+        if groups and (len(groups[-1]) + 1) * (p_new + r_new) <= max_tokens:
+            groups[-1].append(i)
+            p_max, r_max = p_new, r_new
+        else:
+            groups.append([i])
+            p_max, r_max = p_len[i], r_len[i]
+
+    def cost(g):
+        return len(g) * (max(p_len[i] for i in g) + max(r_len[i] for i in g)) if g else 0
+
+    while len(groups) < min_parts:
+        splittable = [g for g in groups if len(g) > 1]
+        if not splittable:
+            groups.append([])
+            continue
+        g = max(splittable, key=cost)
+        k = groups.index(g)
+        groups[k : k + 1] = [g[: len(g) // 2], g[len(g) // 2 :]]
+    return [torch.tensor(g, dtype=torch.long) for g in groups]
+
+
+_STATS = ("policy/clipfrac_avg", "policy/approxkl_avg", "loss/policy_avg", "loss/value_avg",
+          "val/clipfrac_avg", "policy/entropy_avg", "val/ratio")
 
 
 def ppo_update(
@@ -186,72 +250,120 @@ def ppo_update(
     num_ppo_epochs: int,
     num_mini_batches: int,
     gradient_accumulation_steps: int = 1,
+    micro_batch_tokens: int | None = None,
     max_grad_norm: float | None = 1.0,
     scheduler=None,
     replay_buffer=None,
+    grad_scaler=None,
+    parallel=None,
 ) -> dict[str, float]:
     """Run the PPO epochs over one rollout and return the averaged diagnostics.
 
     Each epoch the rollout is served by a TorchRL ``ReplayBuffer`` (``LazyStackStorage`` and
-    ``SamplerWithoutReplacement``) in ``num_mini_batches`` shuffled minibatches; each minibatch is
-    split into ``gradient_accumulation_steps`` micro-batches whose gradients add up before one
-    optimiser step. The loss of a minibatch is the mean over all its valid tokens, whatever the
-    split: micro-batch ``j``'s token-mean is weighted by ``n_j / n`` (its share of the minibatch's
-    valid tokens), not ``1 / k``, so ``k`` changes the memory, never the gradient. ``rollout``
-    rows must be divisible accordingly (checked up front by the recipe).
+    ``SamplerWithoutReplacement``) in ``num_mini_batches`` shuffled minibatches, one optimiser step
+    each. A minibatch is split into micro-batches whose gradients add up before the step: either
+    ``gradient_accumulation_steps`` equal row slices, or, with ``micro_batch_tokens``, groups of
+    rows of similar length holding at most that many padded tokens (:func:`token_budget_split`).
+    Each micro-batch is cut to its own prompt and response widths (:func:`trim_padding`). The loss
+    of a minibatch is the mean over all its valid tokens, whatever the split: micro-batch ``j``'s
+    token-mean is weighted by ``n_j / n`` (its share of the minibatch's valid tokens), so the split
+    changes the memory, never the gradient.
+
+    Data parallel (``parallel``, a :class:`~rlhf_torchrl.distributed.DataParallel`): ``rollout`` is
+    the global batch on every process (the same minibatches are drawn everywhere); process ``r``
+    runs the ``r``-th of ``world_size`` equal slices of each minibatch, its losses go through the
+    DDP wrapper (or FSDP2-sharded modules) and the gradients are averaged across processes once
+    per minibatch. The result equals the single-process update up to float rounding.
+
+    ``grad_scaler`` (a ``torch.amp.GradScaler``) scales the loss for fp16 autocast.
 
     Returned metrics, named and defined as in TRL's ``PPOTrainer`` (:class:`TokenPPOLoss`), each
-    a mean over valid response tokens per micro-batch, averaged over micro-batches:
+    a mean over a minibatch's valid response tokens, averaged over minibatches:
     ``policy/approxkl_avg``, ``policy/clipfrac_avg``, ``loss/policy_avg``, ``loss/value_avg``,
-    ``val/clipfrac_avg``, ``val/ratio`` and ``val/ratio_var`` (the variance of the micro-batch
+    ``val/clipfrac_avg``, ``val/ratio`` and ``val/ratio_var`` (the variance of the minibatch
     ratio means), ``policy/entropy_avg`` with an entropy bonus, and ``grad_norm`` (before clipping,
-    one per optimiser step).
+    averaged over optimiser steps).
     """
+    from .distributed import DataParallel
+
+    parallel = parallel or DataParallel()
+    world, rank = parallel.world_size, parallel.rank
     n = rollout.shape[0]
     mini = n // num_mini_batches
-    micro = mini // gradient_accumulation_steps
+    if mini % world:
+        raise ValueError(f"A minibatch of {mini} rows does not split over {world} processes.")
+    local = mini // world
     if replay_buffer is None:
         replay_buffer = make_minibatch_buffer(n, mini)
     replay_buffer.empty()
     replay_buffer.extend(_tensors_only(rollout))
     critic_coeff = getattr(loss_module, "critic_coeff", None)
     vf_coef = 2 * float(critic_coeff) if critic_coeff is not None else 0.0
-    stats: dict[str, list[float]] = defaultdict(list)
-    ratios = []
+    steps = num_ppo_epochs * num_mini_batches
+    device = rollout.get(K.RESPONSE_MASK).device
+    # token-weighted sums of each diagnostic per minibatch, summed over processes at the end
+    sums = torch.zeros(steps, len(_STATS), dtype=torch.float64, device=device)
+    seen = torch.zeros(len(_STATS), dtype=torch.bool)
+    grad_norms = torch.zeros(steps, dtype=torch.float64, device=device)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     loss_module.train()
-    for _ in range(num_ppo_epochs):
-        for _ in range(num_mini_batches):
-            minibatch = replay_buffer.sample().contiguous()  # lazy stack -> dense (b, ...)
-            n_tokens = minibatch.get(K.RESPONSE_MASK).sum().clamp_min(1)
-            optimizer.zero_grad(set_to_none=True)
-            for micro_batch in minibatch.split(micro):
-                out = loss_module(micro_batch)
+    for step in range(steps):
+        minibatch = replay_buffer.sample().contiguous()  # lazy stack -> dense (mini, ...)
+        n_tokens = minibatch.get(K.RESPONSE_MASK).sum().clamp_min(1)  # the whole minibatch's
+        mine = minibatch[rank * local : (rank + 1) * local]
+        if micro_batch_tokens:
+            counts = token_budget_split(mine.get(K.PROMPT_MASK), mine.get(K.RESPONSE_MASK),
+                                        micro_batch_tokens)
+            parts = token_budget_split(mine.get(K.PROMPT_MASK), mine.get(K.RESPONSE_MASK),
+                                       micro_batch_tokens, min_parts=parallel.max_int(len(counts)))
+        else:
+            parts = list(torch.arange(local).split(local // gradient_accumulation_steps))
+        optimizer.zero_grad(set_to_none=True)
+        for j, rows in enumerate(parts):
+            weight = world / n_tokens  # DDP/FSDP average over processes: scale back up to a sum
+            if rows.numel() == 0:  # keeps the collectives in step; contributes nothing
+                rows, weight = torch.zeros(1, dtype=torch.long), 0.0
+            micro_batch = trim_padding(mine[rows.to(mine.device)])
+            n_micro = micro_batch.get(K.RESPONSE_MASK).sum()
+            with parallel.accumulate(last=j == len(parts) - 1):
+                out = parallel.loss(loss_module, micro_batch)
                 loss = sum(v for k, v in out.items() if k.startswith("loss_"))
                 # every loss_* is a token-mean over this micro-batch: weight it by its token share
-                (loss * micro_batch.get(K.RESPONSE_MASK).sum() / n_tokens).backward()
+                loss = loss * n_micro * weight
+                (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+            if weight:
                 out = out.detach()
-                stats["policy/clipfrac_avg"].append(float(out["pg_clipfrac"]))
-                stats["policy/approxkl_avg"].append(float(out["approxkl"]))
-                stats["loss/policy_avg"].append(float(out["loss_objective"]))
+                values = {"policy/clipfrac_avg": out["pg_clipfrac"],
+                          "policy/approxkl_avg": out["approxkl"],
+                          "loss/policy_avg": out["loss_objective"], "val/ratio": out["ratio"]}
                 if vf_coef > 0:
-                    stats["loss/value_avg"].append(float(out["loss_critic"]) / vf_coef)
+                    values["loss/value_avg"] = out["loss_critic"] / vf_coef
                 if "vf_clipfrac" in out.keys():
-                    stats["val/clipfrac_avg"].append(float(out["vf_clipfrac"]))
+                    values["val/clipfrac_avg"] = out["vf_clipfrac"]
                 if "entropy" in out.keys():
                     # ClipPPOLoss averages the entropy over every position (0 on pads)
-                    stats["policy/entropy_avg"].append(float(out["entropy"]) / _valid_fraction(micro_batch))
-                ratios.append(float(out["ratio"]))
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, max_grad_norm if max_grad_norm else float("inf")
-            )
-            stats["grad_norm"].append(float(grad_norm))
+                    mask = micro_batch.get(K.RESPONSE_MASK)
+                    values["policy/entropy_avg"] = out["entropy"] * mask.numel() / n_micro.clamp_min(1)
+                for name, value in values.items():
+                    i = _STATS.index(name)
+                    sums[step, i] += value.double() * n_micro
+                    seen[i] = True
+        if grad_scaler is not None:
+            grad_scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+        grad_norms[step] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double()
+        if grad_scaler is not None:
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+        else:
             optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
+        sums[step] /= n_tokens
     loss_module.eval()
-    metrics = {k: sum(v) / len(v) for k, v in stats.items()}
-    r = torch.tensor(ratios)
-    metrics["val/ratio"] = float(r.mean())
-    metrics["val/ratio_var"] = float(r.var()) if r.numel() > 1 else 0.0
+    per_minibatch = parallel.all_reduce(sums).cpu()  # one collective for the whole update
+    metrics = {name: float(per_minibatch[:, i].mean()) for i, name in enumerate(_STATS) if seen[i]}
+    ratios = per_minibatch[:, _STATS.index("val/ratio")]
+    metrics["val/ratio_var"] = float(ratios.var()) if ratios.numel() > 1 else 0.0
+    metrics["grad_norm"] = float(grad_norms.mean())
     return metrics

@@ -67,11 +67,18 @@ class RewardModel:
     tokenised without adding special tokens (the template wrote them), raw text with them (a
     BERT-like model needs its ``[CLS]``). The text is encoded with the reward model's own tokenizer (right-padded, truncated from the left), so it
     may use another vocabulary than the policy; HF decoder classifiers read the score at the last
-    non-pad token, encoders at their pooled token. Runs without grad in chunks of ``batch_size``.
+    non-pad token, encoders at their pooled token. Runs without grad in chunks of ``batch_size``,
+    on ``device`` (default: where the model is); with ``offload`` the model lives on the CPU and
+    visits ``device`` only while it scores.
     """
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 16, max_length: int | None = None):
-        self.model = model.eval()
+    def __init__(self, model, tokenizer, *, batch_size: int = 16, max_length: int | None = None,
+                 device: torch.device | str | None = None, offload: bool = False):
+        from .runtime import module_device
+
+        self.device = torch.device(device) if device is not None else module_device(model)
+        self.offload = offload
+        self.model = model.eval().to("cpu" if offload else self.device)
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_length = max_length or getattr(tokenizer, "model_max_length", None)
@@ -87,10 +94,10 @@ class RewardModel:
         tokenizer.truncation_side = "left"
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, **kwargs) -> RewardModel:
+    def from_pretrained(cls, name_or_path: str, *, dtype: str = "float32", **kwargs) -> RewardModel:
         from .modules.models import load_sequence_classifier
 
-        model, tokenizer = load_sequence_classifier(name_or_path)
+        model, tokenizer = load_sequence_classifier(name_or_path, dtype=dtype)
         return cls(model, tokenizer, **kwargs)
 
     @property
@@ -142,10 +149,13 @@ class RewardModel:
             messages=tensordict.get(K.PROMPT_MESSAGES).tolist() if K.PROMPT_MESSAGES in keys else None,
             has_stop=tensordict.get(K.HAS_STOP).tolist() if K.HAS_STOP in keys else None,
         )
+        from .runtime import placed
+
         scores = []
-        for i in range(0, len(texts), self.batch_size):
-            logits = self.model(**self.encode(texts[i : i + self.batch_size])).logits
-            scores.append(logits[:, 0].float())
+        with placed(self.model, self.device, self.offload):
+            for i in range(0, len(texts), self.batch_size):
+                inputs = self.encode(texts[i : i + self.batch_size]).to(self.device)
+                scores.append(self.model(**inputs).logits[:, 0].float())
         return torch.cat(scores)
 
     def encode(self, texts: list[str]):
@@ -189,7 +199,7 @@ def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase) -> dict:
     return {k: td if k == "tensordict" else td.get((K.DATA, k)).tolist() for k in wanted}
 
 
-def _call_reward(name: str, fn: RewardFn, td: TensorDictBase) -> torch.Tensor:
+def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None) -> torch.Tensor:
     prompts = td.get(K.PROMPT_TEXT).tolist()
     responses = td.get(K.RESPONSE_TEXT).tolist()
     kwargs = reward_arguments(name, fn, td)
@@ -198,7 +208,7 @@ def _call_reward(name: str, fn: RewardFn, td: TensorDictBase) -> torch.Tensor:
     except Exception as e:
         raise RuntimeError(f"Reward {name!r} raised {type(e).__name__}: {e}") from e
     try:
-        out = torch.as_tensor(out, dtype=torch.float32).reshape(-1)
+        out = torch.as_tensor(out, dtype=torch.float32, device=device).reshape(-1)
     except (TypeError, ValueError, RuntimeError) as e:
         raise TypeError(
             f"Reward {name!r} must return one float per response (a list, array or 1-D tensor); "
@@ -265,9 +275,10 @@ class Scorer(TensorDictModuleBase):
             _call_reward(name, fn, probe)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        total = torch.zeros(td.shape[0])
+        device = td.get(K.HAS_STOP).device  # scores live with the rollout (a text reward's go there)
+        total = torch.zeros(td.shape[0], device=device)
         for name, (fn, weight) in self.rewards.items():
-            value = _call_reward(name, fn, td)
+            value = _call_reward(name, fn, td, device)
             td.set(("scores", name), value)
             total = total + weight * value
         td.set(K.RAW_SCORE, total)

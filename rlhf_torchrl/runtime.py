@@ -1,4 +1,7 @@
-"""Process-wide settings that make CPU training faster.
+"""Where and how the pipeline runs: devices, precision, and process-wide CPU settings.
+
+:func:`resolve_device`, :func:`autocast` and :func:`placed` are the device and precision helpers
+every phase uses.
 
 PyTorch on CPU allocates and frees tensors of the vocabulary's size (logits, their gradients) at
 every forward and backward. glibc serves blocks above its mmap threshold (at most 32 MB unless
@@ -16,8 +19,10 @@ import logging
 import os
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 
 import torch
+from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +128,57 @@ class ThreadTuner:
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         return self.threads
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """The device to run on: ``None`` or ``"auto"`` picks CUDA when present (``cuda:LOCAL_RANK`` under
+    torchrun), else the CPU; anything else is checked to exist."""
+    if device is None or device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r} is not a device: use cpu, cuda, cuda:N or auto.") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device} but torch sees no CUDA device: use device=cpu "
+                             "(or auto), or install a CUDA build of torch.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device} but only {torch.cuda.device_count()} CUDA "
+                             "device(s) are visible.")
+    return device
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """``torch.autocast`` on ``device`` in ``dtype`` (bf16/fp16 matmuls over fp32 weights), or nothing
+    when ``dtype`` is None."""
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """The device of a module's first parameter (CPU for a module without any)."""
+    param = next(module.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+@contextmanager
+def placed(module: nn.Module | None, device: torch.device, offload: bool = False):
+    """Run a block with ``module`` on ``device``; with ``offload``, it lives on the CPU otherwise.
+
+    Frozen models (reference, reward model) offloaded this way take device memory only during the
+    phase that uses them.
+    """
+    if module is None or not offload:
+        yield module
+        return
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

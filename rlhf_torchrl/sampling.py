@@ -36,7 +36,11 @@ _NEUTRAL_FIELDS = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_star
                    "output_hidden_states"}
 
 
-def sample_inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_inverse_cdf(
+    weights: torch.Tensor,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Row-wise draws ``i ~ weights[b, i] / weights[b].sum()`` by inverse CDF, exact to fp64.
 
     ``weights`` (B, V) are non-negative, unnormalised, each row with a positive sum. A flat fp32
@@ -44,24 +48,41 @@ def sample_inverse_cdf(weights: torch.Tensor, generator: torch.Generator | None 
     total to zero probability; instead the vocabulary is cut into blocks of 256, a block is drawn
     from the block masses (cumulated in fp64), then a token from inside that block (fp64 cumulative
     sum of 256 entries). A zero weight is never drawn. Returns (B,) int64 indices.
+
+    The two uniforms per row come from ``generator`` (or torch's global one), or are given as
+    ``uniforms`` (B, 2) in (0, 1] (per-row random streams, :class:`InverseCDFSampler`).
     """
     n_rows, n = weights.shape
+    if uniforms is None:
+        uniforms = 1.0 - torch.rand(n_rows, 2, dtype=torch.float64, device=weights.device,
+                                    generator=generator)
     pad = (-n) % _BLOCK
     blocks = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).view(n_rows, -1, _BLOCK)
-    block = _draw(blocks.sum(-1).double(), generator)  # (B,)
+    block = _draw(blocks.sum(-1).double(), uniforms[:, :1])  # (B,)
     inside = blocks[torch.arange(n_rows, device=weights.device), block].double()  # (B, 256)
-    return block * _BLOCK + _draw(inside, generator)
+    return block * _BLOCK + _draw(inside, uniforms[:, 1:])
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Index of the first cumulative weight reaching ``u * total``, ``u ~ U(0, 1]``.
+def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index of the first cumulative weight reaching ``u * total``, with ``u`` (B, 1) in (0, 1].
 
     ``u > 0``: the returned entry raised the cumulative sum, so its weight is positive; ``u <= 1``:
     the sum's last entry is always reached, so no index runs past the end.
     """
     cdf = weights.cumsum(-1)
-    u = 1.0 - torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device, generator=generator)
-    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1)
+    return torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:]).squeeze(1)
+
+
+def row_stream_seeds(seed: int, batch: int, rows: range | list[int]) -> list[int]:
+    """One 63-bit seed per prompt row, from (run seed, batch index, global row index).
+
+    The random stream a row's tokens are drawn with then depends on which prompt of which batch it
+    is, never on which process drew it or which rows share its batch: a run is world-size invariant.
+    """
+    import numpy as np
+
+    return [int(np.random.SeedSequence([seed, batch, row]).generate_state(2, np.uint64)[0] >> 1)
+            for row in rows]
 
 
 class InverseCDFSampler:
@@ -77,6 +98,10 @@ class InverseCDFSampler:
     untruncated distribution: the one PPO's ratio uses) are kept, and with ``record_entropy``
     the exact entropies of those distributions. :meth:`pop` returns them stacked as (B, T) fp32
     and clears the record. Rows that already finished keep being recorded: the caller masks them.
+
+    Random numbers come from ``generator`` (torch's global one by default), or, after
+    :meth:`set_streams`, from one stream per row (seeded by :func:`row_stream_seeds`): then a row's
+    tokens do not depend on the other rows of its batch.
     """
 
     def __init__(
@@ -106,8 +131,28 @@ class InverseCDFSampler:
         self.record = record
         self.record_entropy = record_entropy
         self.generator = generator
+        self._stream_seeds: list[int] | None = None
+        self._streams: list[torch.Generator] | None = None
         self._log_probs: list[torch.Tensor] = []
         self._entropies: list[torch.Tensor] = []
+
+    def set_streams(self, seeds: list[int] | None) -> None:
+        """Draw row ``i`` of the next generation from its own generator seeded with ``seeds[i]``
+        (None: back to the shared ``generator``)."""
+        self._stream_seeds = None if seeds is None else list(seeds)
+        self._streams = None
+
+    def _uniforms(self, n_rows: int, device: torch.device) -> torch.Tensor | None:
+        """(B, 2) fp64 uniforms in (0, 1], one pair per row from its stream; None without streams."""
+        if self._stream_seeds is None:
+            return None
+        if len(self._stream_seeds) != n_rows:
+            raise ValueError(f"The sampler has {len(self._stream_seeds)} row streams for a batch "
+                             f"of {n_rows} rows: call set_streams with one seed per row.")
+        if self._streams is None or self._streams[0].device != device:
+            self._streams = [torch.Generator(device).manual_seed(s) for s in self._stream_seeds]
+        draws = [torch.rand(2, dtype=torch.float64, device=device, generator=g) for g in self._streams]
+        return 1.0 - torch.stack(draws)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logits = scores.float() / self.temperature  # (B, V)
@@ -127,7 +172,8 @@ class InverseCDFSampler:
             weights_kept = weights.masked_fill(kept == float("-inf"), 0.0)
         else:
             weights_kept = weights
-        tokens = sample_inverse_cdf(weights_kept, self.generator)
+        tokens = sample_inverse_cdf(weights_kept, self.generator,
+                                    self._uniforms(weights.shape[0], weights.device))
         if self.record:
             log_norm = total.log()  # logsumexp(shifted)
             self._log_probs.append(shifted.gather(1, tokens[:, None]).squeeze(1) - log_norm)

@@ -158,3 +158,21 @@ def test_gae_against_recursive_definition(gamma, lmbda):
     exp_adv, exp_ret = _gae_loop(rewards, values * mask, mask, gamma, lmbda)
     torch.testing.assert_close(adv, exp_adv)
     torch.testing.assert_close(ret, exp_ret)
+
+
+def test_log_probs_are_exact_fp32_from_bf16_logits():
+    """bf16 logits (autocast, bf16 weights): the log-probs and their gradient are those of the same
+    logits upcast to fp32, not of a bf16 softmax."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5, 1000, generator=g) * 4).bfloat16().requires_grad_()
+    tokens = torch.randint(0, 1000, (3, 5), generator=g)
+    got = F.log_probs_from_logits(logits, tokens, 0.7)
+    assert got.dtype == torch.float32
+    upcast = logits.detach().float().requires_grad_()
+    want = torch.log_softmax(upcast / 0.7, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    weights = torch.randn(3, 5, generator=g)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.grad.float(), upcast.grad.bfloat16().float(), atol=1e-6, rtol=0)

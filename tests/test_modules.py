@@ -281,3 +281,62 @@ def test_sample_entropy_is_minus_log_prob(tiny_llama_dir, tokenizer):
     out = evaluate_rollout(td, actor=actor, reference=ref, critic=TokenCritic(policy.base_model),
                            chunk_size=2, exact_entropy=False)
     torch.testing.assert_close(out[K.ENTROPY], -out[K.LOG_PROB])
+
+
+def test_autocast_actor_and_critic_stay_fp32_at_the_output(tiny_llama_dir, tokenizer):
+    """bf16 autocast over fp32 weights: log-probs and values come out fp32, close to fp32's."""
+    from tensordict import TensorDict
+
+    model = load_causal_lm(tiny_llama_dir, tokenizer)
+    g = torch.Generator().manual_seed(0)
+    td = TensorDict({K.PROMPT_TOKENS: torch.randint(10, 1000, (2, 4), generator=g),
+                     K.PROMPT_MASK: torch.ones(2, 4, dtype=torch.bool),
+                     K.RESPONSE_TOKENS: torch.randint(10, 1000, (2, 3), generator=g),
+                     K.RESPONSE_MASK: torch.ones(2, 3, dtype=torch.bool)}, batch_size=[2])
+    out = {}
+    for dtype in (None, torch.bfloat16):
+        critic = make_critic(policy=model, tokenizer=tokenizer, init="shared", autocast_dtype=dtype)
+        torch.nn.init.constant_(critic.head.weight, 0.01)
+        lp = TokenLevelActor(model, autocast_dtype=dtype)(td.clone()).get(K.LOG_PROB)
+        values = critic(td.clone()).get(K.VALUE)
+        assert lp.dtype == values.dtype == torch.float32
+        out[dtype] = (lp, values)
+    torch.testing.assert_close(out[torch.bfloat16][0], out[None][0], atol=0.05, rtol=0)
+    torch.testing.assert_close(out[torch.bfloat16][1], out[None][1], atol=0.02, rtol=0)
+    assert not torch.equal(out[torch.bfloat16][0], out[None][0])  # bf16 really ran
+
+
+@pytest.mark.parametrize("init", ["policy", "shared"])
+def test_gradient_checkpointing_gives_the_same_gradients(init, tiny_llama_dir, tokenizer):
+    """Recomputing activations in the backward changes memory, never the gradient."""
+    from tensordict import TensorDict
+
+    from rlhf_torchrl.objectives import make_ppo_loss
+
+    g = torch.Generator().manual_seed(0)
+    td = TensorDict({K.PROMPT_TOKENS: torch.randint(10, 1000, (2, 4), generator=g),
+                     K.PROMPT_MASK: torch.ones(2, 4, dtype=torch.bool),
+                     K.RESPONSE_TOKENS: torch.randint(10, 1000, (2, 3), generator=g),
+                     K.RESPONSE_MASK: torch.ones(2, 3, dtype=torch.bool),
+                     K.LOG_PROB: torch.full((2, 3), -7.0), K.VALUE: torch.zeros(2, 3, 1),
+                     K.ADVANTAGE: torch.randn(2, 3, 1, generator=g),
+                     K.VALUE_TARGET: torch.randn(2, 3, 1, generator=g)}, batch_size=[2])
+    grads = []
+    for checkpointing in (False, True):
+        model = load_causal_lm(tiny_llama_dir, tokenizer)
+        torch.manual_seed(0)
+        critic = make_critic(policy=model, tokenizer=tokenizer, init=init, name_or_path=tiny_llama_dir)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if not critic.shares_trunk:
+                critic.backbone.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+        actor = TokenLevelActor(model, trunk_critic=critic if critic.shares_trunk else None)
+        loss = make_ppo_loss(actor, critic).train()
+        out = loss(td.clone())
+        sum(v for k, v in out.items() if k.startswith("loss_")).backward()
+        assert model.model.gradient_checkpointing == checkpointing
+        grads.append([p.grad.clone() for p in loss.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

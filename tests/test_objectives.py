@@ -162,11 +162,20 @@ def test_ppo_update_steps_and_reports(tiny_llama_dir, tokenizer):
     assert set(td.keys(True)) == keys  # the shared-trunk actor leaves nothing in the caller's rollout
 
 
+# micro-batch splits: equal row slices (gradient_accumulation_steps) or token budgets
+SPLITS = {"rows=1": {}, "rows=2": {"gradient_accumulation_steps": 2},
+          "rows=4": {"gradient_accumulation_steps": 4}, "tokens=40": {"micro_batch_tokens": 40},
+          "tokens=24": {"micro_batch_tokens": 24}, "tokens=1": {"micro_batch_tokens": 1}}
+
+
 @pytest.mark.parametrize("critic_init", ["policy", "shared"])
-def test_gradient_accumulation_keeps_the_token_mean(critic_init, tiny_llama_dir, tokenizer):
-    """k micro-batches of different valid-token counts give the gradient of k = 1 (fp64)."""
-    grads = {}
-    for k in (1, 2, 4):
+def test_micro_batches_keep_the_token_mean(critic_init, tiny_llama_dir, tokenizer):
+    """Equal row slices or token-budget micro-batches (each trimmed to its own widths), of different
+    valid-token counts, give the gradient and metrics of the whole padded minibatch (fp64)."""
+    from rlhf_torchrl.objectives import token_budget_split
+
+    grads, stats = {}, {}
+    for name, split in SPLITS.items():
         _, loss, critic, td = _prepared(tiny_llama_dir, tokenizer, critic_init=critic_init,
                                         dtype="float64")
         # strongly ragged: row i keeps 1 + i % 6 response tokens
@@ -176,12 +185,42 @@ def test_gradient_accumulation_keeps_the_token_mean(critic_init, tiny_llama_dir,
         critic.head.double()
         params = [p for p in loss.parameters() if p.requires_grad]
         opt = torch.optim.SGD(params, lr=0.0)  # leaves the gradient of the one step in .grad
-        ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=1,
-                   gradient_accumulation_steps=k, max_grad_norm=None)
-        grads[k] = [p.grad.clone() for p in params]
-    for k in (2, 4):
-        for a, b in zip(grads[1], grads[k]):
+        stats[name] = ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=1,
+                                 max_grad_norm=None, **split)
+        grads[name] = [p.grad.clone() for p in params]
+        if "micro_batch_tokens" in split:
+            parts = token_budget_split(td[K.PROMPT_MASK], mask, split["micro_batch_tokens"])
+            assert sorted(torch.cat(parts).tolist()) == list(range(8))
+            assert (len(parts) == 8) == (split["micro_batch_tokens"] == 1)  # 1: one row each
+    for name in SPLITS:
+        for a, b in zip(grads["rows=1"], grads[name]):
             torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-9)
+        for key, value in stats["rows=1"].items():
+            if key != "val/ratio_var":
+                assert stats[name][key] == pytest.approx(value, rel=1e-9, abs=1e-12), (name, key)
+
+
+def test_token_budget_split_packs_similar_lengths():
+    """Longest rows first, greedily packed under the padded-token budget; halved to a minimum count;
+    empty parts only where no part can be halved."""
+    from rlhf_torchrl.objectives import token_budget_split, trim_padding
+
+    prompt = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [0, 1, 1]], dtype=torch.bool)
+    response = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    # lengths 4, 7, 2, 5: order 1, 3, 0, 2; budget 12: [1] (7), [3, 0] (2 x 5 = 10), [2] alone
+    # would join: 3 x max(2 + 3) = 15 > 12
+    parts = [p.tolist() for p in token_budget_split(prompt, response, 12)]
+    assert parts == [[1], [3, 0], [2]]
+    assert [p.tolist() for p in token_budget_split(prompt, response, 12, min_parts=4)] == \
+        [[1], [3], [0], [2]]
+    assert [p.tolist() for p in token_budget_split(prompt, response, 100, min_parts=5)] == \
+        [[1], [3], [0], [2], []]
+    td = TensorDict({K.PROMPT_MASK: prompt[[0, 2]], K.PROMPT_TOKENS: torch.zeros(2, 3),
+                     K.RESPONSE_MASK: response[[0, 2]], K.RESPONSE_TOKENS: torch.zeros(2, 4),
+                     K.VALUE: torch.zeros(2, 4, 1)}, batch_size=[2])
+    trimmed = trim_padding(td)
+    assert trimmed[K.PROMPT_MASK].tolist() == [[1, 1], [0, 1]]
+    assert trimmed[K.RESPONSE_MASK].shape == (2, 2) and trimmed[K.VALUE].shape == (2, 2, 1)
 
 
 def test_adaptive_kl_controller_moves_towards_target():

@@ -79,6 +79,14 @@ def test_recipe_cli(tmp_path, tiny_gpt2_dir):
     (["data.max_prompt_length=12"], ValueError, "data.max_prompt_length=12"),
     (["optim.lr_schedule=cosine"], ValueError, "linear"),
     (["generation.top_p=0"], ValueError, "generation.top_p"),
+    (["model.dtype=float7"], ValueError, "model.dtype.*float32"),
+    (["model.autocast=float8"], ValueError, "model.autocast"),
+    (["model.autocast=bfloat16", "model.dtype=bfloat16"], ValueError, "master weights"),
+    (["device=cuda:0"] if not torch.cuda.is_available() else ["device=cuda:99"], ValueError,
+     "device=cuda"),
+    (["device=abacus"], ValueError, "not a device"),
+    (["distributed.strategy=zero3"], ValueError, "ddp.*fsdp2"),
+    (["ppo.micro_batch_tokens=0"], ValueError, "micro_batch_tokens"),
 ])
 def test_bad_config_fails_before_work(tmp_path, tiny_llama_dir, overrides, error, match):
     with pytest.raises(error, match=match):
@@ -147,3 +155,33 @@ def test_recipe_on_policy_check(tmp_path, tiny_llama_dir, caplog):
     with caplog.at_level("INFO", logger="ppo"):
         ppo.train(_cfg(tmp_path / "c", tiny_llama_dir, "ppo.num_iterations=1"))
     assert "On-policy check: recorded and recomputed log-probs" in caplog.text
+
+
+def test_recipe_precision_and_memory_settings(tmp_path, tiny_llama_dir):
+    """Explicit device, bf16 autocast over fp32 weights, gradient checkpointing, SDPA attention, a
+    reference offloaded to the CPU between phases, token-budget micro-batches: it trains, and the
+    saved weights are fp32."""
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, "device=cpu", "model.autocast=bfloat16",
+                   "model.gradient_checkpointing=true", "model.attn_implementation=sdpa",
+                   "model.offload_reference=true", "ppo.micro_batch_tokens=64",
+                   "value_model.init=policy"))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(math.isfinite(r["loss/policy_avg"]) for r in rows)
+    from transformers import AutoModelForCausalLM
+
+    before = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype="auto").state_dict()
+    assert all(v.dtype == torch.float32 for v in after.values())
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+@pytest.mark.parametrize("extra", [[], ["model.autocast=bfloat16", "model.offload_reference=true"]],
+                         ids=["fp32", "bf16-offload"])
+def test_recipe_on_cuda(tmp_path, tiny_llama_dir, extra):
+    """The recipe end to end on the GPU: every model and rollout tensor on cuda."""
+    report = ppo.train(_cfg(tmp_path, tiny_llama_dir, "device=cuda", *extra))
+    assert report["iterations"] == 2
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["objective/kl"]) for r in rows)

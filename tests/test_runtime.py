@@ -84,3 +84,26 @@ def test_thread_tuner_gives_a_busy_core_back():
         assert ThreadTuner(max_threads=2, adapt=False).update() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_resolve_device_and_placed():
+    import torch
+
+    from rlhf_torchrl.runtime import placed, resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="not a device"):
+        resolve_device("abacus")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            resolve_device("cuda")
+    module = torch.nn.Linear(2, 2)
+    moves = []
+    module.register_forward_pre_hook(lambda *_: moves.append(module.weight.device.type))
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    with placed(module, device, offload=True):
+        module(torch.zeros(1, 2, device=device))  # on the device for the block
+    assert moves == [device.type] and module.weight.device.type == "cpu"  # back on the CPU after
+    with placed(module, device, offload=False) as same:
+        assert same is module and module.weight.device.type == "cpu"  # not offloaded: left alone

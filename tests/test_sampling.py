@@ -162,7 +162,8 @@ def _collect_once(model, tokenizer, n_rows=16, temperature=1.0, max_new_tokens=6
                               batch_size=n_rows, seed=0)
     gen = make_generation_policy(model, tokenizer, max_new_tokens=max_new_tokens,
                                  temperature=temperature, record_log_probs=True)
-    collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=n_rows)
+    # per-row streams: the same draws whatever ran before in this process
+    collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=n_rows, seed=0)
     rollout = next(iter(collector))
     collector.shutdown()
     return rollout
@@ -184,7 +185,7 @@ def test_checkpoint_generation_config_never_reaches_sampling(instruct_llama_dir,
     # 20,000 of ~49k ids were suppressed by the checkpoint: sampled anyway, at their true rate
     assert 0.25 < (tokens < 20_000).float().mean() < 0.55
     stats = check_on_policy(rollout, TokenLevelActor(model, temperature=1.0), num_rows=64, atol=1e-3)
-    assert stats["max_abs_diff"] < 1e-3 and stats["tokens"] == 64 * 6
+    assert stats["max_abs_diff"] < 1e-3 and stats["tokens"] == int(rollout.get(K.RESPONSE_MASK).sum())
     assert model.generation_config.to_dict() == own  # swapped only while generating
     assert ignored_generation_settings(model.generation_config)["repetition_penalty"] == 1.3
 
@@ -198,3 +199,41 @@ def test_on_policy_check_stops_on_a_mismatch(tiny_llama_dir, tokenizer):
         check_on_policy(rollout, TokenLevelActor(model, temperature=0.7), atol=1e-3)
     with pytest.raises(KeyError, match="record_log_probs=True"):
         check_on_policy(rollout.exclude(K.LOG_PROB), TokenLevelActor(model), atol=1e-3)
+
+
+def _shard_rollouts(model, tokenizer, prompts, *, batch_size, world_size, batches=2):
+    """The rollouts ``world_size`` processes would collect, rank by rank, as lists of batches."""
+    out = []
+    for rank in range(world_size):
+        local = batch_size // world_size
+        env = make_generation_env(prompts, tokenizer, batch_size=batch_size, seed=3, rank=rank,
+                                  world_size=world_size)
+        gen = make_generation_policy(model, tokenizer, max_new_tokens=8, temperature=1.0,
+                                     record_log_probs=True)
+        collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=local, seed=7,
+                                     row_offset=rank * local, total_batches=batches)
+        out.append(list(collector))
+        collector.shutdown()
+    return out
+
+
+def test_row_streams_make_collection_world_size_invariant(tiny_llama_dir, tokenizer):
+    """One process collecting a global batch of 4 and two collecting 2 rows each (their shards of
+    the same global batches) draw the same response for every row, with the same log-probs."""
+    model = load_causal_lm(tiny_llama_dir, tokenizer)
+    prompts = [f"Prompt {i} " + "word " * (i % 5) for i in range(12)]
+    (single,) = _shard_rollouts(model, tokenizer, prompts, batch_size=4, world_size=1)
+    shards = _shard_rollouts(model, tokenizer, prompts, batch_size=4, world_size=2)
+    for k, whole in enumerate(single):
+        parts = [shards[0][k], shards[1][k]]
+        assert whole.get(K.PROMPT_TEXT).tolist() == sum((p.get(K.PROMPT_TEXT).tolist() for p in parts), [])
+        assert whole.get(K.RESPONSE_TEXT).tolist() == sum((p.get(K.RESPONSE_TEXT).tolist() for p in parts), [])
+        for i, part in enumerate(parts):
+            rows = whole[2 * i : 2 * i + 2]
+            width = part.get(K.RESPONSE_MASK).shape[1]
+            mask = part.get(K.RESPONSE_MASK)
+            torch.testing.assert_close(rows.get(K.LOG_PROB)[:, :width] * mask, part.get(K.LOG_PROB),
+                                       atol=1e-5, rtol=0)
+    # the streams differ from row to row and batch to batch: not one response repeated
+    texts = [t for r in single for t in r.get(K.RESPONSE_TEXT).tolist()]
+    assert len(set(texts)) == len(texts)

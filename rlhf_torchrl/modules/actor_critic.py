@@ -27,6 +27,7 @@ from torch.distributions import Distribution
 
 from .. import functional as F
 from .. import keys as K
+from ..runtime import autocast
 
 _IN_KEYS = [K.PROMPT_TOKENS, K.PROMPT_MASK, K.RESPONSE_TOKENS, K.RESPONSE_MASK]
 
@@ -112,7 +113,9 @@ class TokenLevelActor(TensorDictModuleBase):
     :class:`ResponseTokenDistribution` of the response tokens at the sampling ``temperature``
     (the distribution the tokens were drawn from; log-probs in fp32). The LM head runs only on the
     ``R`` positions that predict response tokens (``logits_to_keep``). ``forward`` writes the
-    log-probs of the response tokens to ``out_key``. With ``trunk_critic`` (a :class:`TokenCritic`
+    log-probs of the response tokens to ``out_key``. With ``autocast_dtype`` (bf16/fp16) the model runs
+    under ``torch.autocast`` and the log-probs are still computed in fp32 from its logits. With
+    ``trunk_critic`` (a :class:`TokenCritic`
     on this policy's own trunk, ``make_critic(init="shared")``) the trunk's hidden states of the
     response positions are handed to that critic (:class:`HiddenStateHandoff`), which then skips
     its own trunk forward.
@@ -130,12 +133,14 @@ class TokenLevelActor(TensorDictModuleBase):
         temperature: float = 1.0,
         out_key=K.LOG_PROB,
         trunk_critic: TokenCritic | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ):
         super().__init__()
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}.")
         self.model = model
         self.temperature = temperature
+        self.autocast_dtype = autocast_dtype
         self.handoff = None
         if trunk_critic is not None:
             if trunk_critic.handoff is None or trunk_critic.backbone is not model.base_model:
@@ -149,17 +154,17 @@ class TokenLevelActor(TensorDictModuleBase):
 
     def logits(self, td: TensorDictBase) -> torch.Tensor:
         """(B, R, V) logits of the response tokens, as the model gives them (before temperature)."""
-        n_prompt = td.get(K.PROMPT_TOKENS).shape[1]
-        n_response = td.get(K.RESPONSE_TOKENS).shape[1]
+        tokens = td.get(K.PROMPT_TOKENS)
+        n_prompt, n_response = tokens.shape[1], td.get(K.RESPONSE_TOKENS).shape[1]
         # position P-1+t predicts response token t: the LM head runs on those R positions only
-        positions = torch.arange(n_prompt - 1, n_prompt - 1 + n_response,
-                                 device=td.get(K.PROMPT_TOKENS).device)
-        out = self.model(
-            **model_inputs(td),
-            logits_to_keep=positions,
-            use_cache=False,
-            output_hidden_states=self.handoff is not None,
-        )
+        positions = torch.arange(n_prompt - 1, n_prompt - 1 + n_response, device=tokens.device)
+        with autocast(tokens.device, self.autocast_dtype):
+            out = self.model(
+                **model_inputs(td),
+                logits_to_keep=positions,
+                use_cache=False,
+                output_hidden_states=self.handoff is not None,
+            )
         if self.handoff is not None:
             self.handoff.put(td, out.hidden_states[-1][:, n_prompt - 1 : n_prompt - 1 + n_response])
         return out.logits
@@ -178,14 +183,23 @@ class TokenCritic(TensorDictModuleBase):
     ``V(s_t)`` for response token ``t`` is read from the hidden state at position ``P - 1 + t``
     (the state before the token is chosen). Writes ``"state_value"`` (B, R, 1) fp32, 0 on pads.
     The backbone is any HF base model returning ``last_hidden_state`` (a separate copy, or the
-    policy's own backbone for a shared-trunk actor-critic). With ``shared_trunk``, the critic owns
-    a :class:`HiddenStateHandoff` through which a :class:`TokenLevelActor` on the same trunk
-    hands over its hidden states; the critic uses them only when they match its inputs.
+    policy's own backbone for a shared-trunk actor-critic), run under ``torch.autocast`` in
+    ``autocast_dtype`` when given; the head reads the hidden states in its own dtype (fp32). With
+    ``shared_trunk``, the critic owns a :class:`HiddenStateHandoff` through which a
+    :class:`TokenLevelActor` on the same trunk hands over its hidden states; the critic uses them
+    only when they match its inputs.
     """
 
-    def __init__(self, backbone: nn.Module, head: nn.Linear | None = None, shared_trunk: bool = False):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        head: nn.Linear | None = None,
+        shared_trunk: bool = False,
+        autocast_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.handoff = HiddenStateHandoff() if shared_trunk else None
+        self.autocast_dtype = autocast_dtype
         self.backbone = backbone
         if head is None:
             hidden = backbone.config.hidden_size
@@ -201,13 +215,20 @@ class TokenCritic(TensorDictModuleBase):
     def shares_trunk(self) -> bool:
         return self.handoff is not None
 
+    def modules_to_shard(self) -> list[nn.Module]:
+        """The modules FSDP2 shards, each called with tensors: the head, and the backbone unless
+        it is the policy's (sharded with the policy)."""
+        return [self.head] if self.shares_trunk else [self.backbone, self.head]
+
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         hidden = self.handoff.take(td) if self.handoff is not None else None
         if hidden is None:
-            n_prompt = td.get(K.PROMPT_TOKENS).shape[1]
-            n_response = td.get(K.RESPONSE_TOKENS).shape[1]
-            hidden = self.backbone(**model_inputs(td), use_cache=False).last_hidden_state
+            tokens = td.get(K.PROMPT_TOKENS)
+            n_prompt, n_response = tokens.shape[1], td.get(K.RESPONSE_TOKENS).shape[1]
+            with autocast(tokens.device, self.autocast_dtype):
+                hidden = self.backbone(**model_inputs(td), use_cache=False).last_hidden_state
             hidden = hidden[:, n_prompt - 1 : n_prompt - 1 + n_response]  # (B, R, H)
+        # the head outside autocast: values in the head's dtype (fp32 unless built otherwise)
         values = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
         values = values.to(torch.promote_types(values.dtype, torch.float32))  # fp32 (fp64 kept)
         values = torch.where(td.get(K.RESPONSE_MASK), values, torch.zeros_like(values))
@@ -222,6 +243,8 @@ def make_critic(
     init: str = "policy",
     name_or_path: str | None = None,
     dtype: str = "float32",
+    attn_implementation: str | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> TokenCritic:
     """Build the critic.
 
@@ -232,11 +255,12 @@ def make_critic(
       - ``"shared"``: a value head on the policy's own backbone (one set of weights, trained by
         both losses).
     The value network must read the policy's tokens, so its vocabulary must match the tokenizer.
+    ``autocast_dtype`` runs the backbone under ``torch.autocast`` (the value head stays fp32).
     """
-    from .models import disable_dropout, match_vocab, resolve_model_path
+    from .models import disable_dropout, match_vocab, pretrained_kwargs, resolve_model_path
 
     if init == "shared":
-        return TokenCritic(policy.base_model, shared_trunk=True)
+        return TokenCritic(policy.base_model, shared_trunk=True, autocast_dtype=autocast_dtype)
     if init not in ("policy", "reward_model", "model"):
         raise ValueError(
             f"Unknown critic init {init!r}: choose 'policy' (copy of the policy), 'reward_model' "
@@ -262,7 +286,7 @@ def make_critic(
         )
     _check_same_vocab(path, tokenizer, name_or_path)
     model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=getattr(torch, dtype)
+        path, num_labels=1, **pretrained_kwargs(dtype, attn_implementation)
     )
     match_vocab(model, tokenizer)
     disable_dropout(model)
@@ -276,7 +300,7 @@ def make_critic(
                 head.bias.copy_(score.bias)
             else:
                 head.bias.zero_()
-    return TokenCritic(model.base_model, head)
+    return TokenCritic(model.base_model, head, autocast_dtype=autocast_dtype)
 
 
 def _check_same_vocab(path: str, tokenizer, name: str) -> None:

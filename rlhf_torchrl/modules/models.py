@@ -134,12 +134,35 @@ def match_vocab(model: nn.Module, tokenizer) -> nn.Module:
     return model
 
 
-def load_causal_lm(name_or_path: str, tokenizer=None, dtype: str = "float32") -> nn.Module:
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"float32"``, ``"bfloat16"`` or ``"float16"`` as a torch dtype (a clear error otherwise)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"Unknown dtype {name!r}: choose one of {DTYPES}.")
+    return getattr(torch, name)
+
+
+def pretrained_kwargs(dtype: str = "float32", attn_implementation: str | None = None) -> dict:
+    """``from_pretrained`` keyword arguments for a weights dtype and an attention kernel
+    (``sdpa``, ``eager``, ``flash_attention_2``...; None: transformers' default)."""
+    kwargs = {"dtype": torch_dtype(dtype)}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    return kwargs
+
+
+def load_causal_lm(
+    name_or_path: str, tokenizer=None, dtype: str = "float32", attn_implementation: str | None = None
+) -> nn.Module:
     """Load a causal LM in ``dtype`` with dropout off, sized for ``tokenizer``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(name_or_path), dtype=getattr(torch, dtype)
+        resolve_model_path(name_or_path), **pretrained_kwargs(dtype, attn_implementation)
     )
     if tokenizer is not None:
         match_vocab(model, tokenizer)
@@ -163,7 +186,7 @@ def load_sequence_classifier(name_or_path: str, dtype: str = "float32"):
     if tokenizer.pad_token is None:
         ensure_pad_token(tokenizer)
     model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=getattr(torch, dtype)
+        path, num_labels=1, dtype=torch_dtype(dtype)
     )
     match_vocab(model, tokenizer)
     model.config.pad_token_id = tokenizer.pad_token_id

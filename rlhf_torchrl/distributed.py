@@ -1,0 +1,273 @@
+"""Data-parallel PPO under ``torchrun``: DDP or FSDP2, and a world-size invariant batch.
+
+``torchrun --nproc_per_node=N recipes/ppo.py`` starts N processes; :func:`init_data_parallel`
+joins them (gloo on CPU, NCCL on CUDA) and returns this process's :class:`DataParallel`. One
+iteration then runs as follows:
+
+1. every process shuffles the same global batches of prompts; process ``r`` generates and scores
+   its contiguous ``batch_size / N`` rows (:func:`~rlhf_torchrl.collectors.make_generation_env`),
+   each row drawn from its own random stream seeded by (seed, batch, global row index), so a row's
+   response does not depend on which process drew it;
+2. each process computes the old, reference and value estimates of its rows;
+3. :meth:`DataParallel.gather_rollout` all-gathers the tensors of the rollout (a few integers and
+   floats per token): every process now holds the global batch, and the KL rewards, GAE, advantage
+   whitening, the KL controller and every logged metric are computed on it, identically everywhere;
+4. the PPO update draws the same minibatches everywhere; process ``r`` runs the ``r``-th slice of
+   each, its gradients averaged across processes by DDP (``DistributedDataParallel`` around the
+   loss) or by FSDP2 (``fully_shard`` on every decoder layer and on each model) once per minibatch.
+
+The result equals one process on the same global batch, up to float rounding
+(``tests/test_distributed.py`` runs both with gloo and compares them). Only rank 0 prints, logs and
+saves; FSDP2 models are saved from a full state dict gathered to rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager, nullcontext
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+from . import keys as K
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("ddp", "fsdp2")
+
+
+class DataParallel:
+    """This process's place in a data-parallel run and the collectives the pipeline needs.
+
+    ``DataParallel()`` is the single process: every collective is the identity. Built by
+    :func:`init_data_parallel` under torchrun; :meth:`shard` (FSDP2, before the optimiser is built)
+    and :meth:`wrap_loss` (DDP) attach the training engine.
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
+                 strategy: str = "ddp", device: torch.device | None = None):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"Unknown distributed.strategy {strategy!r}: choose one of {STRATEGIES}.")
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.strategy = strategy
+        self.device = device or torch.device("cpu")
+        self._ddp = None
+        self._sharded: list[nn.Module] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def fsdp(self) -> bool:
+        return self.enabled and self.strategy == "fsdp2"
+
+    # ---- collectives -----------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sum (or max) of ``tensor`` over processes, as a new tensor on its device."""
+        out = tensor.clone()
+        if self.enabled:
+            import torch.distributed as dist
+
+            dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return out
+
+    def max_int(self, value: int) -> int:
+        """The largest ``value`` over processes."""
+        if not self.enabled:
+            return value
+        return int(self.all_reduce(torch.tensor([value], device=self._comm_device()), "max"))
+
+    def barrier(self) -> None:
+        if self.enabled:
+            torch.distributed.barrier()
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def gather_rollout(self, rollout: TensorDictBase, pad_token_id: int) -> TensorDictBase:
+        """The global batch: every process's rows of ``rollout``, in rank order, on every process.
+
+        Tensor entries only (text and dataset fields stay with the process that scored them). Prompt
+        entries are left-padded and response entries right-padded to the widest process's widths
+        first (pad token for tokens, False for masks, 0 otherwise), the layout one process
+        collecting the whole batch would have produced. Single process: ``rollout`` itself.
+        """
+        if not self.enabled:
+            return rollout
+        import torch.distributed as dist
+
+        widths = torch.tensor([rollout.get(K.PROMPT_MASK).shape[1], rollout.get(K.RESPONSE_MASK).shape[1]],
+                              device=self._comm_device())
+        p_width, r_width = self.all_reduce(widths, "max").tolist()
+        r_local = rollout.get(K.RESPONSE_MASK).shape[1]
+        out = {}
+        for key, value in rollout.items(True, True):
+            if not isinstance(value, torch.Tensor):
+                continue
+            fill = pad_token_id if key in (K.PROMPT_TOKENS, K.RESPONSE_TOKENS) else 0
+            if key in K.PROMPT_WIDTH:
+                value = _pad_dim1(value, p_width, fill, left=True)
+            elif value.ndim >= 2 and value.shape[1] == r_local:
+                value = _pad_dim1(value, r_width, fill, left=False)
+            dtype = value.dtype
+            send = (value.to(torch.uint8) if dtype == torch.bool else value).contiguous()
+            send = send.to(self._comm_device())
+            parts = [torch.empty_like(send) for _ in range(self.world_size)]
+            dist.all_gather(parts, send)
+            out[key] = torch.cat(parts).to(device=value.device, dtype=dtype)
+        return TensorDict(out, batch_size=[rollout.shape[0] * self.world_size])
+
+    # ---- training engines ------------------------------------------------------------------
+    def shard(self, *models: nn.Module | None, mixed_precision: torch.dtype | None = None) -> None:
+        """FSDP2: ``fully_shard`` every decoder layer (the model's ``_no_split_modules``) and then
+        each model, so its parameters, gradients and optimiser state are split across processes.
+        Call before building the optimiser. No-op with DDP or one process.
+
+        ``mixed_precision`` (bf16/fp16): parameters all-gathered and computed in that dtype,
+        gradients reduced in fp32, fp32 master weights kept sharded.
+
+        Each model must be called with tensors (a Hugging Face model, a value head): FSDP2 finds
+        the tensors of a call's inputs and outputs to hook its backward pass, and a module called
+        with a TensorDict (a ``TensorDictModule``) silently trains on unreduced gradients. Shard
+        :class:`~rlhf_torchrl.modules.TokenCritic` through its ``modules_to_shard()``.
+        """
+        if not self.fsdp:
+            return
+        from tensordict.nn import TensorDictModuleBase
+
+        for model in models:
+            if isinstance(model, TensorDictModuleBase):
+                raise TypeError(
+                    f"{type(model).__name__} is called with a TensorDict: FSDP2 cannot hook its "
+                    "backward pass. Shard the tensor-level modules inside it (for a TokenCritic: "
+                    "critic.modules_to_shard())."
+                )
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        kwargs = {"mesh": mesh}
+        if mixed_precision is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed_precision,
+                                                       reduce_dtype=torch.float32)
+        for model in models:
+            if model is None or model in self._sharded:
+                continue
+            names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
+            for module in list(model.modules()):
+                if module is not model and type(module).__name__ in names:
+                    fully_shard(module, **kwargs)
+            fully_shard(model, **kwargs)
+            self._sharded.append(model)
+
+    def wrap_loss(self, loss_module: nn.Module) -> None:
+        """DDP: wrap the loss (policy, critic and value head inside) in ``DistributedDataParallel``,
+        whose gradient hooks average the gradients across processes. No-op with FSDP2 or one process."""
+        if not self.enabled or self.fsdp:
+            return
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self._ddp = DistributedDataParallel(_LossCall(loss_module), device_ids=device_ids,
+                                            broadcast_buffers=False)
+
+    def loss(self, loss_module: nn.Module, td: TensorDictBase) -> TensorDictBase:
+        """``loss_module(td)``, through the DDP wrapper when there is one."""
+        return self._ddp(td) if self._ddp is not None else loss_module(td)
+
+    @contextmanager
+    def accumulate(self, last: bool):
+        """Gradients of the micro-batches before the ``last`` of a minibatch stay local; the last
+        one's backward averages the sum across processes (DDP ``no_sync``; FSDP2
+        ``set_requires_gradient_sync``)."""
+        if self._ddp is not None:
+            with nullcontext() if last else self._ddp.no_sync():
+                yield
+            return
+        for model in self._sharded:
+            if any(p.requires_grad for p in model.parameters()):
+                model.set_requires_gradient_sync(last)
+        yield
+
+    def generate_kwargs(self) -> dict:
+        """``generate`` arguments a data-parallel process needs: with FSDP2 every forward is a
+        collective, so a process whose rows have all stopped keeps stepping until all have
+        (transformers' ``synced_gpus``)."""
+        return {"synced_gpus": True} if self.fsdp else {}
+
+    def full_state_dict(self, model: nn.Module) -> dict | None:
+        """The full state dict on rank 0 (on the CPU), gathered from FSDP2 shards (a collective:
+        call it on every process); None elsewhere. Without FSDP2, rank 0 reads the model's own."""
+        if self.fsdp and model in self._sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                          cpu_offload=True))
+            if not self.is_main:
+                return None
+            # tied weights (lm_head = embeddings) come back as copies: keep the first name only
+            seen, tied = set(), set()
+            for name, param in model.named_parameters(remove_duplicate=False):
+                if id(param) in seen:
+                    tied.add(name)
+                seen.add(id(param))
+            return {k: v for k, v in state.items() if k not in tied}
+        return model.state_dict() if self.is_main else None
+
+    def shutdown(self) -> None:
+        if self.enabled and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+class _LossCall(nn.Module):
+    """The loss module as the one ``forward`` DDP wraps (its parameters: policy, critic, head)."""
+
+    def __init__(self, loss_module: nn.Module):
+        super().__init__()
+        self.loss_module = loss_module
+
+    def forward(self, td):
+        return self.loss_module(td)
+
+
+def _pad_dim1(value: torch.Tensor, width: int, fill, *, left: bool) -> torch.Tensor:
+    missing = width - value.shape[1]
+    if missing <= 0:
+        return value
+    pad = torch.full((value.shape[0], missing, *value.shape[2:]), fill, dtype=value.dtype,
+                     device=value.device)
+    return torch.cat([pad, value] if left else [value, pad], dim=1)
+
+
+def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None,
+                       backend: str | None = None) -> DataParallel:
+    """Join the process group torchrun set up (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+    ``MASTER_ADDR``...), or return the single process when there is none.
+
+    ``backend``: None picks NCCL for CUDA devices and gloo for the CPU.
+    """
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    device = device or torch.device("cpu")
+    if world <= 1:
+        return DataParallel(strategy=strategy, device=device)
+    import torch.distributed as dist
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
+                                device_id=device if device.type == "cuda" else None)
+    log.info("Process %d of %d (%s, %s)", rank, world, strategy, device)
+    return DataParallel(rank=rank, world_size=world, local_rank=local_rank, strategy=strategy,
+                        device=device)
