@@ -24,6 +24,7 @@ from rlhf_torchrl.collectors import (
 from rlhf_torchrl.data import Prompt, check_prompts, load_prompts
 from rlhf_torchrl.distributed import STRATEGIES, DataParallel, init_data_parallel
 from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, load_tokenizer, make_critic
+from rlhf_torchrl.modules.lora import add_lora
 from rlhf_torchrl.modules.models import torch_dtype
 from rlhf_torchrl.objectives import ResponseGAE, make_minibatch_buffer, make_ppo_loss
 from rlhf_torchrl.rewards import (
@@ -84,6 +85,17 @@ def check_config(cfg: DictConfig) -> Sizes:
             raise ValueError(f"{name}: {e}") from None
     if m.autocast not in (None, "bfloat16", "float16"):
         raise ValueError(f"model.autocast must be bfloat16, float16 or null, got {m.autocast!r}.")
+    lora = cfg.lora
+    if lora.r < 0:
+        raise ValueError(f"lora.r must be >= 0 (0: no LoRA), got {lora.r}.")
+    if lora.r and world > 1 and cfg.distributed.strategy == "fsdp2":
+        raise ValueError("lora.r > 0 with distributed.strategy=fsdp2 is not supported yet: use "
+                         "distributed.strategy=ddp (adapters are small; the frozen base is shared).")
+    if (lora.critic or lora.save_merged) and not lora.r:
+        raise ValueError("lora.critic / lora.save_merged need LoRA on the policy: set lora.r > 0.")
+    if lora.critic and cfg.value_model.init == "shared":
+        raise ValueError("lora.critic is for a separate critic: a shared-trunk critic already "
+                         "trains through the policy's adapters (value_model.init=shared).")
     if m.autocast and m.dtype != "float32":
         raise ValueError(f"model.autocast={m.autocast} keeps fp32 master weights: set model.dtype="
                          f"float32 (now {m.dtype}), or drop autocast to train in {m.dtype}.")
@@ -186,14 +198,20 @@ def make_models(cfg: DictConfig, tokenizer, device: torch.device):
     if m.reference:
         reference = load_causal_lm(m.reference, tokenizer, dtype=m.dtype,
                                    attn_implementation=m.attn_implementation)
+    elif cfg.lora.r:
+        reference = None  # the policy with its adapters off (make_actors)
     else:
         reference = copy.deepcopy(policy)
-    reference.eval().requires_grad_(False)
+    if reference is not None:
+        reference.eval().requires_grad_(False)
+    if cfg.lora.r:
+        policy = add_lora(policy, **lora_kwargs(cfg))
     v = cfg.value_model
     source = v.name_or_path or (cfg.reward.model if v.init == "reward_model" else m.policy)
     critic = make_critic(policy=policy, tokenizer=tokenizer, init=v.init, name_or_path=source,
                          dtype=m.dtype, attn_implementation=m.attn_implementation,
-                         autocast_dtype=autocast_dtype(cfg))
+                         autocast_dtype=autocast_dtype(cfg),
+                         lora=lora_kwargs(cfg) if cfg.lora.critic else None)
     if m.gradient_checkpointing:
         # non-reentrant: works with frozen inputs and keyword arguments; active in train() only
         kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
@@ -202,8 +220,16 @@ def make_models(cfg: DictConfig, tokenizer, device: torch.device):
             critic.backbone.gradient_checkpointing_enable(**kwargs)
     policy.to(device)
     critic.to(device)
-    reference.to("cpu" if m.offload_reference else device)
+    if reference is not None:
+        reference.to("cpu" if m.offload_reference else device)
     return policy, reference, critic
+
+
+def lora_kwargs(cfg: DictConfig) -> dict:
+    lora = cfg.lora
+    targets = lora.target_modules
+    return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
+            "target_modules": targets if isinstance(targets, str) else list(targets)}
 
 
 def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
@@ -271,10 +297,13 @@ def make_shaper(cfg: DictConfig) -> KLRewardShaper:
 def make_actors(cfg: DictConfig, policy, reference, critic):
     """Policy and reference actors; a shared-trunk critic gets its hidden states from the policy."""
     t, dtype = cfg.generation.temperature, autocast_dtype(cfg)
-    return (TokenLevelActor(policy, temperature=t, autocast_dtype=dtype,
-                            trunk_critic=critic if critic.shares_trunk else None),
-            TokenLevelActor(reference, temperature=t, out_key=("ref_log_probs", "response"),
-                            autocast_dtype=dtype))
+    actor = TokenLevelActor(policy, temperature=t, autocast_dtype=dtype,
+                            trunk_critic=critic if critic.shares_trunk else None)
+    # LoRA without a reference of its own: the policy with its adapters off (no second copy)
+    ref = TokenLevelActor(reference if reference is not None else policy, temperature=t,
+                          out_key=("ref_log_probs", "response"), autocast_dtype=dtype,
+                          adapters_off=reference is None)
+    return actor, ref
 
 
 def make_advantage(cfg: DictConfig) -> ResponseGAE:
@@ -320,3 +349,16 @@ def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):
     else:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     return optimizer, scheduler
+
+
+def save_policy(cfg: DictConfig, policy, tokenizer, state_dict: dict | None) -> None:
+    """A Hugging Face checkpoint in ``<output_dir>/policy`` (LoRA: the adapters, and with
+    ``lora.save_merged`` the merged weights in ``policy_merged``)."""
+    path = os.path.join(cfg.output_dir, "policy")
+    policy.save_pretrained(path, state_dict=state_dict)
+    tokenizer.save_pretrained(path)
+    if cfg.lora.r and cfg.lora.save_merged:
+        merged_path = os.path.join(cfg.output_dir, "policy_merged")
+        merged = copy.deepcopy(policy).merge_and_unload()  # the live policy keeps its adapters
+        merged.save_pretrained(merged_path)
+        tokenizer.save_pretrained(merged_path)

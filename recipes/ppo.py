@@ -149,8 +149,7 @@ def train(cfg: DictConfig) -> dict:
     if cfg.logging.save_model:
         state = parallel.full_state_dict(policy)  # gathered from the shards under FSDP2
         if parallel.is_main:
-            policy.save_pretrained(os.path.join(cfg.output_dir, "policy"), state_dict=state)
-            tokenizer.save_pretrained(os.path.join(cfg.output_dir, "policy"))
+            builders.save_policy(cfg, policy, tokenizer, state)
     report = _report(history, first_samples, _samples(rollout, cfg.logging.num_samples),
                      quiet=not parallel.is_main)
     if writer is not None:

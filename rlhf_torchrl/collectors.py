@@ -191,16 +191,18 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
     autocast_dtype = None
 
     def forward(self, *args, **kwargs):
+        from .modules.lora import hf_model
         from .runtime import autocast
 
-        own = self.model.generation_config
+        model = hf_model(self.model)  # a PEFT model generates with its base model's config
+        own = model.generation_config
         if self.generation_config is not None:
-            self.model.generation_config = self.generation_config
+            model.generation_config = self.generation_config
         try:
             with autocast(self._device, self.autocast_dtype):
                 return super().forward(*args, **kwargs)
         finally:
-            self.model.generation_config = own
+            model.generation_config = own
 
 
 def sampler_of(policy):

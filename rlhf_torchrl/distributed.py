@@ -203,8 +203,9 @@ class DataParallel:
         return {"synced_gpus": True} if self.fsdp else {}
 
     def full_state_dict(self, model: nn.Module) -> dict | None:
-        """The full state dict on rank 0 (on the CPU), gathered from FSDP2 shards (a collective:
-        call it on every process); None elsewhere. Without FSDP2, rank 0 reads the model's own."""
+        """The full state dict of an FSDP2-sharded ``model`` on rank 0 (on the CPU), gathered from
+        the shards (a collective: call it on every process); None on other ranks and for a model
+        that is not sharded (its own ``state_dict()`` is whole: ``save_pretrained`` reads it)."""
         if self.fsdp and model in self._sharded:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -222,7 +223,7 @@ class DataParallel:
                     tied.add(name)
                 seen.add(id(param))
             return {k: v for k, v in state.items() if k not in tied}
-        return model.state_dict() if self.is_main else None
+        return None
 
     def shutdown(self) -> None:
         if self.enabled and torch.distributed.is_initialized():

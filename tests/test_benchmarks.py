@@ -33,3 +33,19 @@ def test_collectors_benchmark(tmp_path, smollm2_dir):
     assert row["batch_size"] == 2
     for name in ("collector", "generate", "hf_generate"):
         assert row[f"{name}_tokens_per_s"] > 0, name
+
+
+def test_scaling_benchmark(tmp_path, tiny_llama_dir):
+    """Recipe variants in their own processes: phase times and a per-process peak RSS each."""
+    import scaling
+
+    out = tmp_path / "s.json"
+    scaling.main(["--model", tiny_llama_dir, "--variants", "fp32", "token-budget", "two-processes",
+                  "--iterations", "2", "--batch-size", "4", "--response-length", "4",
+                  "--micro-batch-tokens", "16", "--threads", "1", "--json", str(out),
+                  "data.limit=16", "ppo.num_mini_batches=2", "ppo.forward_batch_size=2"])
+    variants = json.loads(out.read_text())["variants"]
+    assert set(variants) == {"fp32", "token-budget", "two-processes"}
+    for name, row in variants.items():
+        assert row["total"] > 0 and row["update"] > 0 and row["peak_rss_mb"] > 50, name
+    assert variants["two-processes"]["command"].startswith("torchrun")

@@ -18,6 +18,7 @@ depend on which of the two a loss calls first.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 from tensordict import TensorDictBase
@@ -115,6 +116,8 @@ class TokenLevelActor(TensorDictModuleBase):
     ``R`` positions that predict response tokens (``logits_to_keep``). ``forward`` writes the
     log-probs of the response tokens to ``out_key``. With ``autocast_dtype`` (bf16/fp16) the model runs
     under ``torch.autocast`` and the log-probs are still computed in fp32 from its logits. With
+    ``adapters_off`` (a PEFT model) it runs with the LoRA adapters disabled: the base model, used
+    as the reference without a second copy (:mod:`rlhf_torchrl.modules.lora`). With
     ``trunk_critic`` (a :class:`TokenCritic`
     on this policy's own trunk, ``make_critic(init="shared")``) the trunk's hidden states of the
     response positions are handed to that critic (:class:`HiddenStateHandoff`), which then skips
@@ -134,16 +137,22 @@ class TokenLevelActor(TensorDictModuleBase):
         out_key=K.LOG_PROB,
         trunk_critic: TokenCritic | None = None,
         autocast_dtype: torch.dtype | None = None,
+        adapters_off: bool = False,
     ):
         super().__init__()
+        from .lora import is_peft, trunk
+
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}.")
+        if adapters_off and not is_peft(model):
+            raise ValueError("adapters_off=True needs a PEFT model (modules.lora.add_lora).")
         self.model = model
         self.temperature = temperature
         self.autocast_dtype = autocast_dtype
+        self.adapters_off = adapters_off
         self.handoff = None
         if trunk_critic is not None:
-            if trunk_critic.handoff is None or trunk_critic.backbone is not model.base_model:
+            if trunk_critic.handoff is None or trunk_critic.backbone is not trunk(model):
                 raise ValueError(
                     "trunk_critic must be a critic on this policy's own trunk "
                     "(make_critic(policy=..., init='shared')); a separate critic runs its own."
@@ -158,7 +167,8 @@ class TokenLevelActor(TensorDictModuleBase):
         n_prompt, n_response = tokens.shape[1], td.get(K.RESPONSE_TOKENS).shape[1]
         # position P-1+t predicts response token t: the LM head runs on those R positions only
         positions = torch.arange(n_prompt - 1, n_prompt - 1 + n_response, device=tokens.device)
-        with autocast(tokens.device, self.autocast_dtype):
+        adapters = self.model.disable_adapter() if self.adapters_off else nullcontext()
+        with adapters, autocast(tokens.device, self.autocast_dtype):
             out = self.model(
                 **model_inputs(td),
                 logits_to_keep=positions,
@@ -245,6 +255,7 @@ def make_critic(
     dtype: str = "float32",
     attn_implementation: str | None = None,
     autocast_dtype: torch.dtype | None = None,
+    lora: dict | None = None,
 ) -> TokenCritic:
     """Build the critic.
 
@@ -256,11 +267,15 @@ def make_critic(
         both losses).
     The value network must read the policy's tokens, so its vocabulary must match the tokenizer.
     ``autocast_dtype`` runs the backbone under ``torch.autocast`` (the value head stays fp32).
+    ``lora`` (keyword arguments of :func:`~rlhf_torchrl.modules.lora.add_lora`) trains a separate
+    critic's trunk through LoRA adapters (the head is trained in full); a shared trunk follows the
+    policy's.
     """
+    from .lora import add_lora, trunk
     from .models import disable_dropout, match_vocab, pretrained_kwargs, resolve_model_path
 
     if init == "shared":
-        return TokenCritic(policy.base_model, shared_trunk=True, autocast_dtype=autocast_dtype)
+        return TokenCritic(trunk(policy), shared_trunk=True, autocast_dtype=autocast_dtype)
     if init not in ("policy", "reward_model", "model"):
         raise ValueError(
             f"Unknown critic init {init!r}: choose 'policy' (copy of the policy), 'reward_model' "
@@ -300,7 +315,10 @@ def make_critic(
                 head.bias.copy_(score.bias)
             else:
                 head.bias.zero_()
-    return TokenCritic(model.base_model, head, autocast_dtype=autocast_dtype)
+    backbone = model.base_model
+    if lora:
+        backbone = add_lora(backbone, task_type="FEATURE_EXTRACTION", **lora)
+    return TokenCritic(backbone, head, autocast_dtype=autocast_dtype)
 
 
 def _check_same_vocab(path: str, tokenizer, name: str) -> None:
