@@ -72,9 +72,20 @@ def run_ours(parts, rollouts, args) -> tuple[dict, object]:
                          exact_entropy=not args.sample_entropy)
     with timer(times, "advantages"):
         parts["gae"](parts["shaper"](rollout))
-    with timer(times, "update"):
-        ppo_update(rollout, parts["loss"], parts["optimizer"], num_ppo_epochs=args.epochs,
-                   num_mini_batches=args.minibatches, replay_buffer=parts["buffer"])
+    # with --micro-batch-tokens the update runs both ways on the same rollout, in alternating order
+    ways = [("update", None)]
+    if args.micro_batch_tokens:
+        ways.append(("update_token_budget", args.micro_batch_tokens))
+        if parts.setdefault("calls", 0) % 2:
+            ways.reverse()
+        parts["calls"] += 1
+    for name, budget in ways:
+        with timer(times, name):
+            ppo_update(rollout, parts["loss"], parts["optimizer"], num_ppo_epochs=args.epochs,
+                       num_mini_batches=args.minibatches, replay_buffer=parts["buffer"],
+                       micro_batch_tokens=budget)
+    mask = torch.cat([rollout.get(K.PROMPT_MASK), rollout.get(K.RESPONSE_MASK)], 1)
+    times["padded_share"] = 1.0 - float(mask.float().mean())  # of the padded minibatch's positions
     times["total"] = sum(times[p] for p in PHASES)
     times["response_tokens"] = float(rollout.get(K.RESPONSE_MASK).sum())
     times["tokens_per_second"] = times["response_tokens"] / times["generation"]
@@ -138,7 +149,8 @@ def run_floor(parts, rollout, args) -> dict:
 
 def build(args):
     tokenizer, policy, reference = build_models(args.model, seed=args.seed)
-    prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
+    prompts = load_prompts("polarity", template="Continue this movie review: {prompt}",
+                           max_words=args.max_words or None)
     critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared")
     env = make_generation_env(prompts, tokenizer, batch_size=args.batch_size, seed=args.seed)
     gen = make_generation_policy(policy, tokenizer, max_new_tokens=args.response_length,
@@ -180,6 +192,11 @@ def main(argv=None) -> dict:
                         help="old log-probs from a policy forward instead of recorded while sampling")
     parser.add_argument("--no-trunk-handoff", action="store_true",
                         help="the shared-trunk critic runs the trunk itself (no hidden-state handoff)")
+    parser.add_argument("--max-words", type=int, default=8,
+                        help="first N words of each review sentence as the prompt (0: whole sentences, "
+                             "5 to 60 words: ragged prompts, much padding)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="also time the update with token-budget micro-batches (same rollout)")
     add_runtime_args(parser)
     parser.add_argument("--json", default="benchmarks/results/ppo_iteration.json")
     args = parser.parse_args(argv)
@@ -200,6 +217,10 @@ def main(argv=None) -> dict:
         ratio = ours[phase] / floor[phase] if floor[phase] > 0 else float("nan")
         rows.append([phase, f"{ours[phase]:.3f}", f"{floor[phase]:.3f}",
                      "-" if floor[phase] == 0 else f"{ratio:.2f}x"])
+    if args.micro_batch_tokens:
+        budget = ours["update_token_budget"]
+        rows.append([f"update, token budget {args.micro_batch_tokens}", f"{budget:.3f}",
+                     f"{floor['update']:.3f}", f"{budget / floor['update']:.2f}x"])
     rows.append(["tokens/s (generation)", f"{ours['tokens_per_second']:.0f}",
                  f"{floor['tokens_per_second']:.0f}",
                  f"{floor['tokens_per_second'] / ours['tokens_per_second']:.2f}x"])
@@ -209,7 +230,8 @@ def main(argv=None) -> dict:
           f"{args.epochs} epoch(s) x {args.minibatches} minibatch(es), {args.threads} threads, "
           f"median of {args.iterations} after {args.warmup} warm-up")
     print(table(rows, ["phase", "ours (s)", "floor (s)", "ours/floor"]))
-    print(f"peak RSS: {peak_rss_mb():.0f} MB")
+    print(f"peak RSS: {peak_rss_mb():.0f} MB; padded positions in the rollout: "
+          f"{100 * ours['padded_share']:.0f}%")
     result = {"args": vars(args), "machine": machine(), "ours": ours, "floor": floor,
               "ours_all": ours_rows, "floor_all": floor_rows, "peak_rss_mb": peak_rss_mb()}
     write_json(args.json, result)

@@ -146,6 +146,28 @@ def autocast_dtype(cfg: DictConfig) -> torch.dtype | None:
     return torch_dtype(cfg.model.autocast) if cfg.model.autocast else None
 
 
+def low_precision(cfg: DictConfig) -> bool:
+    """bf16/fp16 computation (autocast or low-precision weights)."""
+    return bool(cfg.model.autocast) or cfg.model.dtype in ("bfloat16", "float16")
+
+
+def log_probs_from_sampling(cfg: DictConfig) -> bool:
+    """Old log-probs from sampling (fp32: they equal the training forward's) or recomputed by the
+    training forward (bf16/fp16: decoding with a KV cache rounds differently, so PPO's first ratio
+    would not be 1)."""
+    setting = cfg.generation.log_probs_from_sampling
+    return not low_precision(cfg) if setting is None else bool(setting)
+
+
+def on_policy_tolerance(cfg: DictConfig) -> float:
+    """The on-policy check's tolerance: 1e-3 nats in fp32, 0.5 in bf16/fp16 (rounding alone gave
+    up to 0.25 on SmolLM2 with bf16 autocast on CPU; a coarser check there)."""
+    setting = cfg.generation.on_policy_tolerance
+    if setting is not None:
+        return float(setting)
+    return 0.5 if low_precision(cfg) else 1e-3
+
+
 def make_thread_tuner(cfg: DictConfig) -> ThreadTuner:
     """``threads: null``: follow the cores other processes leave free; ``threads: N``: N, fixed."""
     if cfg.threads:
@@ -258,7 +280,7 @@ def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids, device
         top_k=g.top_k, top_p=g.top_p, stop_token_ids=stop_ids,
         # always recorded: the old log-probs (unless recomputed) and the on-policy check's reference
         record_log_probs=True,
-        record_entropy=g.log_probs_from_sampling and cfg.logging.exact_entropy,
+        record_entropy=log_probs_from_sampling(cfg) and cfg.logging.exact_entropy,
         device=device, autocast_dtype=autocast_dtype(cfg),
     )
     gen_policy.generate_kwargs.update(parallel.generate_kwargs())

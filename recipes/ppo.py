@@ -82,7 +82,7 @@ def train(cfg: DictConfig) -> dict:
     log.info("Output directory: %s (device %s, %d process%s)", cfg.output_dir, device,
              parallel.world_size, "es" if parallel.enabled else "")
     # a shared trunk under FSDP2 is run through the whole (sharded) model, never the bare trunk
-    recompute = not cfg.generation.log_probs_from_sampling or (parallel.fsdp and critic.shares_trunk)
+    recompute = not builders.log_probs_from_sampling(cfg) or (parallel.fsdp and critic.shares_trunk)
 
     p = cfg.ppo
     history, first_samples, rollout = [], None, None
@@ -100,7 +100,7 @@ def train(cfg: DictConfig) -> dict:
         if iteration == 0 and cfg.generation.check_on_policy:
             # the ratio of the first minibatch is 1 only if the tokens came from the loss's distribution
             agreement = check_on_policy(rollout, actor, num_rows=cfg.generation.on_policy_rows,
-                                        atol=cfg.generation.on_policy_tolerance)
+                                        atol=builders.on_policy_tolerance(cfg))
             log.info("On-policy check: recorded and recomputed log-probs of %d tokens agree to %.2g nats",
                      agreement["tokens"], agreement["max_abs_diff"])
         # 2. Score: one scalar per response (reward model / functions, missing-EOS penalty).

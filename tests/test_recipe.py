@@ -185,3 +185,18 @@ def test_recipe_on_cuda(tmp_path, tiny_llama_dir, extra):
     assert report["iterations"] == 2
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["objective/kl"]) for r in rows)
+
+
+def test_low_precision_recomputes_old_log_probs(tmp_path, tiny_llama_dir):
+    """In bf16/fp16 the old log-probs come from the training forward and the on-policy check is
+    coarser; fp32 keeps the recorded ones and 1e-3; explicit settings win."""
+    import builders
+
+    fp32 = _cfg(tmp_path, tiny_llama_dir)
+    assert builders.log_probs_from_sampling(fp32) and builders.on_policy_tolerance(fp32) == 1e-3
+    for setting in ("model.autocast=bfloat16", "model.dtype=bfloat16"):
+        low = _cfg(tmp_path, tiny_llama_dir, setting)
+        assert not builders.log_probs_from_sampling(low) and builders.on_policy_tolerance(low) == 0.5
+    mine = _cfg(tmp_path, tiny_llama_dir, "model.autocast=bfloat16",
+                "generation.log_probs_from_sampling=true", "generation.on_policy_tolerance=0.1")
+    assert builders.log_probs_from_sampling(mine) and builders.on_policy_tolerance(mine) == 0.1
