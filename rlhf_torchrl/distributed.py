@@ -199,7 +199,8 @@ class DataParallel:
     def generate_kwargs(self) -> dict:
         """``generate`` arguments a data-parallel process needs: with FSDP2 every forward is a
         collective, so a process whose rows have all stopped keeps stepping until all have
-        (transformers' ``synced_gpus``)."""
+        (transformers' ``synced_gpus``; transformers 5 also switches it on by itself for a model
+        it sees is FSDP-managed, this states it rather than relying on the detection)."""
         return {"synced_gpus": True} if self.fsdp else {}
 
     def full_state_dict(self, model: nn.Module) -> dict | None:
