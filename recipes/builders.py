@@ -96,6 +96,9 @@ def check_config(cfg: DictConfig) -> Sizes:
     if lora.critic and cfg.value_model.init == "shared":
         raise ValueError("lora.critic is for a separate critic: a shared-trunk critic already "
                          "trains through the policy's adapters (value_model.init=shared).")
+    if m.offload_reference and world > 1 and cfg.distributed.strategy == "fsdp2":
+        raise ValueError("model.offload_reference with distributed.strategy=fsdp2: the reference is "
+                         "already sharded over the processes; drop the offload (or use ddp).")
     if m.autocast and m.dtype != "float32":
         raise ValueError(f"model.autocast={m.autocast} keeps fp32 master weights: set model.dtype="
                          f"float32 (now {m.dtype}), or drop autocast to train in {m.dtype}.")

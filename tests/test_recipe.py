@@ -157,16 +157,18 @@ def test_recipe_on_policy_check(tmp_path, tiny_llama_dir, caplog):
     assert "On-policy check: recorded and recomputed log-probs" in caplog.text
 
 
-def test_recipe_precision_and_memory_settings(tmp_path, tiny_llama_dir):
-    """Explicit device, bf16 autocast over fp32 weights, gradient checkpointing, SDPA attention, a
-    reference offloaded to the CPU between phases, token-budget micro-batches: it trains, and the
-    saved weights are fp32."""
-    ppo.train(_cfg(tmp_path, tiny_llama_dir, "device=cpu", "model.autocast=bfloat16",
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_recipe_precision_and_memory_settings(tmp_path, tiny_llama_dir, dtype):
+    """Explicit device, bf16/fp16 autocast over fp32 weights (fp16 with a gradient scaler),
+    gradient checkpointing, SDPA attention, a reference offloaded to the CPU between phases,
+    token-budget micro-batches: it trains, and the saved weights are fp32."""
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, "device=cpu", f"model.autocast={dtype}",
                    "model.gradient_checkpointing=true", "model.attn_implementation=sdpa",
                    "model.offload_reference=true", "ppo.micro_batch_tokens=64",
                    "value_model.init=policy"))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(math.isfinite(r["loss/policy_avg"]) for r in rows)
+    assert len(rows) == 2
+    assert all(math.isfinite(r["loss/policy_avg"]) and 0 < r["grad_norm"] < 1e3 for r in rows)
     from transformers import AutoModelForCausalLM
 
     before = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).state_dict()
