@@ -312,10 +312,11 @@ def ppo_update(
         n_tokens = minibatch.get(K.RESPONSE_MASK).sum().clamp_min(1)  # the whole minibatch's
         mine = minibatch[rank * local : (rank + 1) * local]
         if micro_batch_tokens:
-            counts = token_budget_split(mine.get(K.PROMPT_MASK), mine.get(K.RESPONSE_MASK),
-                                        micro_batch_tokens)
-            parts = token_budget_split(mine.get(K.PROMPT_MASK), mine.get(K.RESPONSE_MASK),
-                                       micro_batch_tokens, min_parts=parallel.max_int(len(counts)))
+            masks = mine.get(K.PROMPT_MASK), mine.get(K.RESPONSE_MASK)
+            parts = token_budget_split(*masks, micro_batch_tokens)
+            busiest = parallel.max_int(len(parts))  # every process runs as many micro-batches
+            if busiest > len(parts):
+                parts = token_budget_split(*masks, micro_batch_tokens, min_parts=busiest)
         else:
             parts = list(torch.arange(local).split(local // gradient_accumulation_steps))
         optimizer.zero_grad(set_to_none=True)
