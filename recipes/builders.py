@@ -47,7 +47,6 @@ class Sizes:
     mini_batch_size: int  # global
     micro_batch_size: int  # per process (row-count split)
     optimizer_steps: int  # over the whole run
-    world_size: int
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -133,7 +132,7 @@ def check_config(cfg: DictConfig) -> Sizes:
             f"{len(cfg.reward.functions or [])} reward.functions: give one weight per function."
         )
     steps = p.num_iterations * p.num_ppo_epochs * p.num_mini_batches
-    return Sizes(p.batch_size, mini, micro, steps, world)
+    return Sizes(p.batch_size, mini, micro, steps)
 
 
 def make_device(cfg: DictConfig) -> torch.device:

@@ -368,12 +368,11 @@ class RolloutCollector:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.seed, self.row_offset, self.device = seed, row_offset, device
-        self.streams = sampler_of(policy)  # draws the tokens: row streams are set on it
-        if seed is not None and self.streams is None:
+        self.sampler = sampler_of(policy)  # draws the tokens (and records their log-probs)
+        if seed is not None and self.sampler is None:
             raise ValueError("RolloutCollector(seed=...) needs a policy from make_generation_policy "
                              "(its InverseCDFSampler draws the tokens from per-row streams).")
-        sampler = self.streams
-        self.sampler = sampler if sampler is not None and sampler.record else None  # has log-probs
+        self.records = self.sampler is not None and self.sampler.record
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         total = -1 if total_batches < 0 else total_batches * batch_size
         self.collector = LLMCollector(
@@ -383,13 +382,13 @@ class RolloutCollector:
     def __iter__(self) -> Iterator[TensorDict]:
         from .sampling import row_stream_seeds
 
-        if self.sampler is not None:
+        if self.records:
             self.sampler.pop()  # nothing recorded outside this loop belongs to its batches
         batches = iter(self.collector)
         rows = range(self.row_offset, self.row_offset + self.batch_size)
         for index in itertools.count():
             if self.seed is not None:  # the streams of the batch the collector generates next
-                self.streams.set_streams(row_stream_seeds(self.seed, index, rows))
+                self.sampler.set_streams(row_stream_seeds(self.seed, index, rows))
             batch = next(batches, None)
             if batch is None:
                 return
@@ -399,7 +398,7 @@ class RolloutCollector:
                 stop_token_ids=self.stop_token_ids,
                 tokenizer=self.tokenizer,
             )
-            if self.sampler is not None:
+            if self.records:
                 self._add_sampling_record(rollout, batch)
             yield rollout if self.device is None else rollout.to(self.device)
 

@@ -34,9 +34,8 @@ def _save_tiny(path, model, tokenizer) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, tokenizer) -> str:
-    """A 2-layer Llama (GQA, RoPE) with SmolLM2's tokenizer and chat template."""
+def _tiny_llama(tokenizer, **overrides):
+    """A 2-layer Llama (GQA, RoPE, 32 wide) for ``tokenizer``, seeded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -44,9 +43,29 @@ def tiny_llama_dir(tmp_path_factory, tokenizer) -> str:
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, **{"tie_word_embeddings": True, **overrides},
     )
-    return _save_tiny(tmp_path_factory.mktemp("tiny_llama"), LlamaForCausalLM(config), tokenizer)
+    return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tokenizer) -> str:
+    """A 2-layer Llama (GQA, RoPE) with SmolLM2's tokenizer and chat template."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny_llama"), _tiny_llama(tokenizer), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def stopping_llama_dir(tmp_path_factory, tokenizer) -> str:
+    """A tiny Llama that answers with 4 tokens (EOS and three words), each about equally likely:
+    responses stop after 1, 2, ... tokens, at different steps from row to row."""
+    model = _tiny_llama(tokenizer, tie_word_embeddings=False)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0  # a large, positive first hidden unit
+        model.lm_head.weight.zero_()
+        words = tokenizer(" good bad fine", add_special_tokens=False)["input_ids"]
+        for token in (tokenizer.eos_token_id, *words):
+            model.lm_head.weight[token, 0] = 3.0  # logit ~17 for these four, 0 for the rest
+    return _save_tiny(tmp_path_factory.mktemp("stopping_llama"), model, tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -36,32 +36,6 @@ def _run(out: Path, model_dir: str, nproc: int, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def stopping_llama_dir(tmp_path_factory, tokenizer) -> str:
-    """A tiny Llama that answers with 4 tokens (EOS and three words), each about equally likely:
-    responses stop after 1, 2, ... tokens, so the processes' rows stop at different steps."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 10.0  # a large, positive first hidden unit
-        model.lm_head.weight.zero_()
-        words = tokenizer(" good bad fine", add_special_tokens=False)["input_ids"]
-        for token in (tokenizer.eos_token_id, *words):
-            model.lm_head.weight[token, 0] = 3.0  # logit ~17 for these four, 0 for the rest
-    path = tmp_path_factory.mktemp("stopping_llama")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
 def test_fsdp2_generation_with_rows_stopping_at_different_steps(tmp_path, stopping_llama_dir):
     """FSDP2: every forward is a collective, so a process whose rows have all stopped keeps
     stepping (synced_gpus) until the other's have; the run matches one process."""
