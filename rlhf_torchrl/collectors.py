@@ -194,7 +194,8 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
         from .modules.lora import hf_model
         from .runtime import autocast
 
-        model = hf_model(self.model)  # a PEFT model generates with its base model's config
+        # PEFT copies its config onto the base model in generate: swap (and restore) that one
+        model = hf_model(self.model)
         own = model.generation_config
         if self.generation_config is not None:
             model.generation_config = self.generation_config

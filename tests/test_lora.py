@@ -79,3 +79,27 @@ def test_lora_run_trains_only_the_adapters(tmp_path, tiny_llama_dir, overrides):
 def test_lora_needs_a_rank(tmp_path, tiny_llama_dir):
     with pytest.raises(ValueError, match="lora.r > 0"):
         ppo.train(_cfg(tmp_path, tiny_llama_dir, "lora.critic=true"))
+
+
+def test_lora_policy_samples_on_policy_despite_checkpoint_processors(instruct_llama_dir, tokenizer):
+    """A PEFT model generates with its base model's generation_config: the checkpoint's repetition
+    penalty and suppressed tokens are swapped out there too, and the recorded log-probs are the
+    training forward's."""
+    from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+    from rlhf_torchrl.sampling import check_on_policy
+
+    policy = add_lora(load_causal_lm(instruct_llama_dir, tokenizer), r=4)
+    own = policy.get_base_model().generation_config.to_dict()
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)
+    env = make_generation_env([f"Prompt {i}" for i in range(32)], tokenizer, batch_size=32, seed=0)
+    gen = make_generation_policy(policy, tokenizer, max_new_tokens=6, record_log_probs=True)
+    rollout = next(iter(RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=32, seed=0)))
+    tokens = rollout.get(K.RESPONSE_TOKENS)[rollout.get(K.RESPONSE_MASK)]
+    assert 0.25 < (tokens < 20_000).float().mean() < 0.55  # suppressed ids drawn at their true rate
+    stats = check_on_policy(rollout, TokenLevelActor(policy), num_rows=32, atol=1e-3)
+    assert stats["max_abs_diff"] < 1e-4
+    # swapped only while generating (PEFT copies its config onto the base model's: restore that one)
+    assert policy.get_base_model().generation_config.to_dict() == own
