@@ -85,7 +85,11 @@ def test_lora_policy_samples_on_policy_despite_checkpoint_processors(instruct_ll
     """A PEFT model generates with its base model's generation_config: the checkpoint's repetition
     penalty and suppressed tokens are swapped out there too, and the recorded log-probs are the
     training forward's."""
-    from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+    from rlhf_torchrl.collectors import (
+        RolloutCollector,
+        make_generation_env,
+        make_generation_policy,
+    )
     from rlhf_torchrl.sampling import check_on_policy
 
     policy = add_lora(load_causal_lm(instruct_llama_dir, tokenizer), r=4)
