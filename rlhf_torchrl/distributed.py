@@ -103,19 +103,16 @@ class DataParallel:
             return rollout
         import torch.distributed as dist
 
+        from .collectors.base import pad_rollout
+
         widths = torch.tensor([rollout.get(K.PROMPT_MASK).shape[1], rollout.get(K.RESPONSE_MASK).shape[1]],
                               device=self._comm_device())
         p_width, r_width = self.all_reduce(widths, "max").tolist()
-        r_local = rollout.get(K.RESPONSE_MASK).shape[1]
+        rollout = pad_rollout(rollout, p_width, r_width, pad_token_id)
         out = {}
         for key, value in rollout.items(True, True):
             if not isinstance(value, torch.Tensor):
                 continue
-            fill = pad_token_id if key in (K.PROMPT_TOKENS, K.RESPONSE_TOKENS) else 0
-            if key in K.PROMPT_WIDTH:
-                value = _pad_dim1(value, p_width, fill, left=True)
-            elif value.ndim >= 2 and value.shape[1] == r_local:
-                value = _pad_dim1(value, r_width, fill, left=False)
             dtype = value.dtype
             send = (value.to(torch.uint8) if dtype == torch.bool else value).contiguous()
             send = send.to(self._comm_device())
@@ -240,15 +237,6 @@ class _LossCall(nn.Module):
 
     def forward(self, td):
         return self.loss_module(td)
-
-
-def _pad_dim1(value: torch.Tensor, width: int, fill, *, left: bool) -> torch.Tensor:
-    missing = width - value.shape[1]
-    if missing <= 0:
-        return value
-    pad = torch.full((value.shape[0], missing, *value.shape[2:]), fill, dtype=value.dtype,
-                     device=value.device)
-    return torch.cat([pad, value] if left else [value, pad], dim=1)
 
 
 def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None,

@@ -33,6 +33,11 @@ DATA = "data"
 
 # (B, R) float32: log-probs of the sampled tokens under the policy that sampled them (old policy).
 LOG_PROB = ("log_probs", "response")
+# (B, R) float32: the sampler's log-probs (the behaviour policy's), kept beside recomputed old
+# log-probs: asynchronous collection and other engines sample with other weights or kernels.
+BEHAVIOUR_LOG_PROB = ("log_probs", "behaviour")
+# (B,) int64: the policy version (updates done) whose weights sampled each row (TorchRL's key).
+POLICY_VERSION = "policy_version"
 # (B, R) float32: the same tokens under the frozen reference model.
 REF_LOG_PROB = ("ref_log_probs", "response")
 # (B, R) float32: per-token KL estimate between policy and reference.

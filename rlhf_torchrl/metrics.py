@@ -43,6 +43,23 @@ def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
     return out
 
 
+def sampler_metrics(td: TensorDictBase, version: int) -> dict[str, float]:
+    """How far the sampler was from the trainer (``version``: updates done): the staleness of
+    asynchronous rows (``async/staleness``, mean and max, in updates) and, where the old log-probs
+    were recomputed, ``policy/behaviour_approxkl``: ``0.5 * mean((log pi_old - log
+    pi_sampler)^2)`` over response tokens (other weights, or other kernels, e.g. vLLM's)."""
+    out = {}
+    keys = td.keys(True)
+    if K.POLICY_VERSION in keys:
+        lag = (version - td.get(K.POLICY_VERSION)).double()
+        out["async/staleness"] = float(lag.mean())
+        out["async/max_staleness"] = float(lag.max())
+    if K.BEHAVIOUR_LOG_PROB in keys:
+        gap = td.get(K.LOG_PROB) - td.get(K.BEHAVIOUR_LOG_PROB)
+        out["policy/behaviour_approxkl"] = float(F.masked_mean(0.5 * gap**2, td.get(K.RESPONSE_MASK)))
+    return out
+
+
 class MetricsWriter:
     """Writes each iteration's metrics as one JSON object per line, and to a TorchRL logger.
 

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
@@ -68,8 +70,9 @@ class TokenPPOLoss(ClipPPOLoss):
     (``_log_weight`` and ``loss_critic``), so no forward pass is added.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tis_cap: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.tis_cap = tis_cap
         self._seen: dict[str, torch.Tensor] = {}  # per-token quantities of the current call
 
     def forward(self, tensordict):
@@ -80,9 +83,18 @@ class TokenPPOLoss(ClipPPOLoss):
         return out
 
     def _log_weight(self, tensordict, adv_shape):
-        result = super()._log_weight(tensordict, adv_shape)
-        self._seen["log_ratio"] = result[0].detach().squeeze(-1)  # (B, R)
-        return result
+        log_weight, dist, kl_approx, log_is_weight = super()._log_weight(tensordict, adv_shape)
+        self._seen["log_ratio"] = log_weight.detach().squeeze(-1)  # (B, R)
+        if self.tis_cap is not None and K.BEHAVIOUR_LOG_PROB in tensordict.keys(True):
+            # truncated importance sampling: the sampled tokens came from the behaviour policy, the
+            # ratio is taken against the recomputed old policy; ClipPPOLoss weights both surrogate
+            # terms by exp(log_is_weight) = min(pi_old / pi_behaviour, cap), no gradient
+            old = tensordict.get(self.tensor_keys.sample_log_prob)
+            tis = (old - tensordict.get(K.BEHAVIOUR_LOG_PROB)).clamp_max(math.log(self.tis_cap))
+            self._seen["tis_weight"] = tis.exp()
+            tis = tis.view_as(log_weight)
+            log_is_weight = tis if log_is_weight is None else log_is_weight + tis
+        return log_weight, dist, kl_approx, log_is_weight
 
     def loss_critic(self, tensordict):
         result = super().loss_critic(tensordict)
@@ -103,6 +115,9 @@ class TokenPPOLoss(ClipPPOLoss):
             "pg_clipfrac": F.masked_mean((pg_loss_clipped > pg_loss).float(), mask),
             "ratio": F.masked_mean(ratio, mask),
         }
+        if "tis_weight" in seen:
+            out["tis_weight"] = F.masked_mean(seen["tis_weight"], mask)
+            out["tis_capped"] = F.masked_mean((seen["tis_weight"] >= self.tis_cap).float(), mask)
         if "value" in seen and self.clip_value is not None:
             new = seen["value"]
             old = td.get(self.tensor_keys.value).squeeze(-1)
@@ -120,6 +135,7 @@ def make_ppo_loss(
     clip_value: float | None = 0.2,
     vf_coef: float = 0.1,
     entropy_coef: float = 0.0,
+    tis_cap: float | None = None,
 ):
     """TorchRL's ``ClipPPOLoss`` for token-level PPO (a :class:`TokenPPOLoss`).
 
@@ -128,7 +144,14 @@ def make_ppo_loss(
     (TorchRL's ``l2`` distance has no 1/2, so ``critic_coeff = vf_coef / 2``);
     ``loss_entropy = -entropy_coef * mean_t H_t`` when ``entropy_coef > 0``. Means are over valid
     response tokens (``loss_mask_key = ("masks", "response")``).
+
+    ``tis_cap``: truncated importance sampling (verl's and OpenRLHF's TIS) where the old log-probs
+    were recomputed by the trainer and the sampler's are kept as ``("log_probs", "behaviour")``:
+    each token's surrogate is weighted by ``min(pi_old / pi_behaviour, tis_cap)`` (no gradient),
+    correcting for tokens sampled by a stale policy (asynchronous collection) or other kernels.
     """
+    if tis_cap is not None and tis_cap <= 0:
+        raise ValueError(f"tis_cap must be > 0 (or None), got {tis_cap}.")
     loss = TokenPPOLoss(
         actor,
         critic,
@@ -142,6 +165,7 @@ def make_ppo_loss(
         functional=False,
         log_explained_variance=False,
         reduction="mean",
+        tis_cap=tis_cap,
     )
     loss.set_keys(
         action=K.RESPONSE_TOKENS,
@@ -239,7 +263,8 @@ def token_budget_split(mask_prompt: torch.Tensor, mask_response: torch.Tensor, m
 
 
 _STATS = ("policy/clipfrac_avg", "policy/approxkl_avg", "loss/policy_avg", "loss/value_avg",
-          "val/clipfrac_avg", "policy/entropy_avg", "val/ratio")
+          "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "policy/tis_weight_avg",
+          "policy/tis_capped_frac")
 
 
 def ppo_update(
@@ -341,6 +366,9 @@ def ppo_update(
                     values["loss/value_avg"] = out["loss_critic"] / vf_coef
                 if "vf_clipfrac" in out.keys():
                     values["val/clipfrac_avg"] = out["vf_clipfrac"]
+                if "tis_weight" in out.keys():
+                    values["policy/tis_weight_avg"] = out["tis_weight"]
+                    values["policy/tis_capped_frac"] = out["tis_capped"]
                 if "entropy" in out.keys():
                     # ClipPPOLoss averages the entropy over every position (0 on pads)
                     mask = micro_batch.get(K.RESPONSE_MASK)

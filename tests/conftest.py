@@ -39,12 +39,13 @@ def _tiny_llama(tokenizer, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    settings = dict(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **{"tie_word_embeddings": True, **overrides},
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
     )
+    config = LlamaConfig(**{**settings, **overrides})
     return LlamaForCausalLM(config)
 
 

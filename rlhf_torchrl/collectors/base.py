@@ -14,12 +14,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+from tensordict.base import _is_leaf_nontensor
 from torch.utils.data import DataLoader
 from torchrl.modules.llm import TransformersWrapper
 
-from . import functional as F
-from . import keys as K
-from .data import Prompt, prompt_token_ids, to_prompt
+from .. import functional as F
+from .. import keys as K
+from ..data import Prompt, prompt_token_ids, to_prompt
 
 
 def make_generation_env(
@@ -142,8 +143,8 @@ def make_generation_policy(
     """
     from transformers import LogitsProcessorList
 
-    from .runtime import module_device
-    from .sampling import (
+    from ..runtime import module_device
+    from ..sampling import (
         InverseCDFSampler,
         sampling_generation_config,
         warn_ignored_generation_settings,
@@ -191,8 +192,8 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
     autocast_dtype = None
 
     def forward(self, *args, **kwargs):
-        from .modules.lora import hf_model
-        from .runtime import autocast
+        from ..modules.lora import hf_model
+        from ..runtime import autocast
 
         # PEFT copies its config onto the base model in generate: swap (and restore) that one
         model = hf_model(self.model)
@@ -207,11 +208,17 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
 
 
 def sampler_of(policy):
-    """The :class:`~rlhf_torchrl.sampling.InverseCDFSampler` a generation policy draws with, or None."""
-    from .sampling import InverseCDFSampler
+    """What draws a generation policy's tokens and records their log-probs: the transformers
+    backend's :class:`~rlhf_torchrl.sampling.InverseCDFSampler`, or the
+    :class:`~rlhf_torchrl.collectors.vllm.VLLMGenerator` in the model's place; None otherwise."""
+    from ..sampling import InverseCDFSampler
 
     processors = getattr(policy, "generate_kwargs", {}).get("logits_processor") or []
-    return next((p for p in processors if isinstance(p, InverseCDFSampler)), None)
+    sampler = next((p for p in processors if isinstance(p, InverseCDFSampler)), None)
+    model = getattr(policy, "model", None)
+    if sampler is None and all(hasattr(model, a) for a in ("set_streams", "pop", "record")):
+        sampler = model
+    return sampler
 
 
 def to_rollout(
@@ -283,6 +290,50 @@ def build_rollout(
             values = [row.get(name) for row in fields]
             out.set((K.DATA, name), NonTensorStack(*(NonTensorData(v) for v in values)))
     return out
+
+
+def pad_rollout(rollout: TensorDictBase, prompt_width: int, response_width: int,
+                pad_token_id: int) -> TensorDictBase:
+    """``rollout`` with its prompt entries left-padded to ``prompt_width`` and its response-wide
+    entries right-padded to ``response_width`` (pad token for tokens, False for masks, 0
+    otherwise): the layout a collector of a wider batch would have produced. Non-tensor entries
+    are kept."""
+    r_local = rollout.get(K.RESPONSE_MASK).shape[1]
+    out = rollout.clone(False)
+    for key, value in rollout.items(True, True):
+        if not isinstance(value, torch.Tensor):
+            continue
+        fill = pad_token_id if key in (K.PROMPT_TOKENS, K.RESPONSE_TOKENS) else 0
+        if key in K.PROMPT_WIDTH:
+            out.set(key, _pad_dim1(value, prompt_width, fill, left=True))
+        elif value.ndim >= 2 and value.shape[1] == r_local:
+            out.set(key, _pad_dim1(value, response_width, fill, left=False))
+    return out
+
+
+def concat_rollouts(rollouts: Sequence[TensorDictBase], pad_token_id: int) -> TensorDict:
+    """One rollout of all the rows of ``rollouts`` (in order), padded to the widest prompt and
+    response; text and dataset fields included."""
+    p_width = max(r.get(K.PROMPT_MASK).shape[1] for r in rollouts)
+    r_width = max(r.get(K.RESPONSE_MASK).shape[1] for r in rollouts)
+    padded = [pad_rollout(r, p_width, r_width, pad_token_id) for r in rollouts]
+    out = TensorDict(batch_size=[sum(r.shape[0] for r in rollouts)])
+    for key, value in padded[0].items(True, True, is_leaf=_is_leaf_nontensor):
+        if isinstance(value, torch.Tensor):
+            out.set(key, torch.cat([r.get(key) for r in padded]))
+        else:
+            rows = [v for r in padded for v in r.get(key).tolist()]
+            out.set(key, NonTensorStack(*(NonTensorData(v) for v in rows)))
+    return out
+
+
+def _pad_dim1(value: torch.Tensor, width: int, fill, *, left: bool) -> torch.Tensor:
+    missing = width - value.shape[1]
+    if missing <= 0:
+        return value
+    pad = torch.full((value.shape[0], missing, *value.shape[2:]), fill, dtype=value.dtype,
+                     device=value.device)
+    return torch.cat([pad, value] if left else [value, pad], dim=1)
 
 
 def probe_rollout(
@@ -381,7 +432,7 @@ class RolloutCollector:
         )
 
     def __iter__(self) -> Iterator[TensorDict]:
-        from .sampling import row_stream_seeds
+        from ..sampling import row_stream_seeds
 
         if self.records:
             self.sampler.pop()  # nothing recorded outside this loop belongs to its batches

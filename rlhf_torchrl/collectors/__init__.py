@@ -1,0 +1,25 @@
+"""Generation as TorchRL environments and collectors that emit dense rollout TensorDicts.
+
+``base``: the prompt env, the transformers generation policy, :class:`RolloutCollector` and the
+rollout layout; ``vllm``: the vLLM engine in the model's place; ``weight_sync``: the trainer's
+weights to whichever copy samples.
+"""
+
+from .base import (
+    RolloutCollector,
+    ShardedBatchSampler,
+    build_rollout,
+    decode,
+    make_generation_env,
+    make_generation_policy,
+    probe_rollout,
+    sampler_of,
+    to_rollout,
+)
+from .weight_sync import WeightSync, engine_weights
+
+__all__ = [
+    "RolloutCollector", "ShardedBatchSampler", "WeightSync", "build_rollout", "decode",
+    "engine_weights", "make_generation_env", "make_generation_policy", "probe_rollout",
+    "sampler_of", "to_rollout",
+]

@@ -1,0 +1,135 @@
+"""Asynchronous collection: the next batches are generated while the trainer updates on this one.
+
+As in Asynchronous RLHF (Noukhovitch et al. 2024), open-instruct, OpenRLHF and verl, generation
+and training overlap, and the price is staleness: with ``overlap`` N, batch k is sampled by the
+policy after k - N updates while the trainer, at k updates, uses it. Each row records the version that sampled it (``"policy_version"``), so the recipe logs
+the staleness and PPO's old log-probs can be the behaviour policy's (recorded while sampling) or
+the trainer's, corrected by truncated importance sampling (``ppo.tis_cap``).
+
+``overlap=0`` waits for the weights of update k before sampling batch k: the synchronous run,
+token for token (each row has its own random stream, so where it is drawn does not matter).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import queue
+import threading
+from collections.abc import Iterator
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from .. import keys as K
+
+
+class AsyncCollector:
+    """Runs ``collector`` in a background thread, ``overlap`` policy versions behind the trainer.
+
+    ``update_weights(version)`` is the trainer's call after each update: it pushes the weights
+    with ``weight_sync`` (a :class:`~rlhf_torchrl.collectors.WeightSync`, or None when the sampler
+    reads the trained model itself, which is safe only with ``overlap=0``) between two batches,
+    never during one. Batch k is sampled by exactly version ``max(0, k - overlap)``: the thread
+    waits for that version, and a push waits until the batches the older version still owes are
+    sampled. Staleness is therefore fixed, not a matter of timing, and a run is reproducible. The
+    rows of each batch get ``"policy_version"`` (B,) int64.
+
+    Example:
+        >>> collector = AsyncCollector(RolloutCollector(...), WeightSync(policy, engine), overlap=1)
+        >>> for k, rollout in enumerate(collector):  # batch k + 1 is sampled meanwhile
+        ...     update(rollout)
+        ...     collector.update_weights(k + 1)
+    """
+
+    def __init__(self, collector, weight_sync=None, *, overlap: int = 1):
+        if overlap < 0:
+            raise ValueError(f"overlap must be >= 0, got {overlap}.")
+        self.collector, self.weight_sync, self.overlap = collector, weight_sync, overlap
+        self.version = 0  # of the weights the sampler holds
+        self._sampled = 0  # batches sampled so far
+        self._turn = threading.Condition()  # held while a batch is sampled or weights are pushed
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stop = self._done = False
+
+    @property
+    def sampler(self):
+        return self.collector.sampler
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        if self._thread is not None:
+            raise RuntimeError("AsyncCollector can be iterated once.")
+        self._thread = threading.Thread(target=self._produce, name="rollouts", daemon=True)
+        self._thread.start()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _produce(self) -> None:
+        try:
+            batches = iter(self.collector)
+            for k in itertools.count():
+                with self._turn:
+                    self._turn.wait_for(lambda k=k: self._stop or self.version >= k - self.overlap)
+                    if self._stop:
+                        break
+                    version = self.version
+                    rollout = next(batches, None)
+                    self._sampled += rollout is not None
+                    self._turn.notify_all()
+                if rollout is None:
+                    break
+                rollout.set(K.POLICY_VERSION, torch.full(rollout.shape, version, dtype=torch.long,
+                                                         device=rollout.device))
+                self._queue.put(rollout)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the trainer's thread
+            self._queue.put(e)
+        finally:
+            with self._turn:
+                self._done = True
+                self._turn.notify_all()
+            self._queue.put(None)
+
+    def update_weights(self, version: int) -> float:
+        """Push the trainer's weights (``version`` = updates done) once every batch the previous
+        version owes is sampled; returns the seconds the push took (0 without a weight sync)."""
+        with self._turn:
+            self._turn.wait_for(lambda: self._done or self._sampled >= version + self.overlap)
+            seconds = self.weight_sync(version) if self.weight_sync is not None else 0.0
+            self.version = version
+            self._turn.notify_all()
+        return seconds
+
+    def shutdown(self) -> None:
+        with self._turn:
+            self._stop = True
+            self._turn.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self.collector.shutdown()
+
+
+class ModelCopy:
+    """A copy of the policy that samples while the trainer updates the original (asynchronous
+    collection with the transformers backend); ``load_weights`` takes
+    :func:`~rlhf_torchrl.collectors.engine_weights` pairs. A PEFT policy is copied merged (the
+    copy has no adapters). ``copy_model=False`` adopts ``model`` itself (a Ray worker's own)."""
+
+    def __init__(self, model: nn.Module, copy_model: bool = True):
+        from ..modules.lora import is_peft
+
+        model = copy.deepcopy(model) if copy_model else model
+        self.model = (model.merge_and_unload() if is_peft(model) else model).eval()
+        self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> None:
+        own = self.model.state_dict()
+        for name, tensor in weights:
+            own[name].copy_(tensor)

@@ -1,0 +1,120 @@
+"""Asynchronous collection: exact policy versions, and the synchronous run at zero overlap."""
+
+import copy
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.collectors import (
+    RolloutCollector,
+    WeightSync,
+    make_generation_env,
+    make_generation_policy,
+)
+from rlhf_torchrl.collectors.asynchronous import AsyncCollector, ModelCopy
+from rlhf_torchrl.modules import TokenLevelActor
+from rlhf_torchrl.sampling import check_on_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+PROMPTS = ["The film was", "I did not expect", "Its story", "The acting", "A slow start but",
+           "Music and light", "The ending", "Nothing"]
+
+
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_batch_k_is_sampled_by_version_k_minus_overlap(tiny_llama_dir, tokenizer, overlap):
+    """The trainer changes the policy after every batch; each batch's recorded log-probs are those
+    of exactly the version ``max(0, k - overlap)`` (kept as snapshots), never of another."""
+    policy = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    sampling_copy = ModelCopy(policy)
+    env = make_generation_env(PROMPTS, tokenizer, batch_size=4, seed=0)
+    gen = make_generation_policy(sampling_copy.model, tokenizer, max_new_tokens=5,
+                                 record_log_probs=True)
+    sync = WeightSync(policy, sampling_copy)
+    sync(0)
+    collector = AsyncCollector(RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=4, seed=0),
+                               sync, overlap=overlap)
+    snapshots = [copy.deepcopy(policy.state_dict())]
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    versions = []
+    for k, rollout in enumerate(collector):
+        version = int(rollout.get(K.POLICY_VERSION)[0])
+        versions.append(version)
+        assert (rollout.get(K.POLICY_VERSION) == version).all()
+        reference.load_state_dict(snapshots[version])
+        check_on_policy(rollout, TokenLevelActor(reference), num_rows=4, atol=1e-4)
+        if version != k:  # and it is not the trainer's current policy
+            with pytest.raises(Exception, match="Off-policy"):
+                check_on_policy(rollout, TokenLevelActor(policy), num_rows=4, atol=1e-4)
+        if k == 4:
+            break
+        with torch.no_grad():  # "update" k: the trainer's policy moves
+            policy.lm_head.weight.mul_(1.5)
+        snapshots.append(copy.deepcopy(policy.state_dict()))
+        collector.update_weights(k + 1)
+    collector.shutdown()
+    assert versions == [max(0, k - overlap) for k in range(5)]
+
+
+def _run(tmp_path, model_dir, *overrides):
+    import ppo
+    from test_recipe import _cfg
+
+    cfg = _cfg(tmp_path, model_dir, "ppo.num_iterations=3", *overrides)
+    ppo.train(cfg)
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def _comparable(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items()
+            if not k.startswith(("time/", "async/")) and k != "threads"}
+
+
+def test_overlap_zero_is_the_synchronous_run(tmp_path, tiny_llama_dir):
+    sync = _run(tmp_path / "sync", tiny_llama_dir)
+    overlapped = _run(tmp_path / "async", tiny_llama_dir, "collection.overlap=0")
+    assert [_comparable(m) for m in overlapped] == [_comparable(m) for m in sync]
+    assert [m["async/staleness"] for m in overlapped] == [0, 0, 0]
+
+
+def test_overlap_one_with_truncated_importance_sampling(tmp_path, tiny_llama_dir):
+    """A generation copy samples batch k + 1 while the trainer updates on batch k; old log-probs are
+    recomputed and the behaviour gap is corrected by TIS."""
+    lines = _run(tmp_path, tiny_llama_dir, "collection.overlap=1",
+                 "generation.log_probs_from_sampling=false", "ppo.tis_cap=2.0")
+    assert [m["async/staleness"] for m in lines] == [0, 1, 1]
+    assert lines[0]["policy/behaviour_approxkl"] < 1e-8  # batch 0: the trainer's own weights
+    assert lines[1]["policy/behaviour_approxkl"] > 1e-6  # batch 1: sampled before update 0
+    for m in lines:
+        assert 0 < m["policy/tis_weight_avg"] <= 2.0 and 0 <= m["policy/tis_capped_frac"] <= 1
+        assert all(math.isfinite(v) for v in m.values())
+
+
+def test_truncated_importance_sampling_weights_the_surrogate(tokenizer, tiny_llama_dir):
+    """Hand check: with behaviour log-probs shifted by d from the old ones, every token's surrogate
+    is weighted by min(exp(d), cap): the policy loss scales by that factor at ratio 1."""
+    from rlhf_torchrl.collectors import probe_rollout
+    from rlhf_torchrl.modules import evaluate_rollout, make_critic
+    from rlhf_torchrl.objectives import make_ppo_loss
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    actor = TokenLevelActor(policy)
+    critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared")
+    rollout = probe_rollout(PROMPTS[:4], tokenizer, ["good", "bad film", "", "fine"])
+    evaluate_rollout(rollout, actor=actor, reference=actor, critic=critic, chunk_size=4)
+    mask = rollout.get(K.RESPONSE_MASK)
+    rollout.set(K.ADVANTAGE, torch.where(mask, 1.0, 0.0).unsqueeze(-1))
+    rollout.set(K.VALUE_TARGET, rollout.get(K.VALUE).clone())
+    plain = make_ppo_loss(actor, critic)(rollout.clone())["loss_objective"]
+    for shift, cap, factor in ((0.5, 10.0, math.exp(0.5)), (0.5, 1.2, 1.2), (-1.0, 2.0, math.exp(-1))):
+        td = rollout.clone()
+        td.set(K.BEHAVIOUR_LOG_PROB, td.get(K.LOG_PROB) - shift * mask)
+        weighted = make_ppo_loss(actor, critic, tis_cap=cap)(td)["loss_objective"]
+        torch.testing.assert_close(weighted, plain * factor, rtol=1e-5, atol=1e-7)
