@@ -145,7 +145,6 @@ class VLLMGenerator:
         self.llm = llm
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.record = record
-        self.record_entropy = False  # vLLM reports the sampled token's log-prob, not the entropy
         self.sleep_between_batches = sleep_between_batches
         self._asleep = False
         self._seeds: list[int] | None = None

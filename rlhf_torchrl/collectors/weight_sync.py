@@ -3,7 +3,7 @@
 The transformers backend samples with the trained model itself and needs no sync; a vLLM engine
 (:class:`~rlhf_torchrl.collectors.vllm.VLLMGenerator`), a generation copy of the model
 (asynchronous collection) or remote workers (Ray) hold their own weights. Each of them has
-``load_weights(pairs)``; :class:`WeightSync` feeds it :func:`engine_weights` and counts versions.
+``load_weights(pairs)``; :class:`WeightSync` feeds it :func:`engine_weights`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ def engine_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     from ..modules.lora import hf_model
 
     hf = hf_model(model)
-    lora_layers = {name: m for name, m in hf.named_modules() if _is_lora_layer(m)}
+    lora_type = _lora_layer_type()
+    lora_layers = {name: m for name, m in hf.named_modules()
+                   if lora_type is not None and isinstance(m, lora_type)}
     for name, tensor in hf.state_dict().items():
         if ".lora_" in name:
             continue
@@ -42,27 +44,27 @@ def engine_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, tensor.detach()
 
 
-def _is_lora_layer(module: nn.Module) -> bool:
+def _lora_layer_type():
+    """PEFT's LoRA layer class, or None without PEFT (then no model has LoRA layers)."""
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:
-        return False
-    return isinstance(module, LoraLayer)
+        return None
+    return LoraLayer
 
 
 class WeightSync:
     """Push ``model``'s weights to ``target`` (anything with ``load_weights(pairs)``).
 
-    ``sync(version)`` pushes and records ``version``, the number of updates the pushed weights
-    have had (0: the initial weights); returns the seconds the push took.
+    ``sync(version)`` pushes; ``version`` (updates the weights have had, 0: the initial ones) is
+    the caller's count, taken for the recipe's and :class:`~rlhf_torchrl.collectors.asynchronous.AsyncCollector`'s common signature.
+    Returns the seconds the push took.
     """
 
     def __init__(self, model: nn.Module, target):
         self.model, self.target = model, target
-        self.version: int | None = None  # nothing pushed yet
 
     def __call__(self, version: int) -> float:
         start = time.perf_counter()
         self.target.load_weights(engine_weights(self.model))
-        self.version = version
         return time.perf_counter() - start
