@@ -35,6 +35,20 @@ def test_collectors_benchmark(tmp_path, smollm2_dir):
         assert row[f"{name}_tokens_per_s"] > 0, name
 
 
+def test_backends_benchmark_transformers(tmp_path, smollm2_dir):
+    """The backend sweep with the transformers backend alone (tests/test_vllm.py runs both)."""
+    import backends
+
+    out = tmp_path / "b.json"
+    backends.main(["--model", "tiny-llama", "--backends", "transformers", "--batch-sizes", "1", "3",
+                   "--lengths", "4", "--repeats", "1", "--threads", "1", "--no-reuse-freed-memory",
+                   "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["batch_size"] for r in result["results"]] == [1, 3]
+    assert all(r["transformers_tokens_per_s"] > 0 for r in result["results"])
+    assert result["weight_sync_s"]["ModelCopy"] > 0 and result["weight_mb"] > 0
+
+
 def test_scaling_benchmark(tmp_path, tiny_llama_dir):
     """Recipe variants in their own processes: phase times and a per-process peak RSS each."""
     import scaling

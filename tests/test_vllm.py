@@ -129,6 +129,38 @@ def test_vllm_stops_at_the_recipes_stop_tokens_only(engine, model, tokenizer):
         assert (valid[-1] == stop) == bool(stopped)
 
 
+def test_vllm_min_new_tokens_holds_the_stops_back(engine, model, tokenizer):
+    """``min_new_tokens`` (the benchmarks' fixed-length responses) maps to vLLM's ``min_tokens``."""
+    generator = VLLMGenerator(engine, temperature=T)
+    WeightSync(model, generator)(0)
+    stops = list(range(1, len(tokenizer), 2))  # half the vocabulary: rows stop within a few tokens
+    batch = tokenizer(PROMPTS[:4], return_tensors="pt", padding=True)
+
+    def first_stops(**kwargs):
+        generator.set_streams([11, 12, 13, 14])
+        out = generator.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=8,
+                                 eos_token_id=stops, pad_token_id=tokenizer.pad_token_id, **kwargs)
+        response = out["sequences"][:, batch["input_ids"].shape[1]:]
+        return [next(i for i, t in enumerate(row.tolist()) if t in stops) for row in response]
+
+    assert min(first_stops()) < 6
+    assert min(first_stops(min_new_tokens=6)) >= 6  # six tokens before any stop, as in transformers
+
+
+def test_backends_benchmark_measures_both_backends(tmp_path, tokenizer):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import backends
+
+    out = tmp_path / "b.json"
+    backends.main(["--model", "tiny-llama", "--batch-sizes", "2", "--lengths", "4", "--repeats", "1",
+                   "--threads", "1", "--no-reuse-freed-memory", "--kv-cache-gb", "0.25",
+                   "--json", str(out)])
+    result = json.loads(out.read_text())
+    (row,) = result["results"]
+    assert row["transformers_tokens_per_s"] > 0 and row["vllm_tokens_per_s"] > 0
+    assert set(result["weight_sync_s"]) == {"ModelCopy", "vLLM engine"}
+
+
 def test_vllm_takes_merged_lora_weights(engine, model, tokenizer):
     pytest.importorskip("peft")
     from rlhf_torchrl.modules.lora import add_lora

