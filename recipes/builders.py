@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -308,27 +309,36 @@ def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
 
 
 def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids, device,
-                   parallel: DataParallel):
+                   parallel: DataParallel, start_batch: int = 0, pending=()):
     """This process's share of every global batch, each row sampled from its own stream.
 
     Returns ``(collector, push)``: ``push(version)`` gives the sampler the trainer's weights after
     an update (seconds taken), None where the trained model itself samples. With
     ``collection.overlap`` set the collector runs in a background thread (:class:`AsyncCollector`),
     and the transformers backend then samples with a copy of the policy.
+
+    A resumed run starts at batch ``start_batch`` (= iterations done), after the ``pending``
+    batches its asynchronous collector had sampled ahead (saved in the checkpoint).
     """
     g, overlap = cfg.generation, cfg.collection.overlap
+    first = start_batch + len(pending)  # the first batch this collector samples
+
+    def in_background(collector, sync):
+        if overlap is None:
+            return collector, sync
+        collector = AsyncCollector(collector, sync, overlap=overlap, start_version=start_batch,
+                                   pending=pending)
+        return collector, collector.update_weights
+
     if cfg.collection.ray_workers:
-        collector = make_ray_collector(cfg, tokenizer, device)
+        collector = make_ray_collector(cfg, tokenizer, device, start_batch=first)
         sync = WeightSync(policy, collector)
         log.info("%d Ray workers loaded the policy's weights in %.2f s", cfg.collection.ray_workers,
                  sync(0))
-        if overlap is None:
-            return collector, sync
-        collector = AsyncCollector(collector, sync, overlap=overlap)
-        return collector, collector.update_weights
+        return in_background(collector, sync)
     batch, world, rank = cfg.ppo.batch_size, parallel.world_size, parallel.rank
     env = make_generation_env(prompts, tokenizer, batch_size=batch, seed=cfg.seed, rank=rank,
-                              world_size=world)
+                              world_size=world, start_batch=first)
     if g.top_k or g.top_p < 1:
         log.warning("generation.top_k=%s / top_p=%s: responses come from a truncated distribution "
                     "while PPO's ratio and KL use the full one (off-policy; the on-policy check "
@@ -355,14 +365,12 @@ def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids, device
     local = batch // world
     collector = RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=local,
                                  stop_token_ids=stop_ids, seed=cfg.seed, row_offset=rank * local,
-                                 device=device)
-    if overlap is None:
-        return collector, sync
-    collector = AsyncCollector(collector, sync, overlap=overlap)
-    return collector, collector.update_weights
+                                 device=device, start_batch=first)
+    return in_background(collector, sync)
 
 
-def make_ray_collector(cfg: DictConfig, tokenizer, device: torch.device) -> RayCollector:
+def make_ray_collector(cfg: DictConfig, tokenizer, device: torch.device,
+                       start_batch: int = 0) -> RayCollector:
     """``collection.ray_workers`` Ray actors (:func:`ray_worker`), on the cluster at
     ``collection.ray_address`` or a local one started here."""
     import ray
@@ -375,14 +383,15 @@ def make_ray_collector(cfg: DictConfig, tokenizer, device: torch.device) -> RayC
         ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": path}})  # the workers import builders
     settings = OmegaConf.to_container(cfg, resolve=True)
-    return RayCollector(functools.partial(ray_worker, settings), c.ray_workers,
+    return RayCollector(functools.partial(ray_worker, settings, start_batch=start_batch), c.ray_workers,
                         pad_token_id=tokenizer.pad_token_id, num_cpus=c.ray_cpus_per_worker,
                         num_gpus=c.ray_gpus_per_worker, device=device, shutdown_ray=started)
 
 
-def ray_worker(settings: dict, rank: int, world_size: int):
+def ray_worker(settings: dict, rank: int, world_size: int, start_batch: int = 0):
     """Runs in Ray worker ``rank``: its own tokenizer, prompts and policy (or vLLM engine), and the
-    collector of its rows of every global batch; returns ``(collector, weights target)``."""
+    collector of its rows of every global batch from ``start_batch`` on; returns
+    ``(collector, weights target)``."""
     cfg = OmegaConf.create(settings)
     cfg.collection.ray_workers, cfg.collection.overlap = 0, None
     device = resolve_device("cuda" if cfg.collection.ray_gpus_per_worker else "cpu")
@@ -394,7 +403,8 @@ def ray_worker(settings: dict, rank: int, world_size: int):
     # the worker's model is only sampled from; weights arrive merged (LoRA) from the trainer
     target = ModelCopy(model, copy_model=False)
     place = DataParallel(rank=rank, world_size=world_size)
-    collector, sync = make_collector(cfg, prompts, tokenizer, target.model, stop_ids, device, place)
+    collector, sync = make_collector(cfg, prompts, tokenizer, target.model, stop_ids, device, place,
+                                     start_batch=start_batch)
     return collector, (sync.target if sync is not None else target)
 
 
@@ -517,3 +527,89 @@ def save_policy(cfg: DictConfig, policy, tokenizer, state_dict: dict | None) -> 
         merged = copy.deepcopy(policy).merge_and_unload()  # the live policy keeps its adapters
         merged.save_pretrained(merged_path)
         tokenizer.save_pretrained(merged_path)
+
+
+# ---- checkpoints and resume ------------------------------------------------------------------
+RESUME = ("auto", "never")
+
+
+def resume_path(cfg: DictConfig) -> str | None:
+    """The checkpoint this run continues from (None: a fresh run), decided before anything loads.
+
+    ``resume: auto`` takes the newest complete checkpoint in ``output_dir``; ``never`` starts
+    fresh, deleting an earlier run's checkpoints and metrics in ``output_dir``; any other value is
+    the path of a checkpoint (``<run>/checkpoints/iter_<N>``).
+    """
+    from rlhf_torchrl.checkpoint import CHECKPOINTS, is_checkpoint, latest_checkpoint
+
+    resume, out = str(cfg.resume), cfg.output_dir
+    metrics = os.path.join(out, "metrics.jsonl")
+    if resume == "never":
+        if int(os.environ.get("RANK", 0)) == 0:
+            for old in (os.path.join(out, CHECKPOINTS), metrics):
+                if os.path.exists(old):
+                    log.warning("resume=never: deleting the earlier run's %s", old)
+                    shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        return None
+    if resume == "auto":
+        latest = latest_checkpoint(out)
+        if latest is None and os.path.exists(os.path.join(out, "report.json")):
+            raise ValueError(
+                f"output_dir={out} holds a finished run without a checkpoint to resume from. "
+                "Choose a new output_dir, or set resume=never to start over in this one (its "
+                "metrics are deleted)."
+            )
+        if latest is None and os.path.exists(metrics):  # stopped before its first checkpoint
+            log.warning("output_dir=%s: the earlier run stopped before its first checkpoint; "
+                        "starting over (its metrics are replaced).", out)
+        return latest
+    if not is_checkpoint(resume):
+        raise ValueError(
+            f"resume={resume!r} is not a checkpoint directory: give auto, never, or a path like "
+            f"<output_dir>/{CHECKPOINTS}/iter_00000010."
+        )
+    return resume
+
+
+def checkpoint_due(cfg: DictConfig, done: int) -> bool:
+    """A checkpoint every ``checkpoint.every`` iterations and after the last (0: never)."""
+    every = cfg.checkpoint.every
+    return bool(every) and (done % every == 0 or done == cfg.ppo.num_iterations)
+
+
+def trained_modules(policy, critic) -> dict:
+    """The modules whose parameters the optimiser updates, each once: the policy, the value head
+    and a separate critic's trunk (a shared trunk is the policy's)."""
+    modules = {"policy": policy, "value_head": critic.head}
+    if not critic.shares_trunk:
+        modules["critic_trunk"] = critic.backbone
+    return modules
+
+
+def trainer_state(done: int, *, scheduler, grad_scaler, shaper, replay_buffer, samples,
+                  pending) -> dict:
+    """What a checkpoint holds besides weights and optimiser: enough to continue exactly."""
+    from rlhf_torchrl.checkpoint import rng_state
+
+    return {
+        "iteration": done,
+        "scheduler": scheduler.state_dict(),
+        "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+        "kl_coef": shaper.kl_coef,
+        "minibatch_rng": replay_buffer._rng.get_state(),  # the minibatch shuffle's generator
+        "rng": rng_state(),
+        "first_samples": samples[0],  # the report's responses before and after training
+        "last_samples": samples[1],
+        "pending": pending,
+    }
+
+
+def restore_trainer_state(state: dict, *, scheduler, grad_scaler, shaper, replay_buffer) -> None:
+    from rlhf_torchrl.checkpoint import set_rng_state
+
+    scheduler.load_state_dict(state["scheduler"])
+    if grad_scaler is not None and state["grad_scaler"] is not None:
+        grad_scaler.load_state_dict(state["grad_scaler"])
+    shaper.kl_controller.coef = state["kl_coef"]
+    replay_buffer._rng.set_state(state["minibatch_rng"])
+    set_rng_state(state["rng"])

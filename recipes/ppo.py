@@ -26,7 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import builders  # noqa: E402
 
 from rlhf_torchrl import keys as K  # noqa: E402
-from rlhf_torchrl.metrics import MetricsWriter, rollout_metrics, sampler_metrics  # noqa: E402
+from rlhf_torchrl.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from rlhf_torchrl.metrics import (  # noqa: E402
+    MetricsWriter,
+    read_metrics,
+    rollout_metrics,
+    sampler_metrics,
+)
 from rlhf_torchrl.modules import evaluate_rollout  # noqa: E402
 from rlhf_torchrl.objectives import ppo_update  # noqa: E402
 from rlhf_torchrl.runtime import placed, reuse_freed_memory  # noqa: E402
@@ -50,6 +56,7 @@ def train(cfg: DictConfig) -> dict:
     """
     # Everything cheap is checked before any model is loaded.
     sizes = builders.check_config(cfg)
+    resume_from = builders.resume_path(cfg)  # None: a fresh run
     reward_functions = builders.make_reward_functions(cfg)
     device = builders.make_device(cfg)
     parallel = builders.make_data_parallel(cfg, device)
@@ -69,10 +76,6 @@ def train(cfg: DictConfig) -> dict:
     # FSDP2 shards the models before the optimiser sees their parameters (no-op otherwise)
     parallel.shard(policy, reference, *critic.modules_to_shard(),
                    mixed_precision=builders.autocast_dtype(cfg))
-    # push(version): the trainer's weights to the sampler (a vLLM engine, a generation copy)
-    collector, push = builders.make_collector(cfg, prompts, tokenizer, policy, stop_ids, device,
-                                              parallel)
-    overlap = cfg.collection.overlap
     actor, ref_actor = builders.make_actors(cfg, policy, reference, critic)
     shaper = builders.make_shaper(cfg)
     advantage = builders.make_advantage(cfg)
@@ -81,16 +84,33 @@ def train(cfg: DictConfig) -> dict:
     optimizer, scheduler = builders.make_optimizer(cfg, policy, critic, sizes)
     grad_scaler = builders.make_grad_scaler(cfg, device)
     replay_buffer = builders.make_replay_buffer(cfg, sizes)
-    writer = MetricsWriter(cfg.output_dir, logger=cfg.logging.logger) if parallel.is_main else None
+    trained = builders.trained_modules(policy, critic)
+    # a resumed run continues from the checkpoint's weights, optimiser, RNG states and data position
+    state = load_checkpoint(resume_from, modules=trained, optimizer=optimizer) if resume_from else {}
+    first_iteration = state.get("iteration", 0)
+    if state:
+        builders.restore_trainer_state(state, scheduler=scheduler, grad_scaler=grad_scaler,
+                                       shaper=shaper, replay_buffer=replay_buffer)
+        log.info("Resumed from %s: %d of %d iterations done", resume_from, first_iteration,
+                 cfg.ppo.num_iterations)
+    pending = state.get("pending", [])  # batches sampled ahead (asynchronous collection)
+    # push(version): the trainer's weights to the sampler (a vLLM engine, a generation copy)
+    collector, push = builders.make_collector(cfg, prompts, tokenizer, policy, stop_ids, device,
+                                              parallel, start_batch=first_iteration, pending=pending)
+    overlap = cfg.collection.overlap
+    writer = (MetricsWriter(cfg.output_dir, logger=cfg.logging.logger, start=first_iteration)
+              if parallel.is_main else None)
     log.info("Output directory: %s (device %s, %d process%s)", cfg.output_dir, device,
              parallel.world_size, "es" if parallel.enabled else "")
     # a shared trunk under FSDP2 is run through the whole (sharded) model, never the bare trunk
     recompute = not builders.log_probs_from_sampling(cfg) or (parallel.fsdp and critic.shares_trunk)
 
     p = cfg.ppo
-    history, first_samples, rollout = [], None, None
+    history = read_metrics(cfg.output_dir, before=first_iteration) if parallel.is_main else []
+    first_samples, last_samples = state.get("first_samples"), state.get("last_samples")
     rollouts = iter(collector)
-    bar = tqdm(range(p.num_iterations), desc="PPO",
+    bar = tqdm(range(first_iteration, p.num_iterations), desc="PPO", initial=first_iteration,
+               total=p.num_iterations,
                disable=not (cfg.logging.progress_bar and parallel.is_main))
     for iteration in bar:
         times: dict[str, float] = {}
@@ -102,8 +122,10 @@ def train(cfg: DictConfig) -> dict:
             rollout = next(rollouts)
         # the ratio of the first minibatch is 1 only if the tokens came from the loss's
         # distribution; a separate sampler is checked again after its first pushed update
-        recheck = iteration == 1 and push is not None and not overlap
-        if cfg.generation.check_on_policy and (iteration == 0 or recheck):
+        # (a resumed run checks its first batch unless it was sampled before the interruption)
+        recheck = iteration == first_iteration + 1 and push is not None and not overlap
+        first = iteration == first_iteration and not pending
+        if cfg.generation.check_on_policy and (first or recheck):
             agreement = check_on_policy(rollout, actor, num_rows=cfg.generation.on_policy_rows,
                                         atol=builders.on_policy_tolerance(cfg))
             log.info("On-policy check: recorded and recomputed log-probs of %d tokens agree to %.2g nats",
@@ -154,16 +176,30 @@ def train(cfg: DictConfig) -> dict:
         if writer is not None:
             writer.log(iteration, metrics)
         history.append(metrics)
+        last_samples = _samples(rollout, cfg.logging.num_samples)
         if first_samples is None:
-            first_samples = _samples(rollout, cfg.logging.num_samples)
+            first_samples = last_samples
         bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+        done = iteration + 1
+        if builders.checkpoint_due(cfg, done):
+            with timed(times, "checkpoint"):
+                save_checkpoint(
+                    cfg.output_dir, done, modules=trained, optimizer=optimizer, keep=cfg.checkpoint.keep,
+                    parallel=parallel, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+                    trainer_state=builders.trainer_state(
+                        done, scheduler=scheduler, grad_scaler=grad_scaler, shaper=shaper,
+                        replay_buffer=replay_buffer, samples=(first_samples, last_samples),
+                        # batches sampled ahead by older weights (none after the last iteration)
+                        pending=collector.pending() if overlap and done < p.num_iterations else []),
+                )
+            log.info("Checkpoint %d written in %.2f s", done, times["time/checkpoint"])
     collector.shutdown()
     if cfg.logging.save_model:
-        state = parallel.full_state_dict(policy)  # gathered from the shards under FSDP2
+        full_state = parallel.full_state_dict(policy)  # gathered from the shards under FSDP2
         if parallel.is_main:
-            builders.save_policy(cfg, policy, tokenizer, state)
-    report = _report(history, first_samples, _samples(rollout, cfg.logging.num_samples),
-                     quiet=not parallel.is_main)
+            builders.save_policy(cfg, policy, tokenizer, full_state)
+    # (history is rank 0's; it is empty elsewhere in a resumed run)
+    report = _report(history, first_samples, last_samples, quiet=not parallel.is_main) if history else {}
     if writer is not None:
         writer.close()
         with open(os.path.join(cfg.output_dir, "report.json"), "w") as f:

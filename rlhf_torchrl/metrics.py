@@ -65,17 +65,30 @@ class MetricsWriter:
 
     ``logger``: ``"csv"`` (TorchRL ``CSVLogger``, the default), ``"tensorboard"``, ``"wandb"``,
     ``"mlflow"`` (TorchRL's ``get_logger``) or ``None`` for the JSON file only.
+
+    ``start``: the first iteration this writer logs. Lines of iterations ``>= start`` that an earlier
+    run left in ``metrics.jsonl`` and in the CSV logs (written after its last checkpoint) are
+    dropped, so that a resumed run's logs hold every iteration once. Loggers that keep their data
+    elsewhere (TensorBoard, W&B, MLflow) get the repeated iterations again.
     """
 
-    def __init__(self, output_dir: str, *, logger: str | None = "csv", exp_name: str = "ppo"):
+    def __init__(self, output_dir: str, *, logger: str | None = "csv", exp_name: str = "ppo",
+                 start: int = 0):
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
+        _keep_lines(self.path, lambda line: json.loads(line)["iteration"] < start)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.logger = None
         if logger:
             from torchrl.record.loggers import get_logger
 
             self.logger = get_logger(logger, logger_name=output_dir, experiment_name=exp_name)
+            scalars = os.path.join(getattr(self.logger.experiment, "log_dir", ""), "scalars")
+            if logger == "csv":  # scalars/<name>.csv, "objective/kl" in a folder of its own
+                for folder, _, files in os.walk(scalars):
+                    for name in files:
+                        _keep_lines(os.path.join(folder, name),
+                                    lambda line: int(line.split(",", 1)[0]) < start)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: (float(v) if isinstance(v, (int, float, torch.Tensor)) else v) for k, v in metrics.items()}
@@ -88,3 +101,35 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def read_metrics(output_dir: str, before: int | None = None) -> list[dict]:
+    """The rows of ``<output_dir>/metrics.jsonl`` (of iterations ``< before`` when given)."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if before is None or r["iteration"] < before]
+
+
+def _keep_lines(path: str, keep) -> None:
+    """Rewrite ``path`` (if it exists) with only the lines ``keep`` accepts (atomically); a last line
+    cut short by a crash is dropped."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            if line.endswith("\n") and keep(line):
+                kept.append(line)
+        except (ValueError, KeyError):  # a torn line
+            continue
+    if len(kept) == len(lines):
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)

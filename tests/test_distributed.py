@@ -90,3 +90,21 @@ def test_two_processes_match_one(tmp_path, tiny_llama_dir, overrides):
         torch.testing.assert_close(w2[key], w1[key], atol=1e-5, rtol=1e-4)
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(
         p.name for p in (tmp_path / "one").iterdir())
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_sharded_checkpoint_resumes_exactly(tmp_path, tiny_llama_dir, strategy):
+    """2 processes write one checkpoint with torch.distributed.checkpoint (FSDP2: each its shards);
+    a run resumed from the first continues as the uninterrupted run (same world size)."""
+    overrides = [f"distributed.strategy={strategy}", "value_model.init=policy", "ppo.num_iterations=3",
+                 "checkpoint.every=1", "checkpoint.keep=null"]
+    whole = _run(tmp_path / "whole", tiny_llama_dir, 2, *overrides)
+    cut = tmp_path / "cut"
+    _run(cut, tiny_llama_dir, 2, *overrides)
+    for later in ("iter_00000002", "iter_00000003"):
+        shutil.rmtree(cut / "checkpoints" / later)
+    resumed = _run(cut, tiny_llama_dir, 2, *overrides)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in IGNORED and not k.startswith("time/")}  # noqa: E731
+                          for r in rows]
+    assert [r["iteration"] for r in resumed] == [0, 1, 2]
+    assert strip(resumed) == strip(whole)

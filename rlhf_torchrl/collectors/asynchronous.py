@@ -2,8 +2,8 @@
 
 As in Asynchronous RLHF (Noukhovitch et al. 2024), open-instruct, OpenRLHF and verl, generation
 and training overlap, and the price is staleness: with ``overlap`` N, batch k is sampled by the
-policy after k - N updates while the trainer, at k updates, uses it. Each row records the version that sampled it (``"policy_version"``), so the recipe logs
-the staleness and PPO's old log-probs can be the behaviour policy's (recorded while sampling) or
+policy after k - N updates while the trainer, at k updates, uses it. Each row records the version
+that sampled it (``"policy_version"``), so the recipe logs the staleness and PPO's old log-probs can be the behaviour policy's (recorded while sampling) or
 the trainer's, corrected by truncated importance sampling (``ppo.tis_cap``).
 
 ``overlap=0`` waits for the weights of update k before sampling batch k: the synchronous run,
@@ -16,7 +16,7 @@ import copy
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from tensordict import TensorDict
@@ -36,6 +36,11 @@ class AsyncCollector:
     sampled. Staleness is therefore fixed, not a matter of timing, and a run is reproducible. The
     rows of each batch get ``"policy_version"`` (B,) int64.
 
+    Resume: :meth:`pending` (after ``update_weights(v)``) returns the batches already sampled for
+    the trainer's next iterations, by versions older than ``v``; a collector rebuilt with
+    ``start_version=v`` and those ``pending`` batches, around a collector that starts at the batch
+    after them, continues exactly as this one would have.
+
     Example:
         >>> collector = AsyncCollector(RolloutCollector(...), WeightSync(policy, engine), overlap=1)
         >>> for k, rollout in enumerate(collector):  # batch k + 1 is sampled meanwhile
@@ -43,14 +48,18 @@ class AsyncCollector:
         ...     collector.update_weights(k + 1)
     """
 
-    def __init__(self, collector, weight_sync=None, *, overlap: int = 1):
+    def __init__(self, collector, weight_sync=None, *, overlap: int = 1, start_version: int = 0,
+                 pending: Sequence[TensorDict] = ()):
         if overlap < 0:
             raise ValueError(f"overlap must be >= 0, got {overlap}.")
         self.collector, self.weight_sync, self.overlap = collector, weight_sync, overlap
-        self.version = 0  # of the weights the sampler holds
-        self._sampled = 0  # batches sampled so far
+        self.version = start_version  # of the weights the sampler holds
+        self._first = start_version + len(pending)  # index of the first batch sampled here
+        self._sampled = self._first  # batches sampled so far (the pending ones included)
         self._turn = threading.Condition()  # held while a batch is sampled or weights are pushed
         self._queue: queue.Queue = queue.Queue()
+        for rollout in pending:
+            self._queue.put(rollout)
         self._thread: threading.Thread | None = None
         self._stop = self._done = False
 
@@ -74,20 +83,19 @@ class AsyncCollector:
     def _produce(self) -> None:
         try:
             batches = iter(self.collector)
-            for k in itertools.count():
+            for k in itertools.count(self._first):
                 with self._turn:
                     self._turn.wait_for(lambda k=k: self._stop or self.version >= k - self.overlap)
                     if self._stop:
                         break
-                    version = self.version
                     rollout = next(batches, None)
-                    self._sampled += rollout is not None
+                    if rollout is None:
+                        break
+                    rollout.set(K.POLICY_VERSION, torch.full(
+                        rollout.shape, self.version, dtype=torch.long, device=rollout.device))
+                    self._queue.put(rollout)  # queued and counted together: see pending()
+                    self._sampled += 1
                     self._turn.notify_all()
-                if rollout is None:
-                    break
-                rollout.set(K.POLICY_VERSION, torch.full(rollout.shape, version, dtype=torch.long,
-                                                         device=rollout.device))
-                self._queue.put(rollout)
         except BaseException as e:  # noqa: BLE001 - re-raised in the trainer's thread
             self._queue.put(e)
         finally:
@@ -105,6 +113,15 @@ class AsyncCollector:
             self.version = version
             self._turn.notify_all()
         return seconds
+
+    def pending(self) -> list[TensorDict]:
+        """The sampled batches the trainer has not taken yet, sampled by versions older than the
+        current one (after ``update_weights``: exactly ``overlap`` batches). A batch the current
+        version has sampled is left out: a resumed run samples it again, identically."""
+        with self._queue.mutex:  # self.version changes only in the caller's thread
+            queued = list(self._queue.queue)
+        rollouts = [r for r in queued if isinstance(r, TensorDict)]
+        return [r for r in rollouts if int(r.get(K.POLICY_VERSION)[0]) < self.version]
 
     def shutdown(self) -> None:
         with self._turn:

@@ -33,6 +33,7 @@ def make_generation_env(
     system_prompt: str | None = None,
     rank: int = 0,
     world_size: int = 1,
+    start_batch: int = 0,
 ):
     """A TorchRL ``ChatEnv`` that yields prompts from global batches of ``batch_size``, cycling forever.
 
@@ -46,6 +47,9 @@ def make_generation_env(
     Data parallel: every process shuffles the same global batches (``seed``) and process ``rank`` of
     ``world_size`` gets rows ``rank * b ... (rank + 1) * b - 1`` of each, ``b = batch_size /
     world_size`` (its env's batch size).
+
+    ``start_batch``: begin with global batch ``start_batch`` of that order (a resumed run), the
+    earlier ones skipped without being served.
     """
     from torchrl.envs import InitTracker, StepCounter
     from torchrl.envs.llm import ChatEnv
@@ -61,7 +65,7 @@ def make_generation_env(
     rows = [to_prompt(p, system_prompt) for p in prompts]
     local = batch_size // world_size
     batches = ShardedBatchSampler(len(rows), batch_size, rank=rank, world_size=world_size,
-                                  shuffle=shuffle, seed=seed)
+                                  shuffle=shuffle, seed=seed, skip=start_batch)
     loader = DataLoader(rows, batch_sampler=batches, collate_fn=_collate_prompts)
     env = ChatEnv.from_dataloader(
         loader,
@@ -80,14 +84,16 @@ def make_generation_env(
 class ShardedBatchSampler(torch.utils.data.Sampler):
     """Global batches of ``batch_size`` row indices (shuffled with ``seed``, a new order every epoch,
     incomplete last batch dropped); yields this ``rank``'s contiguous ``batch_size / world_size``
-    slice of each. Every process draws the same global order."""
+    slice of each. Every process draws the same global order. The first ``skip`` global batches
+    (over epochs) are drawn but not served: a resumed run continues the order where it stopped."""
 
     def __init__(self, n: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, seed: int = 0):
+                 shuffle: bool = True, seed: int = 0, skip: int = 0):
         self.n, self.batch_size, self.shuffle = n, batch_size, shuffle
         self.local = batch_size // world_size
         self.start = rank * self.local
         self.generator = torch.Generator().manual_seed(seed)
+        self._skip = skip
 
     def __len__(self) -> int:
         return self.n // self.batch_size
@@ -95,6 +101,9 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
     def __iter__(self):
         order = torch.randperm(self.n, generator=self.generator) if self.shuffle else torch.arange(self.n)
         for i in range(len(self)):
+            if self._skip:
+                self._skip -= 1
+                continue
             batch = order[i * self.batch_size : (i + 1) * self.batch_size]
             yield batch[self.start : self.start + self.local].tolist()
 
@@ -394,7 +403,9 @@ class RolloutCollector:
     With ``seed``, row ``i`` of batch ``k`` is sampled from its own random stream, seeded by
     ``(seed, k, row_offset + i)`` (:func:`~rlhf_torchrl.sampling.row_stream_seeds`): a process that
     collects rows ``row_offset...`` of a global batch draws exactly the tokens a single process
-    would for those rows. Rollouts are moved to ``device`` when given.
+    would for those rows. Rollouts are moved to ``device`` when given. ``start_batch``: the index
+    of the first batch (a resumed run; its env starts at the same batch, see
+    :func:`make_generation_env`).
 
     Example:
         >>> collector = RolloutCollector(env, policy, tokenizer=tok, batch_size=16)
@@ -414,10 +425,12 @@ class RolloutCollector:
         seed: int | None = None,
         row_offset: int = 0,
         device: torch.device | str | None = None,
+        start_batch: int = 0,
     ):
         from torchrl.collectors.llm import LLMCollector
 
         self.tokenizer = tokenizer
+        self.start_batch = start_batch
         self.batch_size = batch_size
         self.seed, self.row_offset, self.device = seed, row_offset, device
         self.sampler = sampler_of(policy)  # draws the tokens (and records their log-probs)
@@ -438,7 +451,7 @@ class RolloutCollector:
             self.sampler.pop()  # nothing recorded outside this loop belongs to its batches
         batches = iter(self.collector)
         rows = range(self.row_offset, self.row_offset + self.batch_size)
-        for index in itertools.count():
+        for index in itertools.count(self.start_batch):
             if self.seed is not None:  # the streams of the batch the collector generates next
                 self.sampler.set_streams(row_stream_seeds(self.seed, index, rows))
             batch = next(batches, None)

@@ -1,0 +1,192 @@
+"""Checkpoints and exact resume: a resumed run continues as the uninterrupted run would have.
+
+In-process runs resume from an intermediate checkpoint of a finished run (its later checkpoints
+deleted, as if it had stopped there); subprocess runs are killed with SIGKILL, at a random point
+and in the middle of a checkpoint write, then started again with the same command.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_recipe import RECIPES, _cfg, ppo
+
+from rlhf_torchrl import checkpoint
+from rlhf_torchrl.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+# one thread: the same summation order run to run (an adapting thread count changes it)
+EXACT = ["threads=1", "checkpoint.every=1", "checkpoint.keep=null", "ppo.num_iterations=4"]
+NOT_COMPARED = ("time/", "threads")
+
+
+def _rows(run_dir) -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(NOT_COMPARED)}
+            for line in lines]
+
+
+def _stop_at(run_dir, iteration: int) -> None:
+    """Leave ``run_dir`` as a run interrupted after checkpoint ``iteration`` would (its later
+    checkpoints gone; metrics of later iterations left for the resumed run to drop)."""
+    for done, path in list_checkpoints(run_dir):
+        if done > iteration:
+            shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["value_model.init=shared"],
+    ["value_model.init=policy", "ppo.kl_target=1.0"],
+    ["collection.overlap=1", "generation.log_probs_from_sampling=false", "ppo.tis_cap=2.0"],
+], ids=["shared-critic", "separate-critic-adaptive-kl", "async-overlap-1"])
+def test_resumed_run_matches_the_uninterrupted_run(tmp_path, tiny_llama_dir, overrides):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    ppo.train(_cfg(whole, tiny_llama_dir, *EXACT, *overrides))
+    ppo.train(_cfg(cut, tiny_llama_dir, *EXACT, *overrides))
+    expected = _rows(whole)
+    assert len(expected) == 4 and _rows(cut) == expected  # deterministic run to run (same process)
+    _stop_at(cut, 2)
+    report = ppo.train(_cfg(cut, tiny_llama_dir, *EXACT, *overrides))  # resume=auto
+    assert _rows(cut) == expected  # iterations 0-1 kept, 2-3 redone identically, none twice
+    assert report["iterations"] == 4
+    assert [done for done, _ in list_checkpoints(cut)] == [1, 2, 3, 4]
+    scalars = cut / "ppo" / "scalars" / "objective" / "scores.csv"
+    if scalars.exists():  # the CSV logger's copy holds each iteration once as well
+        assert [line.split(",")[0] for line in scalars.read_text().splitlines()] == ["0", "1", "2", "3"]
+
+
+def test_resume_from_a_path_and_never(tmp_path, tiny_llama_dir):
+    first = tmp_path / "first"
+    ppo.train(_cfg(first, tiny_llama_dir, *EXACT))
+    # a path: continue another run's checkpoint 3 in a new directory
+    other = tmp_path / "other"
+    checkpoint = first / "checkpoints" / "iter_00000003"
+    ppo.train(_cfg(other, tiny_llama_dir, *EXACT, f"resume={checkpoint}"))
+    assert [r["iteration"] for r in _rows(other)] == [3]
+    assert _rows(other) == _rows(first)[3:]
+    # never: start over, the earlier checkpoints and metrics gone
+    ppo.train(_cfg(first, tiny_llama_dir, *EXACT, "resume=never", "ppo.num_iterations=1"))
+    assert [done for done, _ in list_checkpoints(first)] == [1]
+    assert [r["iteration"] for r in _rows(first)] == [0]
+
+
+def test_keep_prunes_old_checkpoints(tmp_path, tiny_llama_dir):
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, "checkpoint.every=1", "checkpoint.keep=2",
+                   "ppo.num_iterations=3"))
+    assert [done for done, _ in list_checkpoints(tmp_path)] == [2, 3]
+
+
+def test_interrupted_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    save = dict(modules={"m": model}, optimizer=optimizer, config_yaml="a: 1\n")
+    save_checkpoint(str(tmp_path), 1, trainer_state={"iteration": 1}, **save)
+    weights = model.weight.detach().clone()
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed while writing")
+
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    with monkeypatch.context() as m:
+        # every file is written, the rename has not happened
+        m.setattr(checkpoint, "_fsync_tree", crash)
+        with pytest.raises(KeyboardInterrupt):
+            save_checkpoint(str(tmp_path), 2, trainer_state={"iteration": 2}, **save)
+    assert (tmp_path / "checkpoints" / ".tmp-iter_00000002").exists()
+    latest = latest_checkpoint(str(tmp_path))
+    assert latest.endswith("iter_00000001")
+    state = load_checkpoint(latest, modules={"m": model}, optimizer=optimizer)
+    assert state == {"iteration": 1} and torch.equal(model.weight, weights)
+    # the next write replaces the torn temporary directory
+    save_checkpoint(str(tmp_path), 2, trainer_state={"iteration": 2}, **save)
+    assert not (tmp_path / "checkpoints" / ".tmp-iter_00000002").exists()
+    assert latest_checkpoint(str(tmp_path)).endswith("iter_00000002")
+
+
+# ---- SIGKILL in a subprocess --------------------------------------------------------------------
+def _command(tiny_llama_dir, out) -> list[str]:
+    from test_recipe import IN_PROCESS, TINY
+
+    return [sys.executable, str(RECIPES / "ppo.py"), f"output_dir={out}",
+            f"model.policy={tiny_llama_dir}", *TINY, *IN_PROCESS, *EXACT, "ppo.num_iterations=5"]
+
+
+def _env():
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _run_until(command, out, condition, timeout=300) -> bool:
+    """Start ``command``; SIGKILL it as soon as ``condition(out)`` holds. True if it was killed,
+    False if it finished first."""
+    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if condition(out):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.001)
+    assert proc.wait(timeout=max(1, deadline - time.monotonic())) == 0, proc.stderr.read().decode()
+    return False
+
+
+def _complete(command, out) -> None:
+    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_llama_dir):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _complete(_command(tiny_llama_dir, out), out)
+    return _rows(out)
+
+
+def test_sigkill_at_a_random_point_then_resume(tmp_path, tiny_llama_dir, uninterrupted):
+    out = tmp_path / "run"
+    command = _command(tiny_llama_dir, out)
+    at = random.Random().randint(1, 4)  # killed while iteration `at` runs (or just after it logs)
+    killed = _run_until(command, out, lambda o: len(_safe_rows(o)) >= at)
+    assert killed
+    _complete(command, out)
+    assert _rows(out) == uninterrupted
+
+
+def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path, tiny_llama_dir, uninterrupted):
+    out = tmp_path / "run"
+    command = _command(tiny_llama_dir, out)
+
+    def writing(o):  # a checkpoint after the first is being written (a complete one exists)
+        return sorted(p.name for p in (o / "checkpoints").glob(".tmp-iter_*")
+                      if p.name != ".tmp-iter_00000001")
+
+    assert _run_until(command, out, writing), "no checkpoint write was caught"
+    (torn,) = writing(out)
+    # the latest complete checkpoint is the one before the torn write
+    assert int(Path(latest_checkpoint(str(out))).name[5:]) == int(torn[10:]) - 1
+    _complete(command, out)
+    assert _rows(out) == uninterrupted
+
+
+def _safe_rows(out) -> list:
+    try:
+        return (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
