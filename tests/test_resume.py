@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_recipe import RECIPES, _cfg, ppo
 
 from rlhf_torchrl import checkpoint
