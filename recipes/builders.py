@@ -613,3 +613,37 @@ def restore_trainer_state(state: dict, *, scheduler, grad_scaler, shaper, replay
     shaper.kl_controller.coef = state["kl_coef"]
     replay_buffer._rng.set_state(state["minibatch_rng"])
     set_rng_state(state["rng"])
+
+
+# ---- divergence guards -----------------------------------------------------------------------
+def on_non_finite(cfg: DictConfig, error, iteration: int, batch, parallel: DataParallel) -> None:
+    """A guard fired: save the rollout to ``<output_dir>/diverged/iter_<k>.pt``, then stop (raise
+    :class:`DivergenceError`) or, with ``guards.non_finite=skip``, warn and go on."""
+    from rlhf_torchrl.guards import DivergenceError
+
+    path = os.path.join(cfg.output_dir, "diverged", f"iter_{iteration:08d}.pt")
+    if parallel.is_main:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(batch.detach().cpu(), path)
+    message = f"Iteration {iteration}: {error}. The rollout is saved in {path}"
+    if cfg.guards.non_finite == "skip":
+        log.warning("%s; the iteration is skipped (guards.non_finite=skip).", message)
+        return
+    raise DivergenceError(f"{message} (torch.load(path, weights_only=False)). Stopped "
+                          "(guards.non_finite=stop; skip drops such iterations instead).")
+
+
+def check_kl_ceiling(cfg: DictConfig, kl: float, iteration: int) -> None:
+    """Warn (or stop, with ``guards.kl_ceiling_stop``) when the KL to the reference passes
+    ``guards.kl_ceiling``."""
+    from rlhf_torchrl.guards import DivergenceError
+
+    ceiling = cfg.guards.kl_ceiling
+    if ceiling is None or kl <= ceiling:
+        return
+    message = (f"Iteration {iteration}: the KL to the reference, {kl:.3f} nats per response, is "
+               f"above guards.kl_ceiling={ceiling}")
+    if cfg.guards.kl_ceiling_stop:
+        raise DivergenceError(message + ". Stopped (guards.kl_ceiling_stop=true); resume from the "
+                              "last checkpoint with a larger ppo.kl_coef or a ppo.kl_target.")
+    log.warning("%s: the policy is drifting (raise ppo.kl_coef or set ppo.kl_target).", message)

@@ -27,6 +27,7 @@ import builders  # noqa: E402
 
 from rlhf_torchrl import keys as K  # noqa: E402
 from rlhf_torchrl.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from rlhf_torchrl.guards import DivergenceError, NonFiniteError, check_finite  # noqa: E402
 from rlhf_torchrl.metrics import (  # noqa: E402
     MetricsWriter,
     read_metrics,
@@ -36,9 +37,12 @@ from rlhf_torchrl.metrics import (  # noqa: E402
 from rlhf_torchrl.modules import evaluate_rollout  # noqa: E402
 from rlhf_torchrl.objectives import ppo_update  # noqa: E402
 from rlhf_torchrl.runtime import placed, reuse_freed_memory  # noqa: E402
-from rlhf_torchrl.sampling import check_on_policy  # noqa: E402
+from rlhf_torchrl.sampling import OffPolicyError, check_on_policy  # noqa: E402
 
 log = logging.getLogger("ppo")
+
+#: errors that explain themselves: bad settings or data, and the guards that stop a run
+USER_ERRORS = (ValueError, FileNotFoundError, DivergenceError, OffPolicyError)
 
 
 @contextmanager
@@ -106,7 +110,9 @@ def train(cfg: DictConfig) -> dict:
     recompute = not builders.log_probs_from_sampling(cfg) or (parallel.fsdp and critic.shares_trunk)
 
     p = cfg.ppo
-    history = read_metrics(cfg.output_dir, before=first_iteration) if parallel.is_main else []
+    # the earlier iterations of a resumed run (skipped ones have no statistics)
+    history = [r for r in read_metrics(cfg.output_dir, before=first_iteration)
+               if "objective/scores" in r] if parallel.is_main else []
     first_samples, last_samples = state.get("first_samples"), state.get("last_samples")
     rollouts = iter(collector)
     bar = tqdm(range(first_iteration, p.num_iterations), desc="PPO", initial=first_iteration,
@@ -143,43 +149,57 @@ def train(cfg: DictConfig) -> dict:
                              exact_entropy=cfg.logging.exact_entropy,
                              recompute_log_probs=recompute)
         # 4-5. On the global batch (all processes' rows): per-token rewards (-kl_coef * KL, + score
-        # at the end), then GAE advantages, whitened over the whole batch.
-        with timed(times, "advantages"):
-            batch = parallel.gather_rollout(rollout, tokenizer.pad_token_id)
-            shaper(batch)
-            advantage(batch)
-        # 6. PPO epochs over shuffled minibatches (each process runs its slice of each).
-        with timed(times, "update"):
-            stats = ppo_update(
-                batch, loss_module, optimizer,
-                num_ppo_epochs=p.num_ppo_epochs, num_mini_batches=p.num_mini_batches,
-                gradient_accumulation_steps=p.gradient_accumulation_steps,
-                micro_batch_tokens=p.micro_batch_tokens,
-                max_grad_norm=cfg.optim.max_grad_norm, scheduler=scheduler,
-                replay_buffer=replay_buffer, grad_scaler=grad_scaler, parallel=parallel,
-            )
+        # at the end), then GAE advantages, whitened over the whole batch. A NaN/inf is caught
+        # where it appears (the same decision on every process: all see the global batch).
+        stats = None
+        try:
+            with timed(times, "advantages"):
+                batch = parallel.gather_rollout(rollout, tokenizer.pad_token_id)
+                check_finite(batch, ("scores", "log-probs", "sampler log-probs",
+                                     "reference log-probs", "values"))
+                shaper(batch)
+                advantage(batch)
+                check_finite(batch, ("rewards", "advantages", "returns"))
+            # 6. PPO epochs over shuffled minibatches (each process runs its slice of each).
+            with timed(times, "update"):
+                stats = ppo_update(
+                    batch, loss_module, optimizer,
+                    num_ppo_epochs=p.num_ppo_epochs, num_mini_batches=p.num_mini_batches,
+                    gradient_accumulation_steps=p.gradient_accumulation_steps,
+                    micro_batch_tokens=p.micro_batch_tokens,
+                    max_grad_norm=cfg.optim.max_grad_norm, scheduler=scheduler,
+                    replay_buffer=replay_buffer, grad_scaler=grad_scaler, parallel=parallel,
+                )
+        except NonFiniteError as error:  # stops the run, or skips the iteration (guards.non_finite)
+            builders.on_non_finite(cfg, error, iteration, batch, parallel)
         if push is not None and iteration + 1 < p.num_iterations:
             # the sampler gets the updated weights (version = updates done)
             times["time/weight_sync"] = push(iteration + 1)
         # 7. Log (the global batch's statistics, the same on every process).
-        metrics = rollout_metrics(batch, kl_coef=shaper.kl_coef)
-        metrics.update(sampler_metrics(batch, version=iteration))
-        shaper.update_kl_coef(batch)
+        if stats is None:  # a skipped iteration
+            metrics = {"guard/skipped": 1.0}
+        else:
+            metrics = rollout_metrics(batch, kl_coef=shaper.kl_coef)
+            metrics.update(sampler_metrics(batch, version=iteration))
+            shaper.update_kl_coef(batch)
+            metrics.update(stats)
         times["time/total"] = time.perf_counter() - start
         n_tokens = float(batch.get(K.RESPONSE_MASK).sum())
         times["time/tokens_per_second"] = n_tokens / max(times["time/generation"], 1e-9)
-        metrics.update(stats)
         metrics.update(times)
         metrics["lr"] = optimizer.param_groups[0]["lr"]
         metrics["threads"] = n_threads
         metrics["episode"] = (iteration + 1) * p.batch_size
         if writer is not None:
             writer.log(iteration, metrics)
-        history.append(metrics)
-        last_samples = _samples(rollout, cfg.logging.num_samples)
-        if first_samples is None:
-            first_samples = last_samples
-        bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+        if stats is not None:
+            history.append(metrics)
+            last_samples = _samples(rollout, cfg.logging.num_samples)
+            if first_samples is None:
+                first_samples = last_samples
+            bar.set_postfix(score=f"{metrics['objective/scores']:.3f}",
+                            kl=f"{metrics['objective/kl']:.3f}")
+            builders.check_kl_ceiling(cfg, metrics["objective/kl"], iteration)
         done = iteration + 1
         if builders.checkpoint_due(cfg, done):
             with timed(times, "checkpoint"):
@@ -251,7 +271,15 @@ def _report(history: list[dict], before: list[dict], after: list[dict], quiet: b
 
 @hydra.main(config_path="config", config_name="ppo", version_base=None)
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    try:
+        train(cfg)
+    except USER_ERRORS as error:
+        # a message about the input or the run, not about this code: no traceback
+        # (RLHF_TORCHRL_TRACEBACK=1 shows it)
+        if os.environ.get("RLHF_TORCHRL_TRACEBACK"):
+            raise
+        print(f"Error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -308,8 +308,12 @@ def ppo_update(
     ``val/clipfrac_avg``, ``val/ratio`` and ``val/ratio_var`` (the variance of the minibatch
     ratio means), ``policy/entropy_avg`` with an entropy bonus, and ``grad_norm`` (before clipping,
     averaged over optimiser steps).
+
+    A non-finite gradient norm raises :class:`~rlhf_torchrl.guards.NonFiniteError` before the step
+    (the gradients are dropped; earlier steps of this update stay applied).
     """
     from .distributed import DataParallel
+    from .guards import NonFiniteError
 
     parallel = parallel or DataParallel()
     world, rank = parallel.world_size, parallel.rank
@@ -381,6 +385,14 @@ def ppo_update(
             grad_scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
         grad_norms[step] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double()
+        # (fp16: the scaler skips steps with inf gradients itself, and lowers its scale)
+        if grad_scaler is None and not torch.isfinite(grad_norms[step]):
+            optimizer.zero_grad(set_to_none=True)  # nothing non-finite reaches the weights
+            last = {name: float(sums[step, i] / n_tokens) for i, name in enumerate(_STATS)
+                    if name.startswith("loss/") and seen[i]}
+            raise NonFiniteError("gradients", f"norm {float(grad_norms[step])} at optimiser step "
+                                 f"{step + 1} of {steps} (this process's losses: "
+                                 + ", ".join(f"{k} {v:.4g}" for k, v in last.items()) + ")")
         if grad_scaler is not None:
             grad_scaler.step(optimizer)
             grad_scaler.update()

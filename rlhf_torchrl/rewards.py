@@ -199,7 +199,11 @@ def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase) -> dict:
     return {k: td if k == "tensordict" else td.get((K.DATA, k)).tolist() for k in wanted}
 
 
-def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None) -> torch.Tensor:
+def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None,
+                 finite: bool = True) -> torch.Tensor:
+    """``fn`` on the rows of ``td`` as a (B,) float tensor; a wrong type or count is an error, and
+    so is a NaN/inf when ``finite`` (the start-up probe; during a run, a non-finite score is left
+    for the divergence guards, which name it and stop or skip the iteration)."""
     prompts = td.get(K.PROMPT_TEXT).tolist()
     responses = td.get(K.RESPONSE_TEXT).tolist()
     kwargs = reward_arguments(name, fn, td)
@@ -219,7 +223,7 @@ def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None) -> to
             f"Reward {name!r} returned {out.numel()} values for {len(responses)} responses: "
             "it must return exactly one float per response."
         )
-    if not torch.isfinite(out).all():
+    if finite and not torch.isfinite(out).all():
         bad = (~torch.isfinite(out)).nonzero().flatten()[:5].tolist()
         raise ValueError(
             f"Reward {name!r} returned non-finite values (NaN or inf) at rows {bad}: "
@@ -278,7 +282,7 @@ class Scorer(TensorDictModuleBase):
         device = td.get(K.HAS_STOP).device  # scores live with the rollout (a text reward's go there)
         total = torch.zeros(td.shape[0], device=device)
         for name, (fn, weight) in self.rewards.items():
-            value = _call_reward(name, fn, td, device)
+            value = _call_reward(name, fn, td, device, finite=False)
             td.set(("scores", name), value)
             total = total + weight * value
         td.set(K.RAW_SCORE, total)

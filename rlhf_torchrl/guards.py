@@ -1,0 +1,82 @@
+"""Divergence guards: a NaN or inf is caught where it first appears, by name.
+
+A non-finite reward, log-prob or value spreads through the KL rewards, GAE and the whitening to
+every token of the batch, and a non-finite gradient then writes NaN into every weight; by the time a
+loss prints ``nan`` the cause is gone. :func:`check_finite` looks at each quantity of a rollout as
+soon as it exists (only at valid response tokens: padding is ignored), and
+:func:`~rlhf_torchrl.objectives.ppo_update` checks the gradient norm before every optimiser step.
+Both raise :class:`NonFiniteError`, which names the quantity and how much of it is bad; the recipe
+then saves the rollout and skips the iteration or stops (``guards.non_finite``).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+
+from . import keys as K
+
+#: rollout quantities in the order the pipeline produces them: name -> (key, per token?)
+QUANTITIES = {
+    "scores": (K.SCORE, False),
+    "log-probs": (K.LOG_PROB, True),
+    "sampler log-probs": (K.BEHAVIOUR_LOG_PROB, True),
+    "reference log-probs": (K.REF_LOG_PROB, True),
+    "values": (K.VALUE, True),
+    "rewards": (K.REWARD, True),
+    "advantages": (K.ADVANTAGE, True),
+    "returns": (K.VALUE_TARGET, True),
+}
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf in ``quantity``; ``str()`` says where."""
+
+    def __init__(self, quantity: str, detail: str):
+        self.quantity = quantity
+        super().__init__(f"non-finite {quantity}: {detail}")
+
+
+class DivergenceError(RuntimeError):
+    """The run stopped because a guard fired (a non-finite quantity, the KL ceiling)."""
+
+
+def check_finite(td: TensorDictBase, names=None) -> None:
+    """Raise :class:`NonFiniteError` for the first of ``names`` (default: every quantity of
+    :data:`QUANTITIES` present in ``td``) with a NaN or inf at a valid response token (per-token
+    quantities) or in any row (scores). A non-finite score is traced to the reward that gave it
+    (``("scores", name)`` entries)."""
+    keys = td.keys(True)
+    mask = td.get(K.RESPONSE_MASK) if K.RESPONSE_MASK in keys else None
+    for name in names or QUANTITIES:
+        key, per_token = QUANTITIES[name]
+        if key not in keys:
+            continue
+        value = td.get(key)
+        if per_token and mask is not None:
+            value = value.reshape(mask.shape)
+            bad = ~torch.isfinite(value) & mask
+            total = int(mask.sum())
+        else:
+            bad = ~torch.isfinite(value)
+            total = bad.numel()
+        if bad.any():
+            rows = bad.reshape(bad.shape[0], -1).any(-1).nonzero().flatten().tolist()
+            detail = (f"{int(bad.sum())} of {total} {'tokens' if per_token else 'rows'}, in rows "
+                      f"{_few(rows)}")
+            if name == "scores":
+                detail += _score_sources(td, rows)
+            raise NonFiniteError(name, detail)
+
+
+def _score_sources(td: TensorDictBase, rows: list[int]) -> str:
+    if "scores" not in td.keys():
+        return ""
+    sources = [name for name, value in td.get("scores").items()
+               if not torch.isfinite(value[rows]).all()]
+    return f" (from {', '.join(repr(s) for s in sources)})" if sources else ""
+
+
+def _few(items: list, n: int = 8) -> str:
+    shown = ", ".join(map(str, items[:n]))
+    return shown + (f", ... ({len(items)} in all)" if len(items) > n else "")
