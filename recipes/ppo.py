@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import builders  # noqa: E402
+import schema  # noqa: E402, F401 - registers the config schema with Hydra
 
 from rlhf_torchrl import keys as K  # noqa: E402
 from rlhf_torchrl.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
@@ -36,13 +37,15 @@ from rlhf_torchrl.metrics import (  # noqa: E402
 )
 from rlhf_torchrl.modules import evaluate_rollout  # noqa: E402
 from rlhf_torchrl.objectives import ppo_update  # noqa: E402
+from rlhf_torchrl.rewards import RewardError  # noqa: E402
 from rlhf_torchrl.runtime import placed, reuse_freed_memory  # noqa: E402
 from rlhf_torchrl.sampling import OffPolicyError, check_on_policy  # noqa: E402
 
 log = logging.getLogger("ppo")
 
 #: errors that explain themselves: bad settings or data, and the guards that stop a run
-USER_ERRORS = (ValueError, FileNotFoundError, DivergenceError, OffPolicyError)
+USER_ERRORS = (ValueError, FileNotFoundError, ImportError, RewardError, DivergenceError,
+               OffPolicyError)
 
 
 @contextmanager
@@ -60,6 +63,8 @@ def train(cfg: DictConfig) -> dict:
     """
     # Everything cheap is checked before any model is loaded.
     sizes = builders.check_config(cfg)
+    builders.check_output_dir(cfg)
+    builders.check_models(cfg)  # config.json of each model, no weights
     resume_from = builders.resume_path(cfg)  # None: a fresh run
     reward_functions = builders.make_reward_functions(cfg)
     device = builders.make_device(cfg)

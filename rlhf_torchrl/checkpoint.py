@@ -21,7 +21,9 @@ import os
 import random
 import re
 import shutil
+import warnings
 from collections.abc import Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -113,8 +115,9 @@ def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn
         os.makedirs(tmp)
     _barrier(parallel)
     model_state, optim_state = _state_dicts(modules, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state},
-             checkpoint_id=os.path.join(tmp, _WEIGHTS))
+    with _single_process_quiet():
+        dcp.save({"model": model_state, "optim": optim_state},
+                 checkpoint_id=os.path.join(tmp, _WEIGHTS))
     _barrier(parallel)
     if is_main:
         torch.save(trainer_state, os.path.join(tmp, _TRAINER))
@@ -143,10 +146,19 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
                                 "a checkpoints/iter_<N> directory of a run.")
     model_state, optim_state = _state_dicts(modules, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=os.path.join(path, _WEIGHTS))
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=os.path.join(path, _WEIGHTS))
     set_state_dict(_container(modules), optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
     return torch.load(os.path.join(path, _TRAINER), weights_only=False)
+
+
+@contextmanager
+def _single_process_quiet():
+    """DCP warns that it runs in one process when no process group exists: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _barrier(parallel) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import traceback
 from collections.abc import Callable, Sequence
 
 import torch
@@ -199,6 +200,10 @@ def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase) -> dict:
     return {k: td if k == "tensordict" else td.get((K.DATA, k)).tolist() for k in wanted}
 
 
+class RewardError(RuntimeError):
+    """A reward function raised; the message names it and the line that raised."""
+
+
 def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None,
                  finite: bool = True) -> torch.Tensor:
     """``fn`` on the rows of ``td`` as a (B,) float tensor; a wrong type or count is an error, and
@@ -210,7 +215,9 @@ def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None,
     try:
         out = fn(prompts, responses, **kwargs)
     except Exception as e:
-        raise RuntimeError(f"Reward {name!r} raised {type(e).__name__}: {e}") from e
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise RewardError(f"Reward {name!r} raised {type(e).__name__}: {e} (at {where.filename}:"
+                          f"{where.lineno}, in {where.name})") from e
     try:
         out = torch.as_tensor(out, dtype=torch.float32, device=device).reshape(-1)
     except (TypeError, ValueError, RuntimeError) as e:

@@ -57,14 +57,14 @@ def test_nan_reward_skipped_iteration(tmp_path, tiny_llama_dir, caplog):
     assert report["iterations"] == 2  # the statistics of the two good iterations
 
 
-def test_kl_ceiling_warns_or_stops(tmp_path, tiny_llama_dir, caplog):
+def test_kl_ceiling_warns_or_stops(tmp_path, tiny_llama_dir, stopping_llama_dir, caplog):
+    """Another model as the reference: the KL is far above the ceiling from iteration 0."""
+    far = [f"model.reference={stopping_llama_dir}", "guards.kl_ceiling=0.5", "ppo.num_iterations=1"]
     with caplog.at_level("WARNING"):
-        ppo.train(_cfg(tmp_path / "a", tiny_llama_dir, "guards.kl_ceiling=-1",
-                       "ppo.num_iterations=1"))
-    assert "is above guards.kl_ceiling=-1" in caplog.text
+        ppo.train(_cfg(tmp_path / "a", tiny_llama_dir, *far))
+    assert "is above guards.kl_ceiling=0.5" in caplog.text
     with pytest.raises(DivergenceError, match="Stopped \\(guards.kl_ceiling_stop=true\\)"):
-        ppo.train(_cfg(tmp_path / "b", tiny_llama_dir, "guards.kl_ceiling=-1",
-                       "guards.kl_ceiling_stop=true", "ppo.num_iterations=1"))
+        ppo.train(_cfg(tmp_path / "b", tiny_llama_dir, *far, "guards.kl_ceiling_stop=true"))
 
 
 def _rollout(**values):
@@ -102,13 +102,14 @@ def test_ppo_update_stops_before_a_non_finite_step(tiny_llama_dir, tokenizer):
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
-def test_cli_prints_the_guard_message_without_traceback(tmp_path, tiny_llama_dir):
+def test_cli_prints_the_guard_message_without_traceback(tmp_path, tiny_llama_dir, stopping_llama_dir):
     from test_recipe import IN_PROCESS, TINY
 
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, str(RECIPES / "ppo.py"), f"output_dir={out}", f"model.policy={tiny_llama_dir}",
-         *TINY, *IN_PROCESS, "guards.kl_ceiling=-1", "guards.kl_ceiling_stop=true"],
+         *TINY, *IN_PROCESS, f"model.reference={stopping_llama_dir}", "guards.kl_ceiling=0.5",
+         "guards.kl_ceiling_stop=true"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert "Error: Iteration 0: the KL to the reference" in proc.stderr

@@ -189,3 +189,14 @@ def _safe_rows(out) -> list:
         return (out / "metrics.jsonl").read_text().splitlines()
     except FileNotFoundError:
         return []
+
+
+def test_same_seed_same_metrics_run_to_run(tmp_path, tiny_llama_dir, uninterrupted):
+    """Determinism on CPU: a second process with the same seed and config logs the same metrics;
+    another seed does not."""
+    again = tmp_path / "again"
+    _complete(_command(tiny_llama_dir, again), again)
+    assert _rows(again) == uninterrupted
+    other = tmp_path / "other"
+    _complete([*_command(tiny_llama_dir, other), "seed=1", "ppo.num_iterations=1"], other)
+    assert _rows(other)[0] != uninterrupted[0]

@@ -1,0 +1,294 @@
+"""The PPO recipe's config schema: every setting's type (Hydra structured config), allowed values
+and range.
+
+``config/ppo.yaml`` holds the defaults and their documentation; this schema sits under it
+(``defaults: [ppo_schema, _self_]``), so Hydra rejects a value of the wrong type or an unknown key
+while composing (``ppo.batch_size=abc``: "Value 'abc' of type 'str' could not be converted to
+Integer, full_key: ppo.batch_size"), and :func:`validate` checks choices and ranges before anything
+is loaded, each message naming the setting, its value and what it may be.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+# Optional[...] rather than "X | None": OmegaConf reads the annotations at runtime.
+
+
+@dataclass
+class Distributed:
+    strategy: str = MISSING
+    backend: str | None = MISSING
+
+
+@dataclass
+class Checkpoint:
+    every: int = MISSING
+    keep: int | None = MISSING
+
+
+@dataclass
+class Model:
+    policy: str = MISSING
+    reference: str | None = MISSING
+    dtype: str = MISSING
+    autocast: str | None = MISSING
+    gradient_checkpointing: bool = MISSING
+    attn_implementation: str | None = MISSING
+    offload_reference: bool = MISSING
+
+
+@dataclass
+class Data:
+    source: str = MISSING
+    split: str = MISSING
+    column: str = MISSING
+    template: str | None = MISSING
+    limit: int | None = MISSING
+    max_words: int | None = MISSING
+    max_prompt_length: int = MISSING
+    truncate_prompts: bool = MISSING
+    system_prompt: str | None = MISSING
+
+
+@dataclass
+class Lora:
+    r: int = MISSING
+    alpha: float = MISSING
+    dropout: float = MISSING
+    target_modules: Any = MISSING  # all-linear, or a list of module names
+    critic: bool = MISSING
+    save_merged: bool = MISSING
+
+
+@dataclass
+class Reward:
+    model: str | None = MISSING
+    model_weight: float = MISSING
+    model_batch_size: int = MISSING
+    model_dtype: str = MISSING
+    offload: bool = MISSING
+    functions: list[str] | None = MISSING
+    function_weights: list[float] | None = MISSING
+    missing_eos_penalty: float | None = MISSING
+    whiten_scores: bool = MISSING
+    score_clip: float | None = MISSING
+
+
+@dataclass
+class ValueModel:
+    init: str = MISSING
+    name_or_path: str | None = MISSING
+
+
+@dataclass
+class Generation:
+    backend: str = MISSING
+    max_new_tokens: int = MISSING
+    temperature: float = MISSING
+    top_k: int = MISSING
+    top_p: float = MISSING
+    stop_token: str | None = MISSING
+    log_probs_from_sampling: bool | None = MISSING
+    check_on_policy: bool = MISSING
+    on_policy_rows: int = MISSING
+    on_policy_tolerance: float | None = MISSING
+
+
+@dataclass
+class Collection:
+    overlap: int | None = MISSING
+    ray_workers: int = MISSING
+    ray_address: str | None = MISSING
+    ray_cpus_per_worker: float = MISSING
+    ray_gpus_per_worker: float = MISSING
+
+
+@dataclass
+class VLLM:
+    dtype: str | None = MISSING
+    max_model_len: int | None = MISSING
+    gpu_memory_utilization: float = MISSING
+    kv_cache_gb: float = MISSING
+    enforce_eager: bool = MISSING
+    sleep: bool | None = MISSING
+    tensor_parallel_size: int = MISSING
+
+
+@dataclass
+class PPO:
+    num_iterations: int = MISSING
+    batch_size: int = MISSING
+    num_mini_batches: int = MISSING
+    gradient_accumulation_steps: int = MISSING
+    micro_batch_tokens: int | None = MISSING
+    num_ppo_epochs: int = MISSING
+    forward_batch_size: int = MISSING
+    kl_coef: float = MISSING
+    kl_estimator: str = MISSING
+    kl_target: float | None = MISSING
+    kl_horizon: int = MISSING
+    gamma: float = MISSING
+    lmbda: float = MISSING
+    whiten_advantages: bool = MISSING
+    clip_epsilon: float = MISSING
+    clip_value: float | None = MISSING
+    vf_coef: float = MISSING
+    entropy_coef: float = MISSING
+    tis_cap: float | None = MISSING
+
+
+@dataclass
+class Optim:
+    lr: float = MISSING
+    critic_lr: float | None = MISSING
+    value_head_lr: float | None = MISSING
+    weight_decay: float = MISSING
+    eps: float = MISSING
+    max_grad_norm: float | None = MISSING
+    lr_schedule: str = MISSING
+
+
+@dataclass
+class Guards:
+    non_finite: str = MISSING
+    kl_ceiling: float | None = MISSING
+    kl_ceiling_stop: bool = MISSING
+
+
+@dataclass
+class Logging:
+    logger: str | None = MISSING
+    num_samples: int = MISSING
+    progress_bar: bool = MISSING
+    exact_entropy: bool = MISSING
+    save_model: bool = MISSING
+
+
+@dataclass
+class PPOConfig:
+    seed: int = MISSING
+    device: str = MISSING
+    threads: int | None = MISSING
+    reuse_freed_memory: bool = MISSING
+    output_dir: str = MISSING
+    resume: str = MISSING
+    distributed: Distributed = field(default_factory=Distributed)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    model: Model = field(default_factory=Model)
+    data: Data = field(default_factory=Data)
+    lora: Lora = field(default_factory=Lora)
+    reward: Reward = field(default_factory=Reward)
+    value_model: ValueModel = field(default_factory=ValueModel)
+    generation: Generation = field(default_factory=Generation)
+    collection: Collection = field(default_factory=Collection)
+    vllm: VLLM = field(default_factory=VLLM)
+    ppo: PPO = field(default_factory=PPO)
+    optim: Optim = field(default_factory=Optim)
+    guards: Guards = field(default_factory=Guards)
+    logging: Logging = field(default_factory=Logging)
+
+
+ConfigStore.instance().store(name="ppo_schema", node=PPOConfig)
+
+DTYPES = ("float32", "bfloat16", "float16")
+#: setting -> its allowed values (None among them: null is allowed)
+CHOICES = {
+    "distributed.strategy": ("ddp", "fsdp2"),
+    "distributed.backend": (None, "gloo", "nccl"),
+    "model.dtype": DTYPES,
+    "model.autocast": (None, "bfloat16", "float16"),
+    "reward.model_dtype": DTYPES,
+    "value_model.init": ("shared", "policy", "reward_model", "model"),
+    "generation.backend": ("transformers", "vllm"),
+    "vllm.dtype": (None, *DTYPES),
+    "ppo.kl_estimator": ("k1", "k2", "k3"),
+    "optim.lr_schedule": ("linear", "constant"),
+    "guards.non_finite": ("stop", "skip"),
+    "logging.logger": (None, "csv", "tensorboard", "wandb", "mlflow"),
+}
+
+_INF = math.inf
+#: setting -> (low, high, low inclusive, high inclusive); null passes where the type allows it
+RANGES = {
+    "threads": (1, _INF, True, True),
+    "checkpoint.every": (0, _INF, True, True),
+    "checkpoint.keep": (1, _INF, True, True),
+    "data.limit": (1, _INF, True, True),
+    "data.max_words": (1, _INF, True, True),
+    "data.max_prompt_length": (1, _INF, True, True),
+    "lora.r": (0, _INF, True, True),
+    "lora.alpha": (0, _INF, False, True),
+    "lora.dropout": (0, 1, True, False),
+    "reward.model_batch_size": (1, _INF, True, True),
+    "reward.missing_eos_penalty": (0, _INF, True, True),
+    "reward.score_clip": (0, _INF, False, True),
+    "generation.max_new_tokens": (1, _INF, True, True),
+    "generation.temperature": (0, _INF, False, True),
+    "generation.top_k": (0, _INF, True, True),
+    "generation.top_p": (0, 1, False, True),
+    "generation.on_policy_rows": (1, _INF, True, True),
+    "generation.on_policy_tolerance": (0, _INF, True, True),
+    "collection.overlap": (0, _INF, True, True),
+    "collection.ray_workers": (0, _INF, True, True),
+    "collection.ray_cpus_per_worker": (0, _INF, True, True),
+    "collection.ray_gpus_per_worker": (0, _INF, True, True),
+    "vllm.max_model_len": (1, _INF, True, True),
+    "vllm.gpu_memory_utilization": (0, 1, False, True),
+    "vllm.kv_cache_gb": (0, _INF, False, True),
+    "vllm.tensor_parallel_size": (1, _INF, True, True),
+    "ppo.num_iterations": (1, _INF, True, True),
+    "ppo.batch_size": (1, _INF, True, True),
+    "ppo.num_mini_batches": (1, _INF, True, True),
+    "ppo.gradient_accumulation_steps": (1, _INF, True, True),
+    "ppo.micro_batch_tokens": (1, _INF, True, True),
+    "ppo.num_ppo_epochs": (1, _INF, True, True),
+    "ppo.forward_batch_size": (1, _INF, True, True),
+    "ppo.kl_coef": (0, _INF, True, True),
+    "ppo.kl_target": (0, _INF, False, True),
+    "ppo.kl_horizon": (1, _INF, True, True),
+    "ppo.gamma": (0, 1, True, True),
+    "ppo.lmbda": (0, 1, True, True),
+    "ppo.clip_epsilon": (0, _INF, False, True),
+    "ppo.clip_value": (0, _INF, False, True),
+    "ppo.vf_coef": (0, _INF, True, True),
+    "ppo.entropy_coef": (0, _INF, True, True),
+    "ppo.tis_cap": (0, _INF, False, True),
+    "optim.lr": (0, _INF, False, True),
+    "optim.critic_lr": (0, _INF, False, True),
+    "optim.value_head_lr": (0, _INF, False, True),
+    "optim.weight_decay": (0, _INF, True, True),
+    "optim.eps": (0, _INF, False, True),
+    "optim.max_grad_norm": (0, _INF, False, True),
+    "guards.kl_ceiling": (0, _INF, False, True),
+    "logging.num_samples": (0, _INF, True, True),
+}
+
+
+def _describe(low, high, low_in, high_in) -> str:
+    if high == _INF:
+        return f"{'>=' if low_in else '>'} {low}"
+    return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ``ValueError`` for the first setting outside its choices or range, naming the
+    setting, its value and what it may be."""
+    from omegaconf import OmegaConf
+
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            shown = ", ".join("null" if a is None else a for a in allowed)
+            raise ValueError(f"{key}={value!r} is not one of the allowed values: {shown}.")
+    for key, bounds in RANGES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        low, high, low_in, high_in = bounds
+        inside = (low <= value if low_in else low < value) and (value <= high if high_in else value < high)
+        if not inside or (isinstance(value, float) and math.isnan(value)):
+            raise ValueError(f"{key}={value} is out of range: it must be {_describe(*bounds)}.")

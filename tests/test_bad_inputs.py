@@ -1,0 +1,145 @@
+"""Bad input, table-driven: each case fails before any training with a message naming the setting
+(or file, line, reward, model) and what to do, as one of the errors the CLI prints without a
+traceback (``ppo.USER_ERRORS``); a few go through the real command line."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import _save_tiny, _tiny_llama
+from hydra import compose, initialize_config_dir
+from test_recipe import IN_PROCESS, RECIPES, TINY, _cfg, ppo
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tokenizer):
+    """Bad files of each kind, written once."""
+    d = tmp_path_factory.mktemp("bad")
+    (d / "bad_json.jsonl").write_text('{"prompt": "a b"}\n{"prompt": "c d"}\n{"prompt": oops}\n')
+    (d / "no_column.jsonl").write_text('{"text": "a b"}\n')
+    (d / "empty.jsonl").write_text("")
+    (d / "a_file").write_text("not a directory")
+    (d / "long.jsonl").write_text(json.dumps({"prompt": "word " * 400}) + "\n")
+    small_vocab = _tiny_llama(tokenizer, vocab_size=1000)
+    _save_tiny(d / "small_vocab", small_vocab, tokenizer)
+    return d
+
+
+# (overrides, message regex); {d}: the bad-files folder, {model}: the tiny Llama's directory
+CASES = {
+    # ranges and choices (schema.py)
+    "clip-negative": (["ppo.clip_epsilon=-0.2"], r"ppo.clip_epsilon=-0.2 is out of range: it must be > 0"),
+    "gamma-above-1": (["ppo.gamma=1.5"], r"ppo.gamma=1.5 is out of range: it must be in \[0, 1\]"),
+    "lambda-negative": (["ppo.lmbda=-1"], r"ppo.lmbda=-1.0 is out of range: it must be in \[0, 1\]"),
+    "kl-coef-negative": (["ppo.kl_coef=-1"], r"ppo.kl_coef=-1.0 is out of range: it must be >= 0"),
+    "dtype-float7": (["model.dtype=float7"], r"model.dtype='float7' is not one of the allowed values: float32"),
+    "logger-nonsense": (["logging.logger=nonsense"], r"logging.logger='nonsense' is not one of .*csv"),
+    "temperature-zero": (["generation.temperature=0"], r"generation.temperature=0.0 is out of range: it must be > 0"),
+    "top-p-zero": (["generation.top_p=0"], r"generation.top_p=0.0 is out of range: it must be in \(0, 1\]"),
+    "lr-negative": (["optim.lr=-1e-5"], r"optim.lr=-1e-05 is out of range"),
+    "lora-dropout-1": (["lora.dropout=1.0"], r"lora.dropout=1.0 is out of range: it must be in \[0, 1\)"),
+    "kl-estimator": (["ppo.kl_estimator=kl"], r"ppo.kl_estimator='kl' is not one of .*k1, k2, k3"),
+    "schedule": (["optim.lr_schedule=cosine"], r"optim.lr_schedule='cosine' .*linear, constant"),
+    "autocast-float8": (["model.autocast=float8"], r"model.autocast='float8'"),
+    "strategy": (["distributed.strategy=zero3"], r"distributed.strategy='zero3' .*ddp, fsdp2"),
+    "backend": (["generation.backend=tgi"], r"generation.backend='tgi' .*transformers, vllm"),
+    "micro-batch-tokens-0": (["ppo.micro_batch_tokens=0"], r"ppo.micro_batch_tokens=0 is out of range"),
+    "keep-0": (["checkpoint.keep=0"], r"checkpoint.keep=0 is out of range: it must be >= 1"),
+    "non-finite-choice": (["guards.non_finite=ignore"], r"guards.non_finite='ignore' .*stop, skip"),
+    # settings against each other
+    "batch-split": (["ppo.batch_size=6", "ppo.num_mini_batches=4"], r"not divisible"),
+    "accumulation": (["ppo.gradient_accumulation_steps=3"], r"micro-batches"),
+    "autocast-bf16-weights": (["model.autocast=bfloat16", "model.dtype=bfloat16"], r"master weights"),
+    "critic-from-missing-rm": (["value_model.init=reward_model"], r"needs reward.model"),
+    "tis-with-sampled-log-probs": (["ppo.tis_cap=2"], r"generation.log_probs_from_sampling=false"),
+    "ray-workers-split": (["collection.ray_workers=3"], r"collection.ray_workers=3: .*divisor"),
+    "device": (["device=abacus"], r"not a device"),
+    # rewards
+    "no-reward": (["reward.functions=[]"], r"No reward"),
+    "weights-count": (["reward.function_weights=[1.0,2.0]"], r"one weight per function"),
+    "reward-import": (["reward.functions=[no_such_pkg.fn]"], r"no_such_pkg"),
+    "reward-length": (["reward.functions=[test_rewards.wrong_length]"], r"wrong_length.*exactly one float"),
+    "reward-raises": (["reward.functions=[test_rewards.raising_reward]"],
+                      r"'raising_reward' raised KeyError: 'boom' \(at .*test_rewards.py:\d+"),
+    "reward-nan-at-start": (["reward.functions=[test_rewards.nan_reward]"], r"nan_reward.*non-finite"),
+    # data
+    "json-line-3": (["data.source={d}/bad_json.jsonl"], r"bad_json.jsonl:3: not valid JSON"),
+    "json-column": (["data.source={d}/no_column.jsonl"], r"no_column.jsonl:1: .*'prompt' field .*data.column"),
+    "empty-file": (["data.source={d}/empty.jsonl"], r"empty"),
+    "missing-file": (["data.source={d}/none.jsonl"], r"none.jsonl' does not exist"),
+    "too-few-prompts": (["data.limit=2"], r"2 prompts, fewer than ppo.batch_size=4"),
+    "over-long-prompt": (["data.source={d}/long.jsonl", "data.max_words=null", "ppo.batch_size=1",
+                          "ppo.num_mini_batches=1"],
+                         r"data.max_prompt_length=128.*truncate_prompts"),
+    "offline-dataset": (["data.source=no_such_dataset_xyz"], r"data.source=no_such_dataset_xyz: not a local file"),
+    # models
+    "policy-missing": (["model.policy={d}/nothing"], r"model.policy=.*nothing: no such directory"),
+    "reference-missing": (["model.reference={d}/nothing"], r"model.reference=.*: no such directory"),
+    "reference-vocabulary": (["model.reference={d}/small_vocab"], r"vocabulary of 1000 tokens .*same tokenizer"),
+    "reward-model-is-an-lm": (["reward.model={model}"], r"LlamaForCausalLM, not a sequence classifier"),
+    "stop-token": (["generation.stop_token=nope_not_a_token"], r"generation.stop_token 'nope_not_a_token'"),
+    # output directory and resume
+    "output-is-a-file": (["output_dir={d}/a_file"], r"output_dir=.*a_file is a file"),
+    "resume-not-a-checkpoint": (["resume={d}"], r"resume=.* is not a checkpoint directory"),
+}
+
+
+@pytest.mark.parametrize("overrides,match", CASES.values(), ids=CASES.keys())
+def test_bad_input_fails_before_work(tmp_path, tiny_llama_dir, files, overrides, match):
+    overrides = [o.format(d=files, model=tiny_llama_dir) for o in overrides]
+    run = tmp_path / "run"
+    if not any(o.startswith("output_dir=") for o in overrides):
+        overrides.append(f"output_dir={run}")
+    with pytest.raises(ppo.USER_ERRORS, match=match):
+        ppo.train(_cfg(run, tiny_llama_dir, *overrides))
+    assert not (run / "metrics.jsonl").exists()
+
+
+def test_a_finished_run_without_checkpoints_is_not_overwritten(tmp_path, tiny_llama_dir):
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, "checkpoint.every=0", "ppo.num_iterations=1"))
+    with pytest.raises(ValueError, match="holds a finished run without a checkpoint.*resume=never"):
+        ppo.train(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=1"))
+
+
+COMPOSE_CASES = {  # wrong types and unknown keys: Hydra refuses them while composing
+    "int-abc": ("ppo.batch_size=abc", r"Value 'abc' of type 'str' could not be converted to Integer"
+                                      r"[\s\S]*full_key: ppo.batch_size"),
+    "float-abc": ("ppo.gamma=high", r"could not be converted to Float[\s\S]*full_key: ppo.gamma"),
+    "bool-maybe": ("generation.check_on_policy=maybe", r"full_key: generation.check_on_policy"),
+    "typo": ("ppo.batchsize=3", r"Key 'batchsize' not in 'PPO'"),
+}
+
+
+@pytest.mark.parametrize("override,match", COMPOSE_CASES.values(), ids=COMPOSE_CASES.keys())
+def test_wrong_types_are_refused_while_composing(override, match):
+    with initialize_config_dir(config_dir=str(RECIPES / "config"), version_base=None):
+        with pytest.raises(Exception) as info:
+            compose("ppo", overrides=[override])
+    # what the command line prints: the error and its cause
+    error = info.value
+    assert re.search(match, f"{error}\n{error.__cause__ or ''}"), (error, error.__cause__)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["ppo.clip_epsilon=-0.2"], "Error: ppo.clip_epsilon=-0.2 is out of range"),
+    (["ppo.batch_size=abc"], "could not be converted to Integer"),
+    (["data.source={d}/bad_json.jsonl"], "bad_json.jsonl:3: not valid JSON"),
+], ids=["range", "type", "data"])
+def test_cli_prints_errors_without_traceback(tmp_path, tiny_llama_dir, files, overrides, expected):
+    overrides = [o.format(d=files) for o in overrides]
+    proc = subprocess.run(
+        [sys.executable, str(RECIPES / "ppo.py"), f"output_dir={tmp_path}",
+         f"model.policy={tiny_llama_dir}", *TINY, *IN_PROCESS, *overrides],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_load_tokenizer_gives_a_distinct_pad_token(tokenizer):
+    """Missing pad token or pad = EOS: the tokenizer gets its own pad token (no error needed)."""
+    assert tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert torch.tensor(tokenizer("a b")["input_ids"]).ndim == 1
