@@ -205,6 +205,26 @@ def test_recipe_with_vllm(tmp_path, tokenizer, caplog):
     assert report["iterations"] == 2
 
 
+def test_recipe_with_vllm_resumes_exactly(tmp_path, tokenizer):
+    """A run resumed from checkpoint 1 starts a new engine, pushes it the restored weights, and
+    continues as the uninterrupted run (each row's own seed: the engine samples the same tokens)."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import ppo
+    from test_recipe import _cfg
+    from test_resume import _rows, _stop_at
+
+    model_dir = _save_tiny(tmp_path / "model", _tiny_llama(tokenizer, hidden_size=128,
+                                                           intermediate_size=256), tokenizer)
+    settings = ["generation.backend=vllm", "vllm.kv_cache_gb=0.25", "value_model.init=shared",
+                "ppo.num_iterations=3", "checkpoint.every=1", "checkpoint.keep=null", "threads=1"]
+    ppo.train(_cfg(tmp_path / "whole", model_dir, *settings))
+    cut = tmp_path / "cut"
+    ppo.train(_cfg(cut, model_dir, *settings))
+    _stop_at(cut, 1)
+    ppo.train(_cfg(cut, model_dir, *settings))
+    assert _rows(cut) == _rows(tmp_path / "whole")
+
+
 @pytest.mark.xfail(strict=True, reason="vLLMWrapper drops generate_kwargs it does not list, seed "
                    "among them, and sends one SamplingParams for every row: rows cannot have their "
                    "own random streams (VLLMGenerator replaces it)")
