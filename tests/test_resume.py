@@ -50,7 +50,8 @@ def _stop_at(run_dir, iteration: int) -> None:
     ["value_model.init=shared"],
     ["value_model.init=policy", "ppo.kl_target=1.0"],
     ["collection.overlap=1", "generation.log_probs_from_sampling=false", "ppo.tis_cap=2.0"],
-], ids=["shared-critic", "separate-critic-adaptive-kl", "async-overlap-1"])
+    ["lora.r=4", "value_model.init=policy", "lora.critic=true"],
+], ids=["shared-critic", "separate-critic-adaptive-kl", "async-overlap-1", "lora"])
 def test_resumed_run_matches_the_uninterrupted_run(tmp_path, tiny_llama_dir, overrides):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     ppo.train(_cfg(whole, tiny_llama_dir, *EXACT, *overrides))
