@@ -88,10 +88,16 @@ def _container(modules: Mapping[str, nn.Module]) -> nn.ModuleDict:
 
 
 def _state_dicts(modules: Mapping[str, nn.Module], optimizer):
+    """(model, optimiser) state dicts of the trainable parameters: frozen ones are left out (the
+    DCP option misses a frozen weight tied to another, e.g. an LM head under LoRA)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(_container(modules), optimizer,
-                          options=StateDictOptions(ignore_frozen_params=True))
+    container = _container(modules)
+    model_state, optim_state = get_state_dict(container, optimizer,
+                                              options=StateDictOptions(ignore_frozen_params=True))
+    trainable = {name for name, p in container.named_parameters(remove_duplicate=False)
+                 if p.requires_grad}
+    return {k: v for k, v in model_state.items() if k in trainable}, optim_state
 
 
 def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn.Module], optimizer,

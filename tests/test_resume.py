@@ -201,3 +201,14 @@ def test_same_seed_same_metrics_run_to_run(tmp_path, tiny_llama_dir, uninterrupt
     other = tmp_path / "other"
     _complete([*_command(tiny_llama_dir, other), "seed=1", "ppo.num_iterations=1"], other)
     assert _rows(other)[0] != uninterrupted[0]
+
+
+def test_lora_checkpoint_holds_the_adapters_and_value_head_only(tmp_path, tiny_llama_dir):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, "lora.r=4", "ppo.num_iterations=1"))
+    ((_, path),) = list_checkpoints(tmp_path)
+    keys = FileSystemReader(os.path.join(path, "weights")).read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith("model.")]
+    assert any("lora_A" in k for k in weights) and any(k.startswith("model.value_head") for k in weights)
+    assert all("lora_" in k or k.startswith("model.value_head") for k in weights), weights
