@@ -93,6 +93,9 @@ class RewardModel:
             )
         # the score is read at the end: if a text must be cut, keep its end
         tokenizer.truncation_side = "left"
+        # a trained reward model's shift that makes reference responses average zero
+        # (rlhf_torchrl.reward_training); 0 for any other classifier
+        self.offset = float(getattr(model.config, "reward_offset", 0.0) or 0.0)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str = "float32", **kwargs) -> RewardModel:
@@ -157,7 +160,7 @@ class RewardModel:
             for i in range(0, len(texts), self.batch_size):
                 inputs = self.encode(texts[i : i + self.batch_size]).to(self.device)
                 scores.append(self.model(**inputs).logits[:, 0].float())
-        return torch.cat(scores)
+        return torch.cat(scores) - self.offset
 
     def encode(self, texts: list[str]):
         """Token ids of rendered texts: no special tokens added to templated text (the template

