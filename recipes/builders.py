@@ -214,12 +214,41 @@ def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
     if n_truncated:
         log.warning("Truncated %d of %d prompts from the left to %d tokens.",
                     n_truncated, len(prompts), d.max_prompt_length)
-    if len(prompts) < cfg.ppo.batch_size:
+    held_out = eval_prompt_count(cfg)
+    if len(prompts) - held_out < cfg.ppo.batch_size:
         raise ValueError(
-            f"The prompt set has {len(prompts)} prompts, fewer than ppo.batch_size="
-            f"{cfg.ppo.batch_size}: add prompts or lower the batch size."
+            f"The prompt set has {len(prompts)} prompts, {held_out} of them held out for evaluation "
+            f"(eval.num_prompts): fewer than ppo.batch_size={cfg.ppo.batch_size} are left to train "
+            "on. Add prompts, lower the batch size or eval.num_prompts, or set eval.every=0."
         )
     return prompts
+
+
+def eval_prompt_count(cfg: DictConfig) -> int:
+    return cfg.eval.num_prompts if cfg.eval.every else 0
+
+
+def split_eval_prompts(cfg: DictConfig, prompts: list) -> tuple[list, list]:
+    """(training prompts, held-out evaluation prompts): the last ``eval.num_prompts``."""
+    k = eval_prompt_count(cfg)
+    return (prompts[:-k], prompts[-k:]) if k else (prompts, [])
+
+
+def make_evaluator(cfg: DictConfig, held_out, tokenizer, scorer, stop_ids, device, parallel):
+    """The held-out evaluator (rank 0; None when eval.every=0, or under FSDP2, whose sharded
+    forward needs every process)."""
+    from rlhf_torchrl.evaluation import Evaluator
+
+    e = cfg.eval
+    if not e.every or not parallel.is_main:
+        return None
+    if parallel.fsdp:
+        log.warning("eval.every: evaluation is not run under FSDP2 yet (its forward is collective).")
+        return None
+    judge = e.judge or ("reward_model" if cfg.reward.model else None)
+    return Evaluator(held_out, tokenizer, scorer, max_new_tokens=cfg.generation.max_new_tokens,
+                     temperature=e.temperature, stop_token_ids=stop_ids, seed=cfg.seed, judge=judge,
+                     accuracy=e.accuracy_reward, device=device)
 
 
 def make_tokenizer(cfg: DictConfig):
@@ -562,7 +591,7 @@ def trained_modules(policy, critic) -> dict:
 
 
 def trainer_state(done: int, *, scheduler, grad_scaler, shaper, replay_buffer, samples,
-                  pending) -> dict:
+                  pending, eval_before=None) -> dict:
     """What a checkpoint holds besides weights and optimiser: enough to continue exactly."""
     from rlhf_torchrl.checkpoint import rng_state
 
@@ -576,6 +605,7 @@ def trainer_state(done: int, *, scheduler, grad_scaler, shaper, replay_buffer, s
         "first_samples": samples[0],  # the report's responses before and after training
         "last_samples": samples[1],
         "pending": pending,
+        "eval_before": eval_before,  # the held-out metrics of the untrained policy
     }
 
 

@@ -37,6 +37,7 @@ from rlhf_torchrl.metrics import (  # noqa: E402
 )
 from rlhf_torchrl.modules import evaluate_rollout  # noqa: E402
 from rlhf_torchrl.objectives import ppo_update  # noqa: E402
+from rlhf_torchrl.report import write_report  # noqa: E402
 from rlhf_torchrl.rewards import RewardError  # noqa: E402
 from rlhf_torchrl.runtime import placed, reuse_freed_memory  # noqa: E402
 from rlhf_torchrl.sampling import OffPolicyError, check_on_policy  # noqa: E402
@@ -77,7 +78,7 @@ def train(cfg: DictConfig) -> dict:
         reuse_freed_memory()
 
     tokenizer = builders.make_tokenizer(cfg)
-    prompts = builders.make_prompts(cfg, tokenizer)
+    prompts, held_out = builders.split_eval_prompts(cfg, builders.make_prompts(cfg, tokenizer))
     stop_ids = builders.stop_token_ids(cfg, tokenizer)
     scorer = builders.make_scorer(cfg, reward_functions, device)
     scorer.check(builders.make_reward_probe(cfg, prompts, tokenizer, stop_ids))
@@ -114,6 +115,14 @@ def train(cfg: DictConfig) -> dict:
     # a shared trunk under FSDP2 is run through the whole (sharded) model, never the bare trunk
     recompute = not builders.log_probs_from_sampling(cfg) or (parallel.fsdp and critic.shares_trunk)
 
+    evaluator = builders.make_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device, parallel)
+    eval_before = state.get("eval_before")
+    if evaluator is not None:
+        with reference_policy(policy, reference) as ref_model:
+            evaluator.set_reference(ref_model)  # the reference's responses, once
+        if eval_before is None:
+            eval_before, _ = evaluator(policy)
+            log.info("Evaluation before training: %s", _fmt(eval_before))
     p = cfg.ppo
     # the earlier iterations of a resumed run (skipped ones have no statistics)
     history = [r for r in read_metrics(cfg.output_dir, before=first_iteration)
@@ -188,6 +197,11 @@ def train(cfg: DictConfig) -> dict:
             metrics.update(sampler_metrics(batch, version=iteration))
             shaper.update_kl_coef(batch)
             metrics.update(stats)
+        done = iteration + 1
+        if evaluator is not None and (done % cfg.eval.every == 0 or done == p.num_iterations):
+            with timed(times, "eval"):
+                scores, _ = evaluator(policy)  # held-out prompts, after this update
+            metrics.update(scores)
         times["time/total"] = time.perf_counter() - start
         n_tokens = float(batch.get(K.RESPONSE_MASK).sum())
         times["time/tokens_per_second"] = n_tokens / max(times["time/generation"], 1e-9)
@@ -205,7 +219,6 @@ def train(cfg: DictConfig) -> dict:
             bar.set_postfix(score=f"{metrics['objective/scores']:.3f}",
                             kl=f"{metrics['objective/kl']:.3f}")
             builders.check_kl_ceiling(cfg, metrics["objective/kl"], iteration)
-        done = iteration + 1
         if builders.checkpoint_due(cfg, done):
             with timed(times, "checkpoint"):
                 save_checkpoint(
@@ -214,6 +227,7 @@ def train(cfg: DictConfig) -> dict:
                     trainer_state=builders.trainer_state(
                         done, scheduler=scheduler, grad_scaler=grad_scaler, shaper=shaper,
                         replay_buffer=replay_buffer, samples=(first_samples, last_samples),
+                        eval_before=eval_before,
                         # batches sampled ahead by older weights (none after the last iteration)
                         pending=collector.pending() if overlap and done < p.num_iterations else []),
                 )
@@ -225,13 +239,34 @@ def train(cfg: DictConfig) -> dict:
             builders.save_policy(cfg, policy, tokenizer, full_state)
     # (history is rank 0's; it is empty elsewhere in a resumed run)
     report = _report(history, first_samples, last_samples, quiet=not parallel.is_main) if history else {}
+    if eval_before is not None and history:
+        report["eval_before"] = eval_before
+        report["eval_after"] = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
+        if parallel.is_main:
+            print(f"  held-out evaluation before: {_fmt(eval_before)}\n"
+                  f"                       after: {_fmt(report['eval_after'])}", flush=True)
     if writer is not None:
         writer.close()
         with open(os.path.join(cfg.output_dir, "report.json"), "w") as f:
             json.dump({"config": OmegaConf.to_container(cfg, resolve=True), **report}, f, indent=1)
+        log.info("Run report: %s", write_report(cfg.output_dir))
     parallel.barrier()
     parallel.shutdown()
     return report
+
+
+@contextmanager
+def reference_policy(policy, reference):
+    """The reference model: its own, or (LoRA) the policy with its adapters off."""
+    if reference is not None:
+        yield reference
+    else:
+        with policy.disable_adapter():
+            yield policy
+
+
+def _fmt(metrics: dict) -> str:
+    return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items())
 
 
 def _samples(rollout, n: int) -> list[dict]:

@@ -15,8 +15,6 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-# Optional[...] rather than "X | None": OmegaConf reads the annotations at runtime.
-
 
 @dataclass
 class Distributed:
@@ -153,6 +151,15 @@ class Optim:
 
 
 @dataclass
+class Eval:
+    every: int = MISSING
+    num_prompts: int = MISSING
+    temperature: float = MISSING
+    judge: str | None = MISSING
+    accuracy_reward: str | None = MISSING
+
+
+@dataclass
 class Guards:
     non_finite: str = MISSING
     kl_ceiling: float | None = MISSING
@@ -188,6 +195,7 @@ class PPOConfig:
     vllm: VLLM = field(default_factory=VLLM)
     ppo: PPO = field(default_factory=PPO)
     optim: Optim = field(default_factory=Optim)
+    eval: Eval = field(default_factory=Eval)
     guards: Guards = field(default_factory=Guards)
     logging: Logging = field(default_factory=Logging)
 
@@ -264,6 +272,9 @@ RANGES = {
     "optim.eps": (0, _INF, False, True),
     "optim.max_grad_norm": (0, _INF, False, True),
     "guards.kl_ceiling": (0, _INF, False, True),
+    "eval.every": (0, _INF, True, True),
+    "eval.num_prompts": (1, _INF, True, True),
+    "eval.temperature": (0, _INF, False, True),
     "logging.num_samples": (0, _INF, True, True),
 }
 

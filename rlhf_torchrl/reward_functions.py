@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 
 
@@ -18,3 +19,45 @@ def vader_sentiment(prompts: list[str], responses: list[str]) -> list[float]:
     """VADER compound sentiment of each response, in [-1, 1] (rule-based, ~27k texts/s)."""
     analyzer = _vader()
     return [analyzer.polarity_scores(r)["compound"] for r in responses]
+
+
+# ---- verifiable math answers (GSM8K) -------------------------------------------------------------
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+
+
+def _to_number(text: str) -> float | None:
+    cleaned = text.replace(",", "").replace("$", "").rstrip(".")
+    try:
+        return float(cleaned)
+    except ValueError:
+        return None
+
+
+def extract_final_number(text: str) -> float | None:
+    """The answer a solution ends with: the number after GSM8K's ``####`` marker if there is one,
+    else after the last "answer is"/"answer:", else the last number in the text. Commas, a dollar
+    sign and a trailing period are ignored; ``-3`` is negative. None when there is no number."""
+    for marker in ("####", "answer is", "answer:"):
+        at = text.lower().rfind(marker)
+        if at >= 0:
+            found = _NUMBER.search(text[at + len(marker):])
+            if found:
+                return _to_number(found.group())
+    numbers = _NUMBER.findall(text)
+    return _to_number(numbers[-1]) if numbers else None
+
+
+def gsm8k_correct(prompts: list[str], responses: list[str], answer: list[str]) -> list[float]:
+    """1.0 where the response's final number equals the row's ``answer`` (a GSM8K answer field,
+    reasoning then ``#### 72``, or a bare number), else 0.0. Reads the dataset column ``answer``."""
+    out = []
+    for response, reference in zip(responses, answer):
+        expected = extract_final_number(str(reference))
+        got = extract_final_number(response)
+        out.append(float(got is not None and expected is not None and abs(got - expected) < 1e-6))
+    return out
+
+
+def gsm8k_format(prompts: list[str], responses: list[str]) -> list[float]:
+    """1.0 where the response states its answer in the asked format (``#### <number>``)."""
+    return [float(re.search(r"####\s*-?\$?\d", r) is not None) for r in responses]

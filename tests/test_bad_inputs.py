@@ -70,7 +70,7 @@ CASES = {
     "json-column": (["data.source={d}/no_column.jsonl"], r"no_column.jsonl:1: .*'prompt' field .*data.column"),
     "empty-file": (["data.source={d}/empty.jsonl"], r"empty"),
     "missing-file": (["data.source={d}/none.jsonl"], r"none.jsonl' does not exist"),
-    "too-few-prompts": (["data.limit=2"], r"2 prompts, fewer than ppo.batch_size=4"),
+    "too-few-prompts": (["data.limit=2"], r"2 prompts, 4 of them held out .*fewer than ppo.batch_size=4"),
     "over-long-prompt": (["data.source={d}/long.jsonl", "data.max_words=null", "ppo.batch_size=1",
                           "ppo.num_mini_batches=1"],
                          r"data.max_prompt_length=128.*truncate_prompts"),

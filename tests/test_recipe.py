@@ -19,7 +19,7 @@ import ppo  # noqa: E402
 
 TINY = ["ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batches=2",
         "ppo.forward_batch_size=2", "generation.max_new_tokens=6", "logging.progress_bar=false",
-        "data.limit=16", "optim.lr=1e-3"]
+        "data.limit=16", "optim.lr=1e-3", "eval.num_prompts=4"]
 # in-process runs leave the pytest process's allocator alone; the CLI test keeps the default (on)
 IN_PROCESS = ["reuse_freed_memory=false"]
 

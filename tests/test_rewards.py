@@ -218,3 +218,28 @@ def test_reward_model_adds_no_second_bos(bos_llama_dir):
     [text] = rm.render(["p"], ["r"], messages=[[{"role": "user", "content": "p"}]])
     ids = rm.encode([text])["input_ids"][0].tolist()
     assert ids.count(rm.tokenizer.bos_token_id) == 1 and ids[0] == rm.tokenizer.bos_token_id
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("She pays 3 + 4 = 7 dollars.\n#### 7", 7.0),
+    ("#### 1,234", 1234.0),                                  # thousands separator
+    ("The temperature drops to -12 degrees. The answer is -12.", -12.0),
+    ("So the total is $18.50.", 18.5),                       # dollar sign, decimal, final period
+    ("Answer: 42 apples (after 3 days)", 42.0),              # the stated answer, not the last number
+    ("First 5, then 10, finally 15", 15.0),                  # no marker: the last number
+    ("I do not know.", None),                                # no answer
+    ("#### 3.0", 3.0),
+])
+def test_extract_final_number(text, expected):
+    from rlhf_torchrl.reward_functions import extract_final_number
+
+    assert extract_final_number(text) == expected
+
+
+def test_gsm8k_correct_against_the_rows_answer():
+    from rlhf_torchrl.reward_functions import gsm8k_correct, gsm8k_format
+
+    answers = ["Natalia sold 48/2 = 24 clips.\n#### 72", "#### 1,000", "5", "#### -3"]
+    responses = ["48 + 24 = 72 #### 72", "The answer is 1000.", "No idea", "It is -3.0"]
+    assert gsm8k_correct([""] * 4, responses, answers) == [1.0, 1.0, 0.0, 1.0]
+    assert gsm8k_format([""] * 4, responses) == [1.0, 0.0, 0.0, 0.0]

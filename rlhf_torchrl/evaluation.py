@@ -1,0 +1,96 @@
+"""Evaluation on held-out prompts: score, task accuracy, win rate against the reference, length,
+distinct-n.
+
+:class:`Evaluator` samples one response per held-out prompt from a model at a low temperature
+(the same TorchRL collector as training, its own random streams), scores them with the run's
+:class:`~rlhf_torchrl.rewards.Scorer`, and compares them with the reference policy's responses
+to the same prompts (sampled once and kept: the reference is frozen).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import keys as K
+from .collectors import RolloutCollector, make_generation_env, make_generation_policy
+
+
+def distinct_n(responses: list[str], n: int) -> float:
+    """Distinct n-grams over all n-grams of the responses (whitespace tokens): 1.0 when no
+    n-gram repeats, near 0 when every response says the same thing (Li et al. 2016)."""
+    grams = [tuple(words[i : i + n]) for r in responses
+             for words in [r.split()] for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def win_rate(scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
+    """Share of prompts where the policy's response scores higher than the reference's; a tie
+    counts one half."""
+    wins = (scores > reference_scores).float() + 0.5 * (scores == reference_scores).float()
+    return float(wins.mean())
+
+
+class Evaluator:
+    """Responses to ``prompts`` at ``temperature``, scored and compared with the reference's.
+
+    ``judge``: the ``("scores", name)`` entry the win rate compares (the reward model's, where
+    there is one); None: the total score. ``accuracy``: the entry of a verifiable reward (1 for a
+    correct answer) reported as ``eval/accuracy``.
+    """
+
+    def __init__(self, prompts, tokenizer, scorer, *, max_new_tokens: int, temperature: float,
+                 stop_token_ids, seed: int = 0, judge: str | None = None,
+                 accuracy: str | None = None, device=None):
+        self.prompts, self.tokenizer, self.scorer = list(prompts), tokenizer, scorer
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.stop_token_ids, self.seed, self.device = list(stop_token_ids), seed, device
+        self.judge, self.accuracy = judge, accuracy
+        self._reference = None
+
+    @torch.no_grad()
+    def sample(self, model):
+        """One scored response per prompt from ``model`` (a causal LM), in prompt order."""
+        n = len(self.prompts)
+        env = make_generation_env(self.prompts, self.tokenizer, batch_size=n, shuffle=False)
+        policy = make_generation_policy(model, self.tokenizer, max_new_tokens=self.max_new_tokens,
+                                        temperature=self.temperature,
+                                        stop_token_ids=self.stop_token_ids, device=self.device)
+        collector = RolloutCollector(env, policy, tokenizer=self.tokenizer, batch_size=n,
+                                     stop_token_ids=self.stop_token_ids, seed=self.seed,
+                                     device=self.device)
+        was_training = model.training
+        model.eval()
+        try:
+            rollout = next(iter(collector))
+        finally:
+            collector.shutdown()
+            model.train(was_training)
+        self.scorer(rollout)
+        return rollout
+
+    def _judged(self, rollout) -> torch.Tensor:
+        if self.judge is not None:
+            return rollout.get(("scores", self.judge))
+        return rollout.get(K.SCORE)
+
+    def set_reference(self, model) -> None:
+        """Sample (once) the reference policy's responses the win rate compares with."""
+        self._reference = self.sample(model)
+
+    def __call__(self, model) -> tuple[dict[str, float], object]:
+        """``eval/...`` metrics of ``model`` and its rollout; ``eval/win_rate`` once
+        :meth:`set_reference` has run."""
+        rollout = self.sample(model)
+        responses = rollout.get(K.RESPONSE_TEXT).tolist()
+        metrics = {
+            "eval/score": float(rollout.get(K.SCORE).mean()),
+            "eval/response_length": float(rollout.get(K.RESPONSE_MASK).sum(-1).float().mean()),
+            "eval/distinct_1": distinct_n(responses, 1),
+            "eval/distinct_2": distinct_n(responses, 2),
+        }
+        if self.accuracy is not None:
+            metrics["eval/accuracy"] = float((rollout.get(("scores", self.accuracy)) > 0.5).float().mean())
+        if self._reference is not None:
+            metrics["eval/win_rate"] = win_rate(self._judged(rollout), self._judged(self._reference))
+            metrics["eval/reference_score"] = float(self._reference.get(K.SCORE).mean())
+        return metrics, rollout

@@ -1,0 +1,175 @@
+"""The run report: one self-contained HTML page per run, to see at a glance whether it learned,
+drifted or collapsed.
+
+:func:`write_report` reads a run directory (``metrics.jsonl``, ``report.json``) and writes
+``report.html`` (plots embedded as PNG data, so the file travels alone) and the PNGs beside it in
+``plots/``: score, KL, RLHF reward, policy and value losses, clip fractions, entropy, response
+length, the held-out evaluation, seconds per phase; a verdict line; the config; responses before
+and after training. The recipe writes it at the end of every run; on demand:
+
+    python -m rlhf_torchrl.report outputs/ppo/<run>
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+import os
+import statistics
+
+#: (file name, title, metric keys, y label)
+PLOTS = [
+    ("score", "Score (reward model / functions)", ["objective/scores"], "mean score"),
+    ("kl", "KL to the reference", ["objective/kl"], "nats per response"),
+    ("rlhf_reward", "RLHF reward (score - KL penalty)", ["objective/rlhf_reward"], "mean"),
+    ("losses", "Losses", ["loss/policy_avg", "loss/value_avg"], "loss"),
+    ("clipfrac", "Clip fractions", ["policy/clipfrac_avg", "val/clipfrac_avg"], "share of tokens"),
+    ("entropy", "Entropy", ["objective/entropy"], "nats per response"),
+    ("length", "Response length", ["val/sequence_lengths"], "tokens"),
+    ("eval_score", "Held-out evaluation: score and win rate",
+     ["eval/score", "eval/reference_score", "eval/win_rate", "eval/accuracy"], "value"),
+    ("eval_diversity", "Held-out evaluation: diversity", ["eval/distinct_1", "eval/distinct_2"],
+     "distinct n-grams / n-grams"),
+    ("time", "Seconds per phase", ["time/generation", "time/scoring", "time/evaluation",
+                                   "time/advantages", "time/update", "time/eval"], "seconds"),
+]
+
+
+def read_run(run_dir: str) -> tuple[list[dict], dict]:
+    """(metric rows, report.json) of a run directory."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory.")
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    summary = {}
+    if os.path.exists(os.path.join(run_dir, "report.json")):
+        with open(os.path.join(run_dir, "report.json"), encoding="utf-8") as f:
+            summary = json.load(f)
+    return rows, summary
+
+
+def verdict(rows: list[dict], summary: dict) -> list[str]:
+    """Plain-language findings: did the score rise, did the KL stay bounded, did the responses
+    stay varied."""
+    trained = [r for r in rows if "objective/scores" in r]
+    if not trained:
+        return ["No iteration finished."]
+    k = max(1, min(3, len(trained) // 4))
+    def mean(rs, key):
+        values = [r[key] for r in rs if key in r]
+        return sum(values) / len(values) if values else float("nan")
+    first, last = mean(trained[:k], "objective/scores"), mean(trained[-k:], "objective/scores")
+    kl = mean(trained[-k:], "objective/kl")
+    out = [f"Score {first:+.3f} -> {last:+.3f} ({'up' if last > first else 'not up'}; "
+           f"first/last {k} iteration{'s' if k > 1 else ''}); KL to the reference {kl:.2f} nats "
+           "per response at the end."]
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    if "eval/distinct_2" in before and "eval/distinct_2" in after:
+        d0, d1 = before["eval/distinct_2"], after["eval/distinct_2"]
+        collapsed = d1 < 0.5 * d0
+        out.append(f"Held-out distinct-2 {d0:.2f} -> {d1:.2f}"
+                   + (": responses collapsed towards a few phrasings." if collapsed else "."))
+    if "eval/win_rate" in after:
+        out.append(f"Held-out win rate against the reference: {after['eval/win_rate']:.2f}.")
+    skipped = sum(1 for r in rows if r.get("guard/skipped"))
+    if skipped:
+        out.append(f"{skipped} iteration(s) skipped by the divergence guards.")
+    return out
+
+
+def _plot(rows: list[dict], summary: dict, keys: list[str], title: str, ylabel: str, path: str) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = []
+    for key in keys:
+        points = [(r["iteration"] + 1 if key.startswith("eval/") else r["iteration"], r[key])
+                  for r in rows if isinstance(r.get(key), (int, float))]
+        before = (summary.get("eval_before") or {}).get(key)
+        if key.startswith("eval/") and before is not None:
+            points.insert(0, (0, before))  # the untrained policy
+        if points:
+            series.append((key, points))
+    if not series:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    for key, points in series:
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
+    ax.set_title(title)
+    ax.set_xlabel("iteration" if not keys[0].startswith("eval/") else "updates done")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def write_report(run_dir: str) -> str:
+    """Write ``report.html`` and ``plots/*.png`` for ``run_dir``; returns the HTML's path."""
+    rows, summary = read_run(run_dir)
+    plots_dir = os.path.join(run_dir, "plots")
+    os.makedirs(plots_dir, exist_ok=True)
+    figures = []
+    for name, title, keys, ylabel in PLOTS:
+        path = os.path.join(plots_dir, f"{name}.png")
+        if _plot(rows, summary, keys, title, ylabel, path):
+            with open(path, "rb") as f:
+                figures.append((title, base64.b64encode(f.read()).decode()))
+    esc = html.escape
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>PPO run report</title>",
+        "<style>body{font-family:sans-serif;max-width:1300px;margin:2em auto;color:#222}"
+        "img{width:600px;margin:4px}td,th{padding:3px 8px;border-bottom:1px solid #ddd;"
+        "text-align:left;vertical-align:top}pre{background:#f6f6f6;padding:1em;overflow:auto}</style>",
+        "</head><body>",
+        f"<h1>PPO run report</h1><p>{esc(os.path.abspath(run_dir))}: "
+        f"{sum(1 for r in rows if 'objective/scores' in r)} iterations</p>",
+        "<h2>At a glance</h2><ul>" + "".join(f"<li>{esc(v)}</li>" for v in verdict(rows, summary)) + "</ul>",
+        "<h2>Plots</h2>",
+        "".join(f"<img alt='{esc(t)}' title='{esc(t)}' src='data:image/png;base64,{data}'>"
+                for t, data in figures),
+    ]
+    timings = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("time/") and k != "time/tokens_per_second":
+                timings.setdefault(k, []).append(v)
+    if timings:
+        parts.append("<h2>Seconds per phase (median over iterations)</h2><table>"
+                     + "".join(f"<tr><td>{esc(k[5:])}</td><td>{statistics.median(v):.2f}</td></tr>"
+                               for k, v in timings.items()) + "</table>")
+    for title, key in (("Responses before training", "samples_before"),
+                       ("Responses after training", "samples_after")):
+        samples = summary.get(key) or []
+        if samples:
+            parts.append(f"<h2>{title}</h2><table><tr><th>score</th><th>prompt</th><th>response</th></tr>"
+                         + "".join(f"<tr><td>{s['score']:+.3f}</td><td>{esc(s['prompt'][-200:])}</td>"
+                                   f"<td>{esc(s['response'])}</td></tr>" for s in samples)
+                         + "</table>")
+    if summary.get("config"):
+        parts.append("<h2>Config</h2><pre>" + esc(json.dumps(summary["config"], indent=1)) + "</pre>")
+    parts.append("</body></html>")
+    out = os.path.join(run_dir, "report.html")
+    with open(out, "w", encoding="utf-8") as f:
+        f.write("\n".join(parts))
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="Write report.html for a PPO run directory.")
+    parser.add_argument("run_dir")
+    args = parser.parse_args(argv)
+    print(write_report(args.run_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Evaluation metrics on known inputs; the run report renders from a finished tiny run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_recipe import _cfg, ppo
+
+from rlhf_torchrl.evaluation import distinct_n, win_rate
+from rlhf_torchrl.report import PLOTS
+
+
+def test_distinct_n_by_hand():
+    assert distinct_n(["a b c", "a b d"], 1) == pytest.approx(4 / 6)
+    assert distinct_n(["a b c", "a b d"], 2) == pytest.approx(3 / 4)  # (a b) twice
+    assert distinct_n(["same", "same"], 1) == 0.5 and distinct_n(["x"], 2) == 0.0
+
+
+def test_win_rate_counts_ties_half():
+    assert win_rate(torch.tensor([1.0, 2.0, 0.0, 5.0]), torch.tensor([0.0, 2.0, 1.0, 1.0])) == 0.625
+
+
+def test_report_renders_every_plot_of_a_finished_run(tmp_path, tiny_llama_dir):
+    report = ppo.train(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=3", "eval.every=2"))
+    page = (tmp_path / "report.html").read_text()
+    for name, title, _, _ in PLOTS:
+        assert (tmp_path / "plots" / f"{name}.png").exists(), name
+        assert f"title='{title}'" in page, title
+    assert page.count("data:image/png;base64,") == len(PLOTS)
+    assert "Responses before training" in page and "Responses after training" in page
+    assert "At a glance" in page and "Score " in page
+    # held-out evaluation before training, after updates 2 and 3 (the last)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert ["eval/score" in r for r in rows] == [False, True, True]
+    for key in ("eval/score", "eval/win_rate", "eval/distinct_1", "eval/distinct_2",
+                "eval/response_length"):
+        assert key in report["eval_before"] and key in report["eval_after"]
+    assert report["eval_before"]["eval/win_rate"] == 0.5  # the untrained policy is the reference
+    # on demand, from the run directory
+    (tmp_path / "report.html").unlink()
+    out = subprocess.run([sys.executable, "-m", "rlhf_torchrl.report", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and (tmp_path / "report.html").exists()
