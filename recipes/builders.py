@@ -400,7 +400,7 @@ def ray_worker(settings: dict, rank: int, world_size: int, start_batch: int = 0)
     cfg.collection.ray_workers, cfg.collection.overlap = 0, None
     device = resolve_device("cuda" if cfg.collection.ray_gpus_per_worker else "cpu")
     tokenizer = make_tokenizer(cfg)
-    prompts = make_prompts(cfg, tokenizer)
+    prompts, _ = split_eval_prompts(cfg, make_prompts(cfg, tokenizer))  # the learner's training set
     stop_ids = stop_token_ids(cfg, tokenizer)
     model = load_causal_lm(cfg.model.policy, tokenizer, dtype=cfg.model.dtype,
                            attn_implementation=cfg.model.attn_implementation).to(device)

@@ -15,6 +15,9 @@ from . import keys as K
 from .collectors import RolloutCollector, make_generation_env, make_generation_policy
 
 
+_EVAL_BATCH = 2**40  # the batch index of the evaluation's row streams
+
+
 def distinct_n(responses: list[str], n: int) -> float:
     """Distinct n-grams over all n-grams of the responses (whitespace tokens): 1.0 when no
     n-gram repeats, near 0 when every response says the same thing (Li et al. 2016)."""
@@ -55,9 +58,10 @@ class Evaluator:
         policy = make_generation_policy(model, self.tokenizer, max_new_tokens=self.max_new_tokens,
                                         temperature=self.temperature,
                                         stop_token_ids=self.stop_token_ids, device=self.device)
+        # streams of their own: the training batches are indexed from 0, evaluation far above
         collector = RolloutCollector(env, policy, tokenizer=self.tokenizer, batch_size=n,
                                      stop_token_ids=self.stop_token_ids, seed=self.seed,
-                                     device=self.device)
+                                     device=self.device, start_batch=_EVAL_BATCH)
         was_training = model.training
         model.eval()
         try:

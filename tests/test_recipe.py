@@ -96,7 +96,7 @@ def test_recipe_reward_reading_the_rollout(tmp_path, tiny_llama_dir):
     gives it the keys a real rollout has."""
     SEEN.clear()
     ppo.train(_cfg(tmp_path, tiny_llama_dir, "reward.functions=[test_recipe.reads_the_rollout]",
-                   "ppo.num_iterations=1"))
+                   "ppo.num_iterations=1", "eval.every=0"))  # (evaluation would call it too)
     probe_keys, first_keys = SEEN["keys"]
     assert probe_keys == first_keys
 
@@ -109,7 +109,7 @@ def test_recipe_passes_dataset_columns_to_rewards(tmp_path, tiny_llama_dir):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     SEEN.clear()
     ppo.train(_cfg(tmp_path, tiny_llama_dir, f"data.source={data}",
-                   "reward.functions=[test_recipe.exact_match]"))
+                   "reward.functions=[test_recipe.exact_match]", "eval.every=0"))
     pairs = SEEN["pairs"]
     assert len(pairs) == 2 + 2 * 4  # the probe's 2 rows, then 2 iterations of 4
     for prompt, answer in pairs:
@@ -123,7 +123,8 @@ def test_recipe_on_policy_check(tmp_path, tiny_llama_dir, caplog):
     from rlhf_torchrl.sampling import OffPolicyError
 
     with pytest.raises(OffPolicyError, match="generation.on_policy_tolerance"):
-        ppo.train(_cfg(tmp_path / "a", tiny_llama_dir, "generation.on_policy_tolerance=0"))
+        ppo.train(_cfg(tmp_path / "a", tiny_llama_dir, "generation.on_policy_tolerance=0",
+                       "eval.every=0"))
     ppo.train(_cfg(tmp_path / "b", tiny_llama_dir, "generation.on_policy_tolerance=0",
                    "generation.check_on_policy=false", "ppo.num_iterations=1"))
     with caplog.at_level("INFO", logger="ppo"):
