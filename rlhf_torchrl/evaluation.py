@@ -14,7 +14,6 @@ import torch
 from . import keys as K
 from .collectors import RolloutCollector, make_generation_env, make_generation_policy
 
-
 _EVAL_BATCH = 2**40  # the batch index of the evaluation's row streams
 
 

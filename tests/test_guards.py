@@ -30,7 +30,7 @@ def nan_from_iteration_1(prompts, responses):
 def test_nan_reward_stops_the_run_naming_it(tmp_path, tiny_llama_dir):
     CALLS["n"] = 0
     cfg = _cfg(tmp_path, tiny_llama_dir, "reward.functions=[test_guards.nan_from_iteration_1]",
-               "ppo.num_iterations=3")
+               "ppo.num_iterations=3", "eval.every=0")  # (evaluation calls the reward too)
     with pytest.raises(DivergenceError) as info:
         ppo.train(cfg)
     message = str(info.value)
@@ -46,7 +46,7 @@ def test_nan_reward_stops_the_run_naming_it(tmp_path, tiny_llama_dir):
 def test_nan_reward_skipped_iteration(tmp_path, tiny_llama_dir, caplog):
     CALLS["n"] = 0
     cfg = _cfg(tmp_path, tiny_llama_dir, "reward.functions=[test_guards.nan_from_iteration_1]",
-               "ppo.num_iterations=3", "guards.non_finite=skip")
+               "ppo.num_iterations=3", "guards.non_finite=skip", "eval.every=0")
     with caplog.at_level("WARNING"):
         report = ppo.train(cfg)
     assert "Iteration 1: non-finite scores" in caplog.text and "skipped" in caplog.text
