@@ -59,7 +59,9 @@ def run_variant(name: str, args, out_dir: str) -> dict:
                  f"ppo.num_iterations={args.iterations}", f"ppo.batch_size={args.batch_size}",
                  f"generation.max_new_tokens={args.response_length}",
                  f"output_dir={out_dir}", f"hydra.run.dir={out_dir}", "logging.progress_bar=false",
-                 "logging.logger=null", "logging.save_model=false", "device=cpu", *VARIANTS[name],
+                 "logging.logger=null", "logging.save_model=false", "device=cpu",
+                 "eval.every=0", "checkpoint.every=0",  # the training phases only
+                 *VARIANTS[name],
                  *args.overrides]
     if name == "token-budget":
         overrides.append(f"ppo.micro_batch_tokens={args.micro_batch_tokens}")
