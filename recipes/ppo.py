@@ -118,7 +118,7 @@ def train(cfg: DictConfig) -> dict:
     evaluator = builders.make_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device, parallel)
     eval_before = state.get("eval_before")
     if evaluator is not None:
-        with reference_policy(policy, reference) as ref_model:
+        with reference_policy(policy, reference, device, cfg.model.offload_reference) as ref_model:
             evaluator.set_reference(ref_model)  # the reference's responses, once
         if eval_before is None:
             eval_before, _ = evaluator(policy)
@@ -256,10 +256,12 @@ def train(cfg: DictConfig) -> dict:
 
 
 @contextmanager
-def reference_policy(policy, reference):
-    """The reference model: its own, or (LoRA) the policy with its adapters off."""
+def reference_policy(policy, reference, device, offloaded: bool):
+    """The reference model (on ``device`` meanwhile if it is offloaded), or (LoRA) the policy
+    with its adapters off."""
     if reference is not None:
-        yield reference
+        with placed(reference, device, offloaded):
+            yield reference
     else:
         with policy.disable_adapter():
             yield policy
