@@ -200,15 +200,15 @@ def train(cfg: DictConfig) -> dict:
         done = iteration + 1
         if evaluator is not None and (done % cfg.eval.every == 0 or done == p.num_iterations):
             with timed(times, "eval"):
-                scores, _ = evaluator(policy)  # held-out prompts, after this update
-            metrics.update(scores)
+                eval_metrics, _ = evaluator(policy)  # held-out prompts, after this update
+            metrics.update(eval_metrics)
         times["time/total"] = time.perf_counter() - start
         n_tokens = float(batch.get(K.RESPONSE_MASK).sum())
         times["time/tokens_per_second"] = n_tokens / max(times["time/generation"], 1e-9)
         metrics.update(times)
         metrics["lr"] = optimizer.param_groups[0]["lr"]
         metrics["threads"] = n_threads
-        metrics["episode"] = (iteration + 1) * p.batch_size
+        metrics["episode"] = done * p.batch_size
         if writer is not None:
             writer.log(iteration, metrics)
         if stats is not None:
