@@ -237,16 +237,22 @@ def split_eval_prompts(cfg: DictConfig, prompts: list) -> tuple[list, list]:
 def make_evaluator(cfg: DictConfig, held_out, tokenizer, scorer, stop_ids, device, parallel):
     """The held-out evaluator (rank 0; None when eval.every=0, or under FSDP2, whose sharded
     forward needs every process)."""
-    from rlhf_torchrl.evaluation import Evaluator
-
     e = cfg.eval
     if not e.every or not parallel.is_main:
         return None
     if parallel.fsdp:
         log.warning("eval.every: evaluation is not run under FSDP2 yet (its forward is collective).")
         return None
+    return new_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device)
+
+
+def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device):
+    """An :class:`~rlhf_torchrl.evaluation.Evaluator` of ``prompts`` with the ``eval.*`` settings."""
+    from rlhf_torchrl.evaluation import Evaluator
+
+    e = cfg.eval
     judge = e.judge or ("reward_model" if cfg.reward.model else None)
-    return Evaluator(held_out, tokenizer, scorer, max_new_tokens=cfg.generation.max_new_tokens,
+    return Evaluator(prompts, tokenizer, scorer, max_new_tokens=cfg.generation.max_new_tokens,
                      temperature=e.temperature, stop_token_ids=stop_ids, seed=cfg.seed, judge=judge,
                      accuracy=e.accuracy_reward, device=device)
 

@@ -43,3 +43,19 @@ def test_report_renders_every_plot_of_a_finished_run(tmp_path, tiny_llama_dir):
     out = subprocess.run([sys.executable, "-m", "rlhf_torchrl.report", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and (tmp_path / "report.html").exists()
+
+
+def test_standalone_evaluation_of_a_saved_policy(tmp_path, tiny_llama_dir):
+    import evaluate_policy as evaluate
+
+    ppo.train(_cfg(tmp_path / "run", tiny_llama_dir, "ppo.num_iterations=1", "optim.lr=1e-2"))
+    saved = tmp_path / "run" / "policy"
+    out = tmp_path / "eval"
+    # the base model against itself: every response ties
+    same = evaluate.evaluate(_cfg(out, tiny_llama_dir, f"model.reference={tiny_llama_dir}"))
+    assert same["eval/win_rate"] == 0.5
+    metrics = evaluate.evaluate(_cfg(out, str(saved), f"model.reference={tiny_llama_dir}"))
+    written = json.loads((out / "eval.json").read_text())
+    assert written["eval/score"] == metrics["eval/score"] and len(written["responses"]) == 4
+    for key in ("eval/score", "eval/win_rate", "eval/reference_score", "eval/distinct_2"):
+        assert key in metrics
