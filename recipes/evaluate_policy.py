@@ -22,8 +22,8 @@ from omegaconf import DictConfig
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import builders  # noqa: E402
+import cli  # noqa: E402
 import schema  # noqa: E402, F401 - registers the config schema with Hydra
-from ppo import USER_ERRORS  # noqa: E402
 
 from rlhf_torchrl import keys as K  # noqa: E402
 from rlhf_torchrl.modules import load_causal_lm  # noqa: E402
@@ -68,13 +68,7 @@ def evaluate(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="config", config_name="ppo", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        evaluate(cfg)
-    except USER_ERRORS as error:
-        if os.environ.get("RLHF_TORCHRL_TRACEBACK"):
-            raise
-        print(f"Error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    cli.run(evaluate, cfg)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,13 @@ from tqdm.auto import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import builders  # noqa: E402
+import cli  # noqa: E402
 import schema  # noqa: E402, F401 - registers the config schema with Hydra
+from cli import USER_ERRORS  # noqa: E402, F401 - what the command line prints without a traceback
 
 from rlhf_torchrl import keys as K  # noqa: E402
 from rlhf_torchrl.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from rlhf_torchrl.guards import DivergenceError, NonFiniteError, check_finite  # noqa: E402
+from rlhf_torchrl.guards import NonFiniteError, check_finite  # noqa: E402
 from rlhf_torchrl.metrics import (  # noqa: E402
     MetricsWriter,
     read_metrics,
@@ -38,15 +40,10 @@ from rlhf_torchrl.metrics import (  # noqa: E402
 from rlhf_torchrl.modules import evaluate_rollout  # noqa: E402
 from rlhf_torchrl.objectives import ppo_update  # noqa: E402
 from rlhf_torchrl.report import write_report  # noqa: E402
-from rlhf_torchrl.rewards import RewardError  # noqa: E402
 from rlhf_torchrl.runtime import placed, reuse_freed_memory  # noqa: E402
-from rlhf_torchrl.sampling import OffPolicyError, check_on_policy  # noqa: E402
+from rlhf_torchrl.sampling import check_on_policy  # noqa: E402
 
 log = logging.getLogger("ppo")
-
-#: errors that explain themselves: bad settings or data, and the guards that stop a run
-USER_ERRORS = (ValueError, FileNotFoundError, ImportError, RewardError, DivergenceError,
-               OffPolicyError)
 
 
 @contextmanager
@@ -313,15 +310,7 @@ def _report(history: list[dict], before: list[dict], after: list[dict], quiet: b
 
 @hydra.main(config_path="config", config_name="ppo", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        train(cfg)
-    except USER_ERRORS as error:
-        # a message about the input or the run, not about this code: no traceback
-        # (RLHF_TORCHRL_TRACEBACK=1 shows it)
-        if os.environ.get("RLHF_TORCHRL_TRACEBACK"):
-            raise
-        print(f"Error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    cli.run(train, cfg)
 
 
 if __name__ == "__main__":

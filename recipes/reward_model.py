@@ -20,14 +20,18 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_torchrl.reward_training import (
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cli  # noqa: E402
+
+from rlhf_torchrl.reward_training import (  # noqa: E402
     evaluate_pairs,
     init_reward_head,
     load_preference_pairs,
     reward_offset,
     train_reward_model,
 )
-from rlhf_torchrl.rewards import RewardModel
+from rlhf_torchrl.rewards import RewardModel  # noqa: E402
 
 log = logging.getLogger("reward_model")
 
@@ -87,13 +91,7 @@ def train(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="config", config_name="reward_model", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        train(cfg)
-    except (ValueError, FileNotFoundError, ImportError) as error:
-        if os.environ.get("RLHF_TORCHRL_TRACEBACK"):
-            raise
-        print(f"Error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    cli.run(train, cfg)
 
 
 if __name__ == "__main__":

@@ -83,16 +83,12 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return found[-1][1] if found else None
 
 
-def _container(modules: Mapping[str, nn.Module]) -> nn.ModuleDict:
-    return nn.ModuleDict(dict(modules))
-
-
 def _state_dicts(modules: Mapping[str, nn.Module], optimizer):
     """(model, optimiser) state dicts of the trainable parameters: frozen ones are left out (the
     DCP option misses a frozen weight tied to another, e.g. an LM head under LoRA)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    container = _container(modules)
+    container = nn.ModuleDict(dict(modules))
     model_state, optim_state = get_state_dict(container, optimizer,
                                               options=StateDictOptions(ignore_frozen_params=True))
     trainable = {name for name, p in container.named_parameters(remove_duplicate=False)
@@ -154,7 +150,7 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
     state = {"model": model_state, "optim": optim_state}
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=os.path.join(path, _WEIGHTS))
-    set_state_dict(_container(modules), optimizer, model_state_dict=state["model"],
+    set_state_dict(nn.ModuleDict(dict(modules)), optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
     return torch.load(os.path.join(path, _TRAINER), weights_only=False)
 

@@ -71,20 +71,13 @@ def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
 def reward_head(model: nn.Module) -> nn.Linear:
     """The one-output linear layer a sequence classifier scores with (``score``, ``classifier``,
     ``classifier.out_proj``...)."""
+    modules = dict(model.named_modules())
     for name in ("score", "classifier", "classifier.out_proj", "v_head"):
-        module = model.get_submodule(name) if _has(model, name) else None
+        module = modules.get(name)
         if isinstance(module, nn.Linear) and module.out_features == 1:
             return module
     raise ValueError(f"{type(model).__name__} has no one-output score head (score/classifier): "
                      "load it as AutoModelForSequenceClassification with num_labels=1.")
-
-
-def _has(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
 
 
 @torch.no_grad()
