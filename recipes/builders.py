@@ -202,8 +202,11 @@ def make_reward_functions(cfg: DictConfig) -> dict:
 def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
     d = cfg.data
     try:
-        prompts = load_prompts(d.source, split=d.split, column=d.column, template=d.template,
-                               limit=d.limit, max_words=d.max_words, system_prompt=d.system_prompt)
+        prompts = load_prompts(d.source, split=d.split, column=d.column,
+                               template=d.template or "{prompt}", limit=d.limit,
+                               max_words=d.max_words, system_prompt=d.system_prompt,
+                               config=d.config, generator_args=dict(d.generator_args or {}),
+                               seed=cfg.seed)
     except ConnectionError as e:  # an HF dataset name, offline or unknown
         raise ValueError(f"data.source={d.source}: not a local file, and the dataset hub could not "
                          f"give it ({e}). Give a .jsonl file, 'polarity', or a dataset name "
@@ -212,7 +215,7 @@ def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
         prompts, tokenizer, max_prompt_length=d.max_prompt_length, truncate=d.truncate_prompts,
     )
     if n_truncated:
-        log.warning("Truncated %d of %d prompts from the left to %d tokens.",
+        log.warning("Truncated %d of %d prompts (their text, from the left) to %d tokens.",
                     n_truncated, len(prompts), d.max_prompt_length)
     held_out = eval_prompt_count(cfg)
     if len(prompts) - held_out < cfg.ppo.batch_size:

@@ -42,6 +42,8 @@ class Model:
 @dataclass
 class Data:
     source: str = MISSING
+    config: str | None = MISSING
+    generator_args: dict[str, Any] = MISSING
     split: str = MISSING
     column: str = MISSING
     template: str | None = MISSING

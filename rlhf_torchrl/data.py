@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 #: Built-in offline prompt set: the 200 movie-review sentences gensim ships (Pang & Lee polarity).
 POLARITY = "polarity"
+#: Prefix of a reasoning-gym task source: ``"reasoning_gym:basic_arithmetic"``.
+REASONING_GYM = "reasoning_gym:"
 #: Field that holds the content of a conversation's trailing assistant turn(s) (its reference answer).
 REFERENCE_ANSWER = "reference_answer"
 _ROLES = ("system", "user", "assistant", "tool")
@@ -38,6 +41,10 @@ class Prompt:
 
     messages: list[dict]
     fields: dict = field(default_factory=dict)
+    #: ``data.template`` and the column text it was filled with: truncation cuts that text and
+    #: fills the template again, so the instructions around it stay whole.
+    template: str | None = None
+    source_text: str | None = None
 
     @property
     def text(self) -> str:
@@ -47,6 +54,30 @@ class Prompt:
     def with_text(self, text: str) -> Prompt:
         """The same prompt with the last user message replaced by ``text``."""
         return replace(self, messages=[*self.messages[:-1], {"role": "user", "content": text}])
+
+    def with_source_text(self, text: str) -> Prompt:
+        """The same prompt with ``text`` in place of the column text its template was filled with
+        (the last user message itself when there is no template)."""
+        if self.template is None:
+            return self.with_text(text)
+        return replace(self.with_text(fill_template(self.template, text, self.fields)),
+                       source_text=text)
+
+    @property
+    def cuttable_text(self) -> str:
+        """The text truncation may shorten: the column text inside the template, if any."""
+        return self.text if self.source_text is None else self.source_text
+
+
+def template_columns(template: str) -> list[str]:
+    """The names a ``data.template`` fills in (``{prompt}`` and any column of the row)."""
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
+def fill_template(template: str, text: str, columns: dict) -> str:
+    """``template`` with ``{prompt}`` replaced by ``text`` and ``{name}`` by the row's column."""
+    return template.format_map({**{k: "" if v is None else v for k, v in columns.items()},
+                                "prompt": text})
 
 
 def to_prompt(item, system_prompt: str | None = None, where: str = "prompt") -> Prompt:
@@ -58,13 +89,14 @@ def to_prompt(item, system_prompt: str | None = None, where: str = "prompt") -> 
     ``reference_answer`` field. ``system_prompt`` is put first unless the conversation has its own.
     """
     if isinstance(item, Prompt):
-        messages, fields = list(item.messages), dict(item.fields)
+        prompt = item
     else:
         messages, reference = _conversation(item, where)
-        fields = {REFERENCE_ANSWER: reference} if reference else {}
-    if system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}, *messages]
-    return Prompt(messages, fields)
+        prompt = Prompt(messages, {REFERENCE_ANSWER: reference} if reference else {})
+    if system_prompt and prompt.messages[0]["role"] != "system":
+        prompt = replace(prompt, messages=[{"role": "system", "content": system_prompt},
+                                           *prompt.messages])
+    return prompt
 
 
 def _conversation(value, where: str) -> tuple[list[dict], str | None]:
@@ -135,44 +167,87 @@ def load_prompts(
     limit: int | None = None,
     max_words: int | None = None,
     system_prompt: str | None = None,
+    config: str | None = None,
+    generator_args: dict | None = None,
+    seed: int = 0,
 ) -> list[Prompt]:
     """Load prompts.
 
     Args:
         source: ``"polarity"`` (bundled review sentences), a path to a ``.jsonl`` file (one JSON
-            object per line with a ``column`` field), or a Hugging Face dataset: a hub name or a
-            local directory (``datasets.load_dataset(source, split=split)``).
+            object per line with a ``column`` field), ``"reasoning_gym:<name>"`` (a procedural
+            task of the reasoning-gym package: ``question``, ``answer`` and ``metadata`` columns,
+            checked by :func:`~rlhf_torchrl.reward_functions.reasoning_gym_score`), or a Hugging
+            Face dataset: a hub name or a local directory (``datasets.load_dataset``).
         split: dataset split (HF datasets only).
         column: the field holding the prompt: text, an HH transcript, or a list of chat messages.
             Every other field of the row travels with the prompt (:attr:`Prompt.fields`).
-        template: a format string applied to the last user message, e.g.
-            ``"Continue this review: {prompt}"``.
-        limit: keep the first ``limit`` prompts.
+        template: a format string applied to the last user message: ``{prompt}`` is that message,
+            ``{name}`` the row's column ``name``, e.g.
+            ``"TITLE: {title}\\n\\nPOST: {prompt}\\n\\nTL;DR:"`` with ``column="post"``.
+        limit: keep the first ``limit`` prompts (reasoning-gym: generate that many, default 1000).
         max_words: keep only the first ``max_words`` words of the last user message (before
             templating), e.g. to turn review sentences into review openings to continue.
         system_prompt: a system message for conversations that have none (``None``: the chat
             template's default, if any).
+        config: the HF dataset's configuration name (``"main"`` for ``openai/gsm8k``).
+        generator_args: reasoning-gym: the task's settings (``{"max_terms": 2}``).
+        seed: reasoning-gym: the seed its rows are generated from.
     """
     if "{prompt}" not in template:
         raise ValueError(f"data.template must contain '{{prompt}}', got {template!r}.")
     if source == POLARITY:
         rows = [({column: text}, f"polarity[{i}]") for i, (_, text) in enumerate(polarity_sentences())]
+    elif source.startswith(REASONING_GYM):
+        rows = _reasoning_gym_rows(source[len(REASONING_GYM):], limit or 1000, seed,
+                                   generator_args or {})
     elif os.path.isfile(source) or source.endswith((".jsonl", ".json")):
         rows = _read_jsonl(source, column)
     else:
-        rows = _read_hf_dataset(source, split, column)
+        rows = _read_hf_dataset(source, split, column, config)
+    if rows and column not in rows[0][0]:
+        raise ValueError(f"{rows[0][1]} has no field {column!r}; its fields are "
+                         f"{sorted(rows[0][0])}. Set data.column.")
+    wanted = [name for name in template_columns(template) if name != "prompt"]
     prompts = []
     for row, where in rows[:limit]:
+        missing = [name for name in wanted if name not in row or name == column]
+        if missing:
+            raise ValueError(
+                f"{where}: data.template names {{{missing[0]}}}, which is not one of the row's "
+                f"other fields {sorted(k for k in row if k != column)}. Name a column of the data "
+                "(the prompt column itself is {prompt})."
+            )
         prompt = to_prompt(row[column], system_prompt, where)
         text = prompt.text
         if max_words is not None:
             text = " ".join(text.split()[:max_words])
         columns = {k: v for k, v in row.items() if k != column}
-        prompts.append(Prompt(prompt.with_text(template.format(prompt=text)).messages,
-                              {**prompt.fields, **columns}))
+        fields = {**prompt.fields, **columns}
+        filled = prompt.with_text(fill_template(template, text, columns))
+        prompts.append(Prompt(filled.messages, fields, template, text))
     if not prompts:
         raise ValueError(f"The prompt set {source!r} is empty: point data.source at prompts.")
     return prompts
+
+
+def _reasoning_gym_rows(name: str, size: int, seed: int, settings: dict) -> list[tuple[dict, str]]:
+    """``size`` rows of the reasoning-gym task ``name`` (``question``, ``answer``, ``metadata``)."""
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ImportError(f"data.source={REASONING_GYM}{name} needs reasoning-gym: "
+                          "`pip install 'rlhf_torchrl[tasks]'`.") from e
+    from reasoning_gym.factory import DATASETS
+
+    if name not in DATASETS:
+        raise ValueError(f"reasoning-gym has no task {name!r}; it has {', '.join(sorted(DATASETS))}.")
+    try:
+        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **settings)
+    except (TypeError, AssertionError, ValueError) as e:
+        raise ValueError(f"reasoning-gym task {name!r} refused data.generator_args={settings}: "
+                         f"{e}") from e
+    return [(dict(entry), f"{REASONING_GYM}{name}[{i}]") for i, entry in enumerate(dataset)]
 
 
 def _read_jsonl(path: str, column: str) -> list[tuple[dict, str]]:
@@ -196,7 +271,8 @@ def _read_jsonl(path: str, column: str) -> list[tuple[dict, str]]:
     return rows
 
 
-def _read_hf_dataset(name: str, split: str, column: str) -> list[tuple[dict, str]]:
+def _read_hf_dataset(name: str, split: str, column: str,
+                     config: str | None = None) -> list[tuple[dict, str]]:
     try:
         import datasets
     except ImportError as e:
@@ -204,7 +280,7 @@ def _read_hf_dataset(name: str, split: str, column: str) -> list[tuple[dict, str
             f"Loading the dataset {name!r} needs the `datasets` package: "
             "`pip install 'rlhf_torchrl[datasets]'` (or pass a local .jsonl file)."
         ) from e
-    ds = datasets.load_dataset(name, split=split)
+    ds = datasets.load_dataset(name, config, split=split)
     if column not in ds.column_names:
         raise ValueError(
             f"Dataset {name!r} has no column {column!r}; its columns are {ds.column_names}. "
@@ -240,9 +316,10 @@ def check_prompts(
 ) -> tuple[list[Prompt], int]:
     """Check every prompt fits ``max_prompt_length`` tokens (template included).
 
-    With ``truncate``, an over-long prompt loses tokens from the left of its last user message
-    (the end of a prompt is what the response follows); returns the prompts and how many were
-    truncated. Otherwise raises, naming the first offending prompt.
+    With ``truncate``, an over-long prompt loses tokens from the left of the text its
+    ``data.template`` was filled with (the last user message without a template), so that the
+    template's instructions and the end of the text, which the response follows, stay. Returns
+    the prompts and how many were truncated. Otherwise raises, naming the first offending prompt.
     """
     if not prompts:
         raise ValueError("The prompt set is empty: point data.source at prompts.")
@@ -260,20 +337,21 @@ def check_prompts(
                 "data.max_prompt_length, or set data.truncate_prompts=true to cut prompts from "
                 "the left."
             )
-        ids = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        # cut the column text (inside the template, whose instructions stay whole) from the left
+        ids = tokenizer(prompt.cuttable_text, add_special_tokens=False)["input_ids"]
         overhead = length - len(ids)
         keep = max_prompt_length - overhead
         if keep <= 0:
             raise ValueError(
-                f"Prompt {i}: the chat template and the earlier turns alone are {overhead} tokens, "
-                f"over data.max_prompt_length={max_prompt_length}: raise it."
+                f"Prompt {i}: the chat template, data.template and the earlier turns alone are "
+                f"{overhead} tokens, over data.max_prompt_length={max_prompt_length}: raise it."
             )
         ids = ids[-keep:]
-        prompt = prompt.with_text(tokenizer.decode(ids))
+        prompt = prompt.with_source_text(tokenizer.decode(ids))
         # re-tokenising decoded text can differ by a token or two: trim until it fits
         while templated_length(tokenizer, prompt) > max_prompt_length and ids:
             ids = ids[1:]
-            prompt = prompt.with_text(tokenizer.decode(ids))
+            prompt = prompt.with_source_text(tokenizer.decode(ids))
         out.append(prompt)
         n_truncated += 1
     return out, n_truncated

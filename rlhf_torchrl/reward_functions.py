@@ -61,3 +61,36 @@ def gsm8k_correct(prompts: list[str], responses: list[str], answer: list[str]) -
 def gsm8k_format(prompts: list[str], responses: list[str]) -> list[float]:
     """1.0 where the response states its answer in the asked format (``#### <number>``)."""
     return [float(re.search(r"####\s*-?\$?\d", r) is not None) for r in responses]
+
+
+# ---- reasoning-gym tasks (data.source=reasoning_gym:<task>) -------------------------------------
+def extract_tagged_answer(text: str) -> str:
+    """The answer a response gives: inside its last ``<answer>...</answer>`` (reasoning-gym's
+    convention), else after its last ``####`` / "answer is" / "answer:" up to the end of that line,
+    else its last non-empty line; stripped, a trailing period dropped."""
+    tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.DOTALL)
+    if tagged:
+        return tagged[-1].strip()
+    lowered = text.lower()
+    for marker in ("####", "answer is", "answer:"):
+        at = lowered.rfind(marker)
+        if at >= 0:
+            return text[at + len(marker):].strip().split("\n")[0].strip().rstrip(".").strip()
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].rstrip(".").strip() if lines else ""
+
+
+def reasoning_gym_score(prompts: list[str], responses: list[str], answer: list[str],
+                        metadata: list[dict]) -> list[float]:
+    """The task's own checker (``reasoning_gym.get_score_answer_fn``) on the answer each response
+    gives (:func:`extract_tagged_answer`): 1.0 correct, 0.0 wrong, some tasks give partial credit.
+    Reads the ``answer`` and ``metadata`` columns of a ``reasoning_gym:<task>`` prompt set (the
+    checkers do not read the question; the rendered prompt stands in for it)."""
+    import reasoning_gym
+
+    out = []
+    for prompt, response, a, meta in zip(prompts, responses, answer, metadata):
+        check = reasoning_gym.get_score_answer_fn(meta["source_dataset"])
+        entry = {"question": prompt, "answer": a, "metadata": meta}
+        out.append(float(check(extract_tagged_answer(response), entry)))
+    return out

@@ -1,0 +1,247 @@
+"""The task presets (recipes/config/task/*.yaml): each loads a local file in its dataset's schema,
+written here, and runs two PPO iterations with a tiny model; the data features they rely on
+(templates over several columns, truncation inside the template, dataset config names,
+reasoning-gym tasks)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+import ppo  # noqa: E402
+
+from rlhf_torchrl.data import check_prompts, load_prompts  # noqa: E402
+
+TASKS = ["sentiment", "tldr", "hh", "gsm8k"]
+TWO_ITERATIONS = ["ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batches=2",
+                  "ppo.forward_batch_size=2", "ppo.micro_batch_tokens=null",
+                  "logging.progress_bar=false", "eval.every=1", "eval.num_prompts=2",
+                  "checkpoint.every=0", "reuse_freed_memory=false", "optim.lr=1e-3"]
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "config"), version_base=None):
+        return compose("ppo", overrides=list(overrides))
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def _save_classifier(path: Path, policy_dir: str, tokenizer) -> str:
+    """A 1-label sequence classifier on the tiny Llama's config: a reward model for the tests."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_pretrained(policy_dir, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def base_model_dirs(tmp_path_factory, tiny_llama_dir):
+    """(policy, reward model) of a *base* model: the tokenizer has no chat template, so prompts
+    are read raw (TL;DR's Pythia)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    tok.chat_template = None
+    policy = tmp_path_factory.mktemp("base_policy")
+    AutoModelForCausalLM.from_pretrained(tiny_llama_dir).save_pretrained(policy)
+    tok.save_pretrained(policy)
+    assert not AutoTokenizer.from_pretrained(policy).chat_template
+    return str(policy), _save_classifier(tmp_path_factory.mktemp("base_rm"), str(policy), tok)
+
+
+@pytest.fixture(scope="module")
+def chat_reward_dir(tmp_path_factory, tiny_llama_dir, tokenizer):
+    """A tiny reward model with SmolLM2's chat template (HH: it reads conversations)."""
+    return _save_classifier(tmp_path_factory.mktemp("chat_rm"), tiny_llama_dir, tokenizer)
+
+
+LONG_POST = " ".join(f"word{i}" for i in range(900)) + " THE END OF THE POST"
+
+
+def tldr_rows(n: int = 8) -> list[dict]:
+    """Rows in the schema of vwxyzjn/summarize_from_feedback_tldr_3_filtered."""
+    rows = [{"id": f"t{i}", "subreddit": "relationships", "title": f"Title {i}",
+             "post": f"My friend and I argued about chores, day {i}.", "summary": "we argued"}
+            for i in range(n)]
+    rows[1]["post"] = LONG_POST
+    return rows
+
+
+def hh_rows(n: int = 8) -> list[dict]:
+    """Rows in the schema of Anthropic/hh-rlhf: multi-turn transcripts."""
+    return [{"chosen": f"\n\nHuman: What is {i} plus {i}?\n\nAssistant: {2 * i}.\n\nHuman: And "
+                       f"times two?\n\nAssistant: {4 * i}.",
+             "rejected": f"\n\nHuman: What is {i} plus {i}?\n\nAssistant: {2 * i}.\n\nHuman: And "
+                         "times two?\n\nAssistant: No idea."} for i in range(n)]
+
+
+def gsm8k_rows(n: int = 8) -> list[dict]:
+    """Rows in the schema of openai/gsm8k (main): reasoning, then '#### <answer>'."""
+    return [{"question": f"Tom has {i} apples and buys {i + 3} more. How many apples has he?",
+             "answer": f"He has {i} + {i + 3} = <<{i}+{i + 3}={2 * i + 3}>>{2 * i + 3} apples.\n"
+                       f"#### {2 * i + 3}"} for i in range(n)]
+
+
+def test_every_preset_composes_and_passes_the_config_checks():
+    import builders
+
+    for task in TASKS:
+        cfg = _compose(f"task={task}", "output_dir=/tmp/unused")
+        builders.check_config(cfg)  # choices, ranges and cross-checks, before any weights
+        assert cfg.data.source and (cfg.reward.functions or cfg.reward.model), task
+    assert _compose().data.source == "polarity"  # the default task
+    tldr = _compose("task=tldr")
+    assert (tldr.generation.temperature, tldr.generation.max_new_tokens, tldr.ppo.kl_coef) == \
+        (0.7, 53, 0.05)
+    assert tldr.value_model.init == "reward_model" and tldr.reward.missing_eos_penalty > 0
+    assert _compose("task=gsm8k").eval.accuracy_reward == "gsm8k_correct"
+
+
+def _run(tmp_path, *overrides):
+    report = ppo.train(_compose(f"output_dir={tmp_path / 'run'}", *TWO_ITERATIONS, *overrides))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and report["iterations"] == 2
+    assert (tmp_path / "run" / "report.html").is_file()
+    return report, rows
+
+
+def test_tldr_preset_runs_on_a_local_file(tmp_path, base_model_dirs):
+    policy, reward_model = base_model_dirs
+    data = _write_jsonl(tmp_path / "tldr.jsonl", tldr_rows())
+    report, rows = _run(tmp_path, "task=tldr", f"model.policy={policy}",
+                        f"reward.model={reward_model}", f"data.source={data}",
+                        "generation.max_new_tokens=12")
+    samples = report["samples_after"]
+    assert all(s["prompt"].startswith("SUBREDDIT: r/relationships\n\nTITLE: Title ")
+               and s["prompt"].endswith("\n\nTL;DR:") for s in samples)
+    assert "objective/scores" in rows[0] and "eval/win_rate" in rows[-1]
+    assert any("val/num_eos_tokens" in r for r in rows)
+
+
+def test_tldr_truncation_cuts_the_post_and_keeps_the_format(tmp_path, base_model_dirs):
+    from rlhf_torchrl.modules import load_tokenizer
+
+    tok = load_tokenizer(base_model_dirs[0])
+    cfg = _compose("task=tldr")
+    prompts = load_prompts(_write_jsonl(tmp_path / "t.jsonl", tldr_rows(3)), column="post",
+                           template=cfg.data.template)
+    fitted, n = check_prompts(prompts, tok, max_prompt_length=cfg.data.max_prompt_length,
+                              truncate=True)
+    assert n == 1
+    text = fitted[1].text
+    assert text.startswith("SUBREDDIT: r/relationships\n\nTITLE: Title 1\n\nPOST: ")
+    assert text.endswith("THE END OF THE POST\n\nTL;DR:") and "word0 " not in text
+    assert len(tok(text)["input_ids"]) <= 512
+    assert fitted[0] == prompts[0]  # a short post is left alone
+    assert fitted[1].fields["summary"] == "we argued"  # the columns still travel
+
+
+def test_hh_preset_runs_multi_turn_dialogues_through_the_chat_template(tmp_path, tiny_llama_dir,
+                                                                       chat_reward_dir):
+    data = _write_jsonl(tmp_path / "hh.jsonl", hh_rows())
+    report, rows = _run(tmp_path, "task=hh", f"model.policy={tiny_llama_dir}",
+                        f"reward.model={chat_reward_dir}", f"data.source={data}",
+                        "generation.max_new_tokens=8")
+    prompt = report["samples_after"][0]["prompt"]
+    # the earlier turns are in the rendered conversation, the policy answers the last one
+    assert prompt.count("<|im_start|>user") == 2 and prompt.count("<|im_start|>assistant") == 2
+    assert "And times two?" in prompt and "No idea" not in prompt
+    assert "eval/win_rate" in rows[-1]
+
+
+def test_gsm8k_preset_reports_accuracy(tmp_path, tiny_llama_dir):
+    data = _write_jsonl(tmp_path / "gsm8k.jsonl", gsm8k_rows())
+    report, rows = _run(tmp_path, "task=gsm8k", f"model.policy={tiny_llama_dir}",
+                        f"data.source={data}", "generation.max_new_tokens=16")
+    for row in rows:
+        assert 0.0 <= row["eval/accuracy"] <= 1.0
+        assert "objective/scores/gsm8k_correct" in row and "objective/scores/gsm8k_format" in row
+    assert "Let's think step by step" in report["samples_after"][0]["prompt"]
+
+
+def test_sentiment_preset_is_the_default(tmp_path, tiny_llama_dir):
+    report, rows = _run(tmp_path, "task=sentiment", f"model.policy={tiny_llama_dir}",
+                        "data.limit=16")
+    assert "Continue this movie review" in report["samples_after"][0]["prompt"]
+    assert "eval/distinct_2" in rows[-1]
+
+
+def test_gsm8k_preset_on_a_reasoning_gym_task(tmp_path, tiny_llama_dir):
+    pytest.importorskip("reasoning_gym")
+    _, rows = _run(tmp_path, "task=gsm8k", f"model.policy={tiny_llama_dir}",
+                   "data.source=reasoning_gym:basic_arithmetic", "data.limit=16",
+                   "+data.generator_args.max_terms=2", "generation.max_new_tokens=8",
+                   "reward.functions=[rlhf_torchrl.reward_functions.reasoning_gym_score]",
+                   "reward.function_weights=null", "eval.judge=null",
+                   "eval.accuracy_reward=reasoning_gym_score")
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in rows)
+
+
+# ---- the data features the presets use -----------------------------------------------------------
+def test_template_fills_columns_and_names_a_missing_one(tmp_path):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"post": "text", "title": "T", "n": 3}])
+    prompt = load_prompts(path, column="post", template="{title} ({n}): {prompt}")[0]
+    assert prompt.text == "T (3): text" and prompt.fields == {"title": "T", "n": 3}
+    with pytest.raises(ValueError, match=r"names \{subreddit\}.*\['n', 'title'\]"):
+        load_prompts(path, column="post", template="r/{subreddit}: {prompt}")
+    with pytest.raises(ValueError, match=r"a 'body' field"):
+        load_prompts(path, column="body")
+
+
+def test_truncation_without_a_column_template_keeps_the_instruction(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": LONG_POST}])
+    prompts = load_prompts(path, template="Summarise: {prompt}")
+    (fitted,), n = check_prompts(prompts, tokenizer, max_prompt_length=64, truncate=True)
+    assert n == 1 and fitted.text.startswith("Summarise: ") and fitted.text.endswith("POST")
+
+
+def test_dataset_config_name_reaches_the_hub_loader(tmp_path):
+    """A local dataset directory with two configurations: data.config picks one (as 'main' does
+    for openai/gsm8k)."""
+    pytest.importorskip("datasets")
+    root = tmp_path / "gsm8k_like"
+    for name, rows in (("main", gsm8k_rows(3)), ("socratic", gsm8k_rows(5))):
+        (root / name).mkdir(parents=True)
+        _write_jsonl(root / name / "train.jsonl", rows)
+    (root / "README.md").write_text(
+        "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: "
+        "main/train.jsonl\n- config_name: socratic\n  data_files:\n  - split: train\n    path: "
+        "socratic/train.jsonl\n---\n")
+    assert len(load_prompts(str(root), column="question", config="main")) == 3
+    assert len(load_prompts(str(root), column="question", config="socratic")) == 5
+
+
+def test_reasoning_gym_source_and_checker():
+    pytest.importorskip("reasoning_gym")
+    from rlhf_torchrl.reward_functions import extract_tagged_answer, reasoning_gym_score
+
+    prompts = load_prompts("reasoning_gym:basic_arithmetic", column="question", limit=4, seed=3,
+                           generator_args={"max_terms": 2, "max_digits": 2})
+    again = load_prompts("reasoning_gym:basic_arithmetic", column="question", limit=4, seed=3,
+                         generator_args={"max_terms": 2, "max_digits": 2})
+    assert [p.text for p in prompts] == [p.text for p in again]  # seeded
+    answers = [p.fields["answer"] for p in prompts]
+    metadata = [p.fields["metadata"] for p in prompts]
+    responses = [f"<answer>{answers[0]}</answer>", f"so the answer is {answers[1]}.",
+                 f"#### {answers[2]}", "I do not know"]
+    assert reasoning_gym_score([""] * 4, responses, answers, metadata) == [1.0, 1.0, 1.0, 0.0]
+    assert extract_tagged_answer("work\n<answer> 7 </answer>\nmore <answer>8</answer>") == "8"
+    assert extract_tagged_answer("first line\n\n 42.\n") == "42"
+    with pytest.raises(ValueError, match="no task 'no_such_task'"):
+        load_prompts("reasoning_gym:no_such_task", limit=2)
+    with pytest.raises(ValueError, match="refused data.generator_args"):
+        load_prompts("reasoning_gym:basic_arithmetic", limit=2, generator_args={"colour": 1})
