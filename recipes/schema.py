@@ -292,6 +292,10 @@ def validate(cfg: DictConfig) -> None:
     setting, its value and what it may be."""
     from omegaconf import OmegaConf
 
+    missing = OmegaConf.missing_keys(cfg)
+    if missing:
+        raise ValueError(f"{', '.join(sorted(missing))} must be set: the task (task=...) sets it, "
+                         "or give it on the command line, e.g. data.source=prompts.jsonl.")
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:

@@ -306,6 +306,20 @@ def templated_length(tokenizer, prompt: Prompt | str, system_prompt: str | None 
     return len(prompt_token_ids(tokenizer, to_prompt(prompt, system_prompt)))
 
 
+def _has_earlier_turns(prompt: Prompt) -> bool:
+    return sum(m["role"] != "system" for m in prompt.messages) > 1
+
+
+def _drop_oldest_turn(prompt: Prompt) -> Prompt:
+    """The conversation without its oldest exchange: the first non-system message and what
+    follows it up to the next user turn (the system message and the last user turn stay)."""
+    messages = prompt.messages
+    first = next(i for i, m in enumerate(messages) if m["role"] != "system")
+    rest = next((j for j in range(first + 1, len(messages)) if messages[j]["role"] == "user"),
+                len(messages) - 1)
+    return replace(prompt, messages=[*messages[:first], *messages[rest:]])
+
+
 def check_prompts(
     prompts: Sequence[Prompt | str],
     tokenizer,
@@ -318,7 +332,8 @@ def check_prompts(
 
     With ``truncate``, an over-long prompt loses tokens from the left of the text its
     ``data.template`` was filled with (the last user message without a template), so that the
-    template's instructions and the end of the text, which the response follows, stay. Returns
+    template's instructions and the end of the text, which the response follows, stay; a
+    dialogue whose earlier turns alone leave no room first loses its oldest exchanges. Returns
     the prompts and how many were truncated. Otherwise raises, naming the first offending prompt.
     """
     if not prompts:
@@ -337,9 +352,18 @@ def check_prompts(
                 "data.max_prompt_length, or set data.truncate_prompts=true to cut prompts from "
                 "the left."
             )
-        # cut the column text (inside the template, whose instructions stay whole) from the left
+        # cut the column text (inside the template, whose instructions stay whole) from the left;
+        # a dialogue whose earlier turns alone are too long loses its oldest turns first
         ids = tokenizer(prompt.cuttable_text, add_special_tokens=False)["input_ids"]
         overhead = length - len(ids)
+        while max_prompt_length - overhead <= 0 and _has_earlier_turns(prompt):
+            prompt = _drop_oldest_turn(prompt)
+            length = templated_length(tokenizer, prompt)
+            overhead = length - len(ids)
+        if length <= max_prompt_length:
+            out.append(prompt)
+            n_truncated += 1
+            continue
         keep = max_prompt_length - overhead
         if keep <= 0:
             raise ValueError(

@@ -245,3 +245,25 @@ def test_reasoning_gym_source_and_checker():
         load_prompts("reasoning_gym:no_such_task", limit=2)
     with pytest.raises(ValueError, match="refused data.generator_args"):
         load_prompts("reasoning_gym:basic_arithmetic", limit=2, generator_args={"colour": 1})
+
+
+def test_task_custom_asks_for_the_data_before_any_work(tmp_path):
+    cfg = _compose("task=custom", f"output_dir={tmp_path}",
+                   "reward.functions=[rlhf_torchrl.reward_functions.vader_sentiment]")
+    with pytest.raises(ValueError, match=r"data.source must be set"):
+        ppo.train(cfg)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_truncation_drops_the_oldest_turns_of_a_long_dialogue(tokenizer):
+    from rlhf_torchrl.data import to_prompt
+
+    long_turn = " ".join(["blah"] * 300)
+    transcript = (f"\n\nHuman: {long_turn}\n\nAssistant: {long_turn}\n\nHuman: Short question "
+                  "one?\n\nAssistant: Short answer.\n\nHuman: The last question?\n\nAssistant:")
+    (fitted,), n = check_prompts([to_prompt(transcript, "Be brief.")], tokenizer,
+                                 max_prompt_length=128, truncate=True)
+    roles = [m["role"] for m in fitted.messages]
+    assert n == 1 and roles == ["system", "user", "assistant", "user"]
+    assert fitted.messages[1]["content"] == "Short question one?"
+    assert fitted.text == "The last question?"  # the turn the policy answers is whole
