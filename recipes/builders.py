@@ -600,7 +600,7 @@ def trained_modules(policy, critic) -> dict:
 
 
 def trainer_state(done: int, *, scheduler, grad_scaler, shaper, replay_buffer, samples,
-                  pending, eval_before=None) -> dict:
+                  pending, eval_before=None, held_out_before=None) -> dict:
     """What a checkpoint holds besides weights and optimiser: enough to continue exactly."""
     from rlhf_torchrl.checkpoint import rng_state
 
@@ -615,6 +615,7 @@ def trainer_state(done: int, *, scheduler, grad_scaler, shaper, replay_buffer, s
         "last_samples": samples[1],
         "pending": pending,
         "eval_before": eval_before,  # the held-out metrics of the untrained policy
+        "held_out_before": held_out_before,  # and a few of its held-out responses
     }
 
 

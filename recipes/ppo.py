@@ -39,7 +39,7 @@ from rlhf_torchrl.metrics import (  # noqa: E402
 )
 from rlhf_torchrl.modules import evaluate_rollout  # noqa: E402
 from rlhf_torchrl.objectives import ppo_update  # noqa: E402
-from rlhf_torchrl.report import write_report  # noqa: E402
+from rlhf_torchrl.report import trend, write_report  # noqa: E402
 from rlhf_torchrl.runtime import placed, reuse_freed_memory  # noqa: E402
 from rlhf_torchrl.sampling import check_on_policy  # noqa: E402
 
@@ -113,12 +113,14 @@ def train(cfg: DictConfig) -> dict:
     recompute = not builders.log_probs_from_sampling(cfg) or (parallel.fsdp and critic.shares_trunk)
 
     evaluator = builders.make_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device, parallel)
-    eval_before = state.get("eval_before")
+    eval_before, held_out_before = state.get("eval_before"), state.get("held_out_before")
+    held_out_after = None
     if evaluator is not None:
         with reference_policy(policy, reference, device, cfg.model.offload_reference) as ref_model:
             evaluator.set_reference(ref_model)  # the reference's responses, once
         if eval_before is None:
-            eval_before, _ = evaluator(policy)
+            eval_before, eval_rollout = evaluator(policy)
+            held_out_before = _samples(eval_rollout, HELD_OUT_SAMPLES)
             log.info("Evaluation before training: %s", _fmt(eval_before))
     p = cfg.ppo
     # the earlier iterations of a resumed run (skipped ones have no statistics)
@@ -197,7 +199,8 @@ def train(cfg: DictConfig) -> dict:
         done = iteration + 1
         if evaluator is not None and (done % cfg.eval.every == 0 or done == p.num_iterations):
             with timed(times, "eval"):
-                eval_metrics, _ = evaluator(policy)  # held-out prompts, after this update
+                eval_metrics, eval_rollout = evaluator(policy)  # held-out prompts, after this update
+            held_out_after = _samples(eval_rollout, HELD_OUT_SAMPLES)
             metrics.update(eval_metrics)
         times["time/total"] = time.perf_counter() - start
         n_tokens = float(batch.get(K.RESPONSE_MASK).sum())
@@ -224,7 +227,7 @@ def train(cfg: DictConfig) -> dict:
                     trainer_state=builders.trainer_state(
                         done, scheduler=scheduler, grad_scaler=grad_scaler, shaper=shaper,
                         replay_buffer=replay_buffer, samples=(first_samples, last_samples),
-                        eval_before=eval_before,
+                        eval_before=eval_before, held_out_before=held_out_before,
                         # batches sampled ahead by older weights (none after the last iteration)
                         pending=collector.pending() if overlap and done < p.num_iterations else []),
                 )
@@ -239,6 +242,11 @@ def train(cfg: DictConfig) -> dict:
     if eval_before is not None and history:
         report["eval_before"] = eval_before
         report["eval_after"] = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
+        if held_out_before and held_out_after:
+            report["held_out_samples"] = [
+                {"prompt": b["prompt"], "before": b["response"], "score_before": b["score"],
+                 "after": a["response"], "score_after": a["score"]}
+                for b, a in zip(held_out_before, held_out_after)]
         if parallel.is_main:
             print(f"  held-out evaluation before: {_fmt(eval_before)}\n"
                   f"                       after: {_fmt(report['eval_after'])}", flush=True)
@@ -264,6 +272,10 @@ def reference_policy(policy, reference, device, offloaded: bool):
             yield policy
 
 
+#: held-out prompts whose responses before and after training the report shows side by side
+HELD_OUT_SAMPLES = 8
+
+
 def _fmt(metrics: dict) -> str:
     return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items())
 
@@ -276,16 +288,17 @@ def _samples(rollout, n: int) -> list[dict]:
 
 
 def _report(history: list[dict], before: list[dict], after: list[dict], quiet: bool = False) -> dict:
-    """Print and return initial vs final score and KL, with a few responses from each end."""
-    k = max(1, min(3, len(history) // 4))  # average the ends over a few iterations: less noise
-    def avg(rows, key):
-        return sum(r[key] for r in rows) / len(rows)
+    """Print and return initial vs final score and KL (means over the first and the last quarter
+    of the iterations: one batch is noisy), with a few responses from each end."""
+    first, last, call, k = trend([r["objective/scores"] for r in history])
+    kl_first, kl_last, _, _ = trend([r["objective/kl"] for r in history])
     report = {
-        "initial_score": avg(history[:k], "objective/scores"),
-        "final_score": avg(history[-k:], "objective/scores"),
-        "initial_kl": avg(history[:k], "objective/kl"),
-        "final_kl": avg(history[-k:], "objective/kl"),
-        "seconds_per_iteration": avg(history, "time/total"),
+        "initial_score": first,
+        "final_score": last,
+        "score_trend": call,
+        "initial_kl": kl_first,
+        "final_kl": kl_last,
+        "seconds_per_iteration": sum(r["time/total"] for r in history) / len(history),
         "iterations": len(history),
         "samples_before": before,
         "samples_after": after,
@@ -294,9 +307,9 @@ def _report(history: list[dict], before: list[dict], after: list[dict], quiet: b
         "",
         "=" * 72,
         f"PPO report: {len(history)} iterations, {report['seconds_per_iteration']:.1f} s/iteration",
-        f"  mean score: {report['initial_score']:+.3f} -> {report['final_score']:+.3f}"
+        f"  mean score: {first:+.3f} -> {last:+.3f}, {call}"
         f"   (first/last {k} iteration{'s' if k > 1 else ''})",
-        f"  KL to reference: {report['initial_kl']:.3f} -> {report['final_kl']:.3f}",
+        f"  KL to reference: {kl_first:.3f} -> {kl_last:.3f}",
     ]
     for title, samples in (("before", before), ("after", after)):
         lines.append(f"  responses {title} training:")

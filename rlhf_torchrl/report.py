@@ -4,8 +4,8 @@ drifted or collapsed.
 :func:`write_report` reads a run directory (``metrics.jsonl``, ``report.json``) and writes
 ``report.html`` (plots embedded as PNG data, so the file travels alone) and the PNGs beside it in
 ``plots/``: score, KL, RLHF reward, policy and value losses, clip fractions, entropy, response
-length, the held-out evaluation, seconds per phase; a verdict line; the config; responses before
-and after training. The recipe writes it at the end of every run; on demand:
+length, the held-out evaluation, seconds per phase; the verdict; the config; responses before
+and after training, and the policy's responses to the same held-out prompts before and after. The recipe writes it at the end of every run; on demand:
 
     python -m rlhf_torchrl.report outputs/ppo/<run>
 """
@@ -37,6 +37,10 @@ PLOTS = [
 ]
 
 
+#: noisy per-batch metrics drawn with their moving average
+SMOOTHED = {"objective/scores", "objective/kl", "objective/rlhf_reward"}
+
+
 def read_run(run_dir: str) -> tuple[list[dict], dict]:
     """(metric rows, report.json) of a run directory."""
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -51,22 +55,40 @@ def read_run(run_dir: str) -> tuple[list[dict], dict]:
     return rows, summary
 
 
+def trend(values: list[float]) -> tuple[float, float, str, int]:
+    """``(first, last, call, k)``: the means of the first and the last quarter of ``values`` (k
+    each) and whether the change is larger than their noise: ``"up"``/``"down"`` when the
+    difference passes two standard errors of the iteration-to-iteration spread, else
+    ``"no clear change"``."""
+    k = max(1, len(values) // 4)
+    head, tail = values[:k], values[-k:]
+    first, last = sum(head) / k, sum(tail) / k
+    if k < 2:
+        return first, last, "up" if last > first else "not up", k
+    error = (statistics.variance(head) / k + statistics.variance(tail) / k) ** 0.5
+    call = ("up" if last - first > 2 * error else "down" if first - last > 2 * error
+            else "no clear change")
+    return first, last, call, k
+
+
 def verdict(rows: list[dict], summary: dict) -> list[str]:
     """Plain-language findings: did the score rise, did the KL stay bounded, did the responses
     stay varied."""
     trained = [r for r in rows if "objective/scores" in r]
     if not trained:
         return ["No iteration finished."]
-    k = max(1, min(3, len(trained) // 4))
-    def mean(rs, key):
-        values = [r[key] for r in rs if key in r]
-        return sum(values) / len(values) if values else float("nan")
-    first, last = mean(trained[:k], "objective/scores"), mean(trained[-k:], "objective/scores")
-    kl = mean(trained[-k:], "objective/kl")
-    out = [f"Score {first:+.3f} -> {last:+.3f} ({'up' if last > first else 'not up'}; "
-           f"first/last {k} iteration{'s' if k > 1 else ''}); KL to the reference {kl:.2f} nats "
-           "per response at the end."]
+    first, last, call, k = trend([r["objective/scores"] for r in trained])
+    kls = [r["objective/kl"] for r in trained[-k:] if "objective/kl" in r]
+    kl = sum(kls) / len(kls) if kls else float("nan")
+    quarter = f"first/last {k} iteration{'s' if k > 1 else ''}"
+    out = [f"Training score {first:+.3f} -> {last:+.3f} ({call}; {quarter}); KL to the reference "
+           f"{kl:.2f} nats per response at the end."]
     before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    if "eval/score" in before and "eval/score" in after:
+        out.append(f"Held-out score (the same prompts, temperature of eval) "
+                   f"{before['eval/score']:+.3f} -> {after['eval/score']:+.3f}.")
+    if "eval/accuracy" in before and "eval/accuracy" in after:
+        out.append(f"Held-out accuracy {before['eval/accuracy']:.3f} -> {after['eval/accuracy']:.3f}.")
     if "eval/distinct_2" in before and "eval/distinct_2" in after:
         d0, d1 = before["eval/distinct_2"], after["eval/distinct_2"]
         collapsed = d1 < 0.5 * d0
@@ -77,6 +99,15 @@ def verdict(rows: list[dict], summary: dict) -> list[str]:
     skipped = sum(1 for r in rows if r.get("guard/skipped"))
     if skipped:
         out.append(f"{skipped} iteration(s) skipped by the divergence guards.")
+    return out
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values (the first ones over fewer)."""
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1): i + 1]
+        out.append(sum(chunk) / len(chunk))
     return out
 
 
@@ -100,12 +131,17 @@ def _plot(rows: list[dict], summary: dict, keys: list[str], title: str, ylabel: 
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
     for key, points in series:
         xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key)
+        line, = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key,
+                        alpha=0.45 if key in SMOOTHED and len(xs) >= 8 else 1.0)
+        if key in SMOOTHED and len(xs) >= 8:  # the trend through the batch-to-batch noise
+            window = max(3, len(xs) // 8)
+            ax.plot(xs, moving_average(list(ys), window), color=line.get_color(), linewidth=2,
+                    label=f"{key} ({window}-iteration mean)")
     ax.set_title(title)
     ax.set_xlabel("iteration" if not keys[0].startswith("eval/") else "updates done")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if len(series) > 1:
+    if len(series) > 1 or any(k in SMOOTHED for k, _ in series):
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
@@ -155,6 +191,14 @@ def write_report(run_dir: str) -> str:
                          + "".join(f"<tr><td>{s['score']:+.3f}</td><td>{esc(s['prompt'][-200:])}</td>"
                                    f"<td>{esc(s['response'])}</td></tr>" for s in samples)
                          + "</table>")
+    held_out = summary.get("held_out_samples") or []
+    if held_out:
+        parts.append("<h2>Held-out prompts: the policy's response before and after training</h2>"
+                     "<table><tr><th>prompt</th><th>before</th><th>after</th></tr>"
+                     + "".join(f"<tr><td>{esc(s['prompt'][-200:])}</td>"
+                               f"<td>{esc(s['before'])} <i>({s['score_before']:+.3f})</i></td>"
+                               f"<td>{esc(s['after'])} <i>({s['score_after']:+.3f})</i></td></tr>"
+                               for s in held_out) + "</table>")
     if summary.get("config"):
         parts.append("<h2>Config</h2><pre>" + esc(json.dumps(summary["config"], indent=1)) + "</pre>")
     parts.append("</body></html>")

@@ -9,7 +9,7 @@ import torch
 from test_recipe import _cfg, ppo
 
 from rlhf_torchrl.evaluation import distinct_n, win_rate
-from rlhf_torchrl.report import PLOTS
+from rlhf_torchrl.report import PLOTS, moving_average, trend, verdict
 
 
 def test_distinct_n_by_hand():
@@ -22,6 +22,27 @@ def test_win_rate_counts_ties_half():
     assert win_rate(torch.tensor([1.0, 2.0, 0.0, 5.0]), torch.tensor([0.0, 2.0, 1.0, 1.0])) == 0.625
 
 
+def test_trend_calls_a_change_only_past_the_noise():
+    # quarters of 2: means 0.0 and 1.0, spread 0.1 -> clearly up
+    assert trend([0.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0]) == (0.0, 1.0, "up", 2)
+    first, last, call, k = trend([0.1, 0.3, 0.2, 0.2, 0.3, 0.1, 0.2, 0.25])
+    assert (k, call) == (2, "no clear change") and last == pytest.approx(0.225)
+    assert trend([1.0, 1.1, 0.5, 0.5, 0.0, 0.1, 0.0, 0.1])[2] == "down"
+    assert trend([0.0, 1.0]) == (0.0, 1.0, "up", 1)  # too short for a spread: the plain sign
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_verdict_reads_held_out_accuracy_and_collapse():
+    rows = [{"iteration": i, "objective/scores": 0.1 * i, "objective/kl": 1.0} for i in range(8)]
+    summary = {"eval_before": {"eval/score": 0.1, "eval/accuracy": 0.2, "eval/distinct_2": 0.9},
+               "eval_after": {"eval/score": 0.4, "eval/accuracy": 0.5, "eval/distinct_2": 0.3,
+                              "eval/win_rate": 0.7}}
+    lines = verdict(rows, summary)
+    assert lines[0].startswith("Training score +0.050 -> +0.650 (up; first/last 2 iterations)")
+    assert "Held-out accuracy 0.200 -> 0.500." in lines
+    assert any("collapsed" in line for line in lines) and lines[-1].endswith("0.70.")
+
+
 def test_report_renders_every_plot_of_a_finished_run(tmp_path, tiny_llama_dir):
     report = ppo.train(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=3", "eval.every=2"))
     page = (tmp_path / "report.html").read_text()
@@ -30,7 +51,12 @@ def test_report_renders_every_plot_of_a_finished_run(tmp_path, tiny_llama_dir):
         assert f"title='{title}'" in page, title
     assert page.count("data:image/png;base64,") == len(PLOTS)
     assert "Responses before training" in page and "Responses after training" in page
-    assert "At a glance" in page and "Score " in page
+    assert "At a glance" in page and "Training score " in page and "Held-out score " in page
+    # the same held-out prompts, answered before and after training
+    pairs = report["held_out_samples"]
+    assert len(pairs) == 4 and all({"before", "after", "score_before", "score_after"} <= set(p)
+                                   for p in pairs)
+    assert "Held-out prompts: the policy's response before and after training" in page
     # held-out evaluation before training, after updates 2 and 3 (the last)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert ["eval/score" in r for r in rows] == [False, True, True]
