@@ -58,7 +58,8 @@ def test_recipe_runs_and_trains(tmp_path, tiny_llama_dir, overrides):
 def test_recipe_cli(tmp_path, tiny_gpt2_dir):
     """The command line a user types, on a GPT-2 with an adaptive KL and a missing-EOS penalty."""
     cmd = [sys.executable, str(RECIPES / "ppo.py"), f"model.policy={tiny_gpt2_dir}",
-           f"hydra.run.dir={tmp_path}", "ppo.kl_target=0.5", "reward.missing_eos_penalty=1.0",
+           f"hydra.run.dir={tmp_path}", "ppo.kl_coef=0.05", "ppo.kl_target=0.5", "ppo.kl_horizon=10000",
+           "reward.missing_eos_penalty=1.0",
            "ppo.kl_estimator=k3", "optim.lr_schedule=constant", *TINY]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)

@@ -19,7 +19,7 @@ import ppo  # noqa: E402
 
 from rlhf_torchrl.data import check_prompts, load_prompts  # noqa: E402
 
-TASKS = ["sentiment", "tldr", "hh", "gsm8k"]
+TASKS = ["sentiment", "tldr", "hh", "gsm8k", "arithmetic", "custom"]
 TWO_ITERATIONS = ["ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batches=2",
                   "ppo.forward_batch_size=2", "ppo.micro_batch_tokens=null",
                   "logging.progress_bar=false", "eval.every=1", "eval.num_prompts=2",
@@ -100,7 +100,8 @@ def test_every_preset_composes_and_passes_the_config_checks():
     import builders
 
     for task in TASKS:
-        cfg = _compose(f"task={task}", "output_dir=/tmp/unused")
+        extra = ["data.source=prompts.jsonl", "reward.model=rm"] if task == "custom" else []
+        cfg = _compose(f"task={task}", "output_dir=/tmp/unused", *extra)
         builders.check_config(cfg)  # choices, ranges and cross-checks, before any weights
         assert cfg.data.source and (cfg.reward.functions or cfg.reward.model), task
     assert _compose().data.source == "polarity"  # the default task
@@ -178,6 +179,14 @@ def test_sentiment_preset_is_the_default(tmp_path, tiny_llama_dir):
                         "data.limit=16")
     assert "Continue this movie review" in report["samples_after"][0]["prompt"]
     assert "eval/distinct_2" in rows[-1]
+
+
+def test_arithmetic_preset_runs_offline(tmp_path, tiny_llama_dir):
+    pytest.importorskip("reasoning_gym")
+    report, rows = _run(tmp_path, "task=arithmetic", f"model.policy={tiny_llama_dir}",
+                        "data.limit=16", "generation.max_new_tokens=8")
+    assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in rows)
+    assert report["samples_after"][0]["prompt"].count("Calculate ") == 1
 
 
 def test_gsm8k_preset_on_a_reasoning_gym_task(tmp_path, tiny_llama_dir):
