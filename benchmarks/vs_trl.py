@@ -146,6 +146,7 @@ def worker_ours(a, fixture: Path) -> dict:
 
     torch.set_num_threads(a.threads)
     overrides = [
+        "task=custom", "eval.every=0", "checkpoint.every=0",  # TRL: a fixed KL, no held-out eval
         f"output_dir={tempfile.mkdtemp()}", f"model.policy={fixture / 'policy'}",
         f"reward.model={fixture / 'rm'}", "reward.functions=[]", "value_model.init=reward_model",
         f"data.source={fixture / 'prompts.jsonl'}", "data.template='{prompt}'", "data.max_words=null",

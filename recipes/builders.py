@@ -205,7 +205,9 @@ def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
         prompts = load_prompts(d.source, split=d.split, column=d.column,
                                template=d.template or "{prompt}", limit=d.limit,
                                max_words=d.max_words, system_prompt=d.system_prompt,
-                               config=d.config, generator_args=dict(d.generator_args or {}),
+                               config=d.config,
+                               generator_args=(OmegaConf.to_container(d.generator_args, resolve=True)
+                                               if d.generator_args else {}),
                                seed=cfg.seed)
     except ConnectionError as e:  # an HF dataset name, offline or unknown
         raise ValueError(f"data.source={d.source}: not a local file, and the dataset hub could not "
@@ -213,10 +215,11 @@ def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
                          "reachable from here.") from None
     prompts, n_truncated = check_prompts(
         prompts, tokenizer, max_prompt_length=d.max_prompt_length, truncate=d.truncate_prompts,
+        truncate_side=d.truncate_side, truncate_at=d.truncate_at,
     )
     if n_truncated:
-        log.warning("Truncated %d of %d prompts (their text, from the left) to %d tokens.",
-                    n_truncated, len(prompts), d.max_prompt_length)
+        log.warning("Cut %d of %d prompts to %d tokens (data.truncate_side=%s).",
+                    n_truncated, len(prompts), d.max_prompt_length, d.truncate_side)
     held_out = eval_prompt_count(cfg)
     if len(prompts) - held_out < cfg.ppo.batch_size:
         raise ValueError(

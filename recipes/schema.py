@@ -51,6 +51,8 @@ class Data:
     max_words: int | None = MISSING
     max_prompt_length: int = MISSING
     truncate_prompts: bool = MISSING
+    truncate_side: str = MISSING
+    truncate_at: str | None = MISSING
     system_prompt: str | None = MISSING
 
 
@@ -207,6 +209,7 @@ ConfigStore.instance().store(name="ppo_schema", node=PPOConfig)
 DTYPES = ("float32", "bfloat16", "float16")
 #: setting -> its allowed values (None among them: null is allowed)
 CHOICES = {
+    "data.truncate_side": ("left", "right"),
     "distributed.strategy": ("ddp", "fsdp2"),
     "distributed.backend": (None, "gloo", "nccl"),
     "model.dtype": DTYPES,

@@ -52,15 +52,18 @@ class Prompt:
         return self.messages[-1]["content"]
 
     def with_text(self, text: str) -> Prompt:
-        """The same prompt with the last user message replaced by ``text``."""
-        return replace(self, messages=[*self.messages[:-1], {"role": "user", "content": text}])
+        """The same prompt with the last user message replaced by ``text`` (as written: no
+        template fills it any more)."""
+        return replace(self, messages=[*self.messages[:-1], {"role": "user", "content": text}],
+                       template=None, source_text=None)
 
     def with_source_text(self, text: str) -> Prompt:
         """The same prompt with ``text`` in place of the column text its template was filled with
         (the last user message itself when there is no template)."""
         if self.template is None:
             return self.with_text(text)
-        return replace(self.with_text(fill_template(self.template, text, self.fields)),
+        filled = fill_template(self.template, text, self.fields)
+        return replace(self, messages=[*self.messages[:-1], {"role": "user", "content": filled}],
                        source_text=text)
 
     @property
@@ -327,17 +330,23 @@ def check_prompts(
     max_prompt_length: int,
     truncate: bool = False,
     system_prompt: str | None = None,
+    truncate_side: str = "left",
+    truncate_at: str | None = None,
 ) -> tuple[list[Prompt], int]:
     """Check every prompt fits ``max_prompt_length`` tokens (template included).
 
-    With ``truncate``, an over-long prompt loses tokens from the left of the text its
-    ``data.template`` was filled with (the last user message without a template), so that the
-    template's instructions and the end of the text, which the response follows, stay; a
-    dialogue whose earlier turns alone leave no room first loses its oldest exchanges. Returns
-    the prompts and how many were truncated. Otherwise raises, naming the first offending prompt.
+    With ``truncate``, an over-long prompt is cut to fit: a dialogue first loses its oldest
+    exchanges (the turn the policy answers stays whole); then the text the ``data.template`` was
+    filled with (the last user message without a template) loses its start
+    (``truncate_side="left"``: its end, which the response follows, stays) or its end
+    (``"right"``: cut back to the last ``truncate_at``, e.g. a newline, when there is one, as
+    the N+ TL;DR queries are); the template's own words always stay. Returns the prompts and how
+    many were cut. Otherwise raises, naming the first offending prompt.
     """
     if not prompts:
         raise ValueError("The prompt set is empty: point data.source at prompts.")
+    if truncate_side not in ("left", "right"):
+        raise ValueError(f"data.truncate_side={truncate_side!r}: left or right.")
     out, n_truncated = [], 0
     for i, item in enumerate(prompts):
         prompt = to_prompt(item, system_prompt)
@@ -349,33 +358,40 @@ def check_prompts(
             raise ValueError(
                 f"Prompt {i} is {length} tokens with the chat template, over "
                 f"data.max_prompt_length={max_prompt_length}: {prompt.text[:80]!r}... Raise "
-                "data.max_prompt_length, or set data.truncate_prompts=true to cut prompts from "
-                "the left."
+                "data.max_prompt_length, or set data.truncate_prompts=true to cut prompts."
             )
-        # cut the column text (inside the template, whose instructions stay whole) from the left;
-        # a dialogue whose earlier turns alone are too long loses its oldest turns first
-        ids = tokenizer(prompt.cuttable_text, add_special_tokens=False)["input_ids"]
-        overhead = length - len(ids)
-        while max_prompt_length - overhead <= 0 and _has_earlier_turns(prompt):
-            prompt = _drop_oldest_turn(prompt)
-            length = templated_length(tokenizer, prompt)
-            overhead = length - len(ids)
-        if length <= max_prompt_length:
-            out.append(prompt)
-            n_truncated += 1
-            continue
-        keep = max_prompt_length - overhead
-        if keep <= 0:
-            raise ValueError(
-                f"Prompt {i}: the chat template, data.template and the earlier turns alone are "
-                f"{overhead} tokens, over data.max_prompt_length={max_prompt_length}: raise it."
-            )
-        ids = ids[-keep:]
-        prompt = prompt.with_source_text(tokenizer.decode(ids))
-        # re-tokenising decoded text can differ by a token or two: trim until it fits
-        while templated_length(tokenizer, prompt) > max_prompt_length and ids:
-            ids = ids[1:]
-            prompt = prompt.with_source_text(tokenizer.decode(ids))
-        out.append(prompt)
+        out.append(_fit(prompt, tokenizer, max_prompt_length, i, truncate_side, truncate_at))
         n_truncated += 1
     return out, n_truncated
+
+
+def _fit(prompt: Prompt, tokenizer, max_length: int, i: int, side: str, at: str | None) -> Prompt:
+    """``prompt`` cut to ``max_length`` tokens (see :func:`check_prompts`)."""
+    length = templated_length(tokenizer, prompt)
+    while length > max_length and _has_earlier_turns(prompt):
+        prompt = _drop_oldest_turn(prompt)
+        length = templated_length(tokenizer, prompt)
+    if length <= max_length:
+        return prompt
+    ids = tokenizer(prompt.cuttable_text, add_special_tokens=False)["input_ids"]
+    keep = max_length - (length - len(ids))
+    if keep <= 0:
+        raise ValueError(
+            f"Prompt {i}: the chat template and data.template alone are {length - len(ids)} "
+            f"tokens, over data.max_prompt_length={max_length}: raise it."
+        )
+
+    def cut(n: int) -> Prompt:
+        kept = ids[-n:] if side == "left" else ids[:n]
+        text = tokenizer.decode(kept) if n else ""
+        if side == "right" and at and at in text:
+            text = text[: text.rindex(at)]
+        return prompt.with_source_text(text)
+
+    # re-tokenising decoded text can differ by a token or two: keep less until it fits
+    while keep > 0 and templated_length(tokenizer, cut(keep)) > max_length:
+        keep -= 1
+    if keep == 0 and templated_length(tokenizer, cut(0)) > max_length:
+        raise ValueError(f"Prompt {i} does not fit data.max_prompt_length={max_length} even with "
+                         "its text cut away: raise it.")
+    return cut(keep)

@@ -92,7 +92,9 @@ class Evaluator:
             "eval/distinct_2": distinct_n(responses, 2),
         }
         if self.accuracy is not None:
-            metrics["eval/accuracy"] = float((rollout.get(("scores", self.accuracy)) > 0.5).float().mean())
+            # correct = full marks (a checker's partial credit is not a correct answer)
+            correct = rollout.get(("scores", self.accuracy)) >= 1.0
+            metrics["eval/accuracy"] = float(correct.float().mean())
         if self._reference is not None:
             metrics["eval/win_rate"] = win_rate(self._judged(rollout), self._judged(self._reference))
             metrics["eval/reference_score"] = float(self._reference.get(K.SCORE).mean())

@@ -58,13 +58,13 @@ def read_run(run_dir: str) -> tuple[list[dict], dict]:
 def trend(values: list[float]) -> tuple[float, float, str, int]:
     """``(first, last, call, k)``: the means of the first and the last quarter of ``values`` (k
     each) and whether the change is larger than their noise: ``"up"``/``"down"`` when the
-    difference passes two standard errors of the iteration-to-iteration spread, else
-    ``"no clear change"``."""
+    difference passes two standard errors of the iteration-to-iteration spread, else (and with
+    fewer than 8 values, too few to measure a spread) ``"no clear change"``."""
     k = max(1, len(values) // 4)
     head, tail = values[:k], values[-k:]
     first, last = sum(head) / k, sum(tail) / k
-    if k < 2:
-        return first, last, "up" if last > first else "not up", k
+    if k < 2:  # one iteration at each end: no spread to compare the change with
+        return first, last, "no clear change", k
     error = (statistics.variance(head) / k + statistics.variance(tail) / k) ** 0.5
     call = ("up" if last - first > 2 * error else "down" if first - last > 2 * error
             else "no clear change")

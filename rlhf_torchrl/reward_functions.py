@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cache, lru_cache
 
 
 @lru_cache(maxsize=1)
@@ -80,17 +80,22 @@ def extract_tagged_answer(text: str) -> str:
     return lines[-1].rstrip(".").strip() if lines else ""
 
 
+@cache
+def _reasoning_gym_checker(task: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(task)  # builds a dataset: once per task
+
+
 def reasoning_gym_score(prompts: list[str], responses: list[str], answer: list[str],
                         metadata: list[dict]) -> list[float]:
     """The task's own checker (``reasoning_gym.get_score_answer_fn``) on the answer each response
     gives (:func:`extract_tagged_answer`): 1.0 correct, 0.0 wrong, some tasks give partial credit.
     Reads the ``answer`` and ``metadata`` columns of a ``reasoning_gym:<task>`` prompt set (the
     checkers do not read the question; the rendered prompt stands in for it)."""
-    import reasoning_gym
-
     out = []
     for prompt, response, a, meta in zip(prompts, responses, answer, metadata):
-        check = reasoning_gym.get_score_answer_fn(meta["source_dataset"])
+        check = _reasoning_gym_checker(meta["source_dataset"])
         entry = {"question": prompt, "answer": a, "metadata": meta}
         out.append(float(check(extract_tagged_answer(response), entry)))
     return out

@@ -28,7 +28,7 @@ def test_trend_calls_a_change_only_past_the_noise():
     first, last, call, k = trend([0.1, 0.3, 0.2, 0.2, 0.3, 0.1, 0.2, 0.25])
     assert (k, call) == (2, "no clear change") and last == pytest.approx(0.225)
     assert trend([1.0, 1.1, 0.5, 0.5, 0.0, 0.1, 0.0, 0.1])[2] == "down"
-    assert trend([0.0, 1.0]) == (0.0, 1.0, "up", 1)  # too short for a spread: the plain sign
+    assert trend([0.0, 1.0]) == (0.0, 1.0, "no clear change", 1)  # too short to measure a spread
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
 
 
@@ -39,6 +39,9 @@ def test_verdict_reads_held_out_accuracy_and_collapse():
                               "eval/win_rate": 0.7}}
     lines = verdict(rows, summary)
     assert lines[0].startswith("Training score +0.050 -> +0.650 (up; first/last 2 iterations)")
+    assert "Held-out score (the same prompts, temperature of eval) +0.100 -> +0.400." in lines
+    flat = [{**r, "objective/scores": 0.2 + 0.1 * (-1) ** i} for i, r in enumerate(rows)]
+    assert "(no clear change;" in verdict(flat, {})[0]
     assert "Held-out accuracy 0.200 -> 0.500." in lines
     assert any("collapsed" in line for line in lines) and lines[-1].endswith("0.70.")
 

@@ -69,7 +69,7 @@ def chat_reward_dir(tmp_path_factory, tiny_llama_dir, tokenizer):
     return _save_classifier(tmp_path_factory.mktemp("chat_rm"), tiny_llama_dir, tokenizer)
 
 
-LONG_POST = " ".join(f"word{i}" for i in range(900)) + " THE END OF THE POST"
+LONG_POST = "\n".join(" ".join(f"p{p}w{i}" for i in range(60)) for p in range(15)) + "\nTHE END"
 
 
 def tldr_rows(n: int = 8) -> list[dict]:
@@ -104,11 +104,23 @@ def test_every_preset_composes_and_passes_the_config_checks():
         cfg = _compose(f"task={task}", "output_dir=/tmp/unused", *extra)
         builders.check_config(cfg)  # choices, ranges and cross-checks, before any weights
         assert cfg.data.source and (cfg.reward.functions or cfg.reward.model), task
-    assert _compose().data.source == "polarity"  # the default task
+    default = _compose()  # no task named: the sentiment task
+    assert default == _compose("task=sentiment") and default.data.source == "polarity"
+    assert (default.ppo.kl_target, default.reward.functions[0]) == \
+        (1.5, "rlhf_torchrl.reward_functions.vader_sentiment")
+    hh = _compose("task=hh")
+    assert (hh.data.source, hh.data.column, hh.data.truncate_prompts) == ("Anthropic/hh-rlhf", "chosen", True)
+    assert hh.reward.model and not hh.reward.functions and hh.data.system_prompt is None
+    arithmetic = _compose("task=arithmetic")
+    assert arithmetic.data.source == "reasoning_gym:basic_arithmetic"
+    assert arithmetic.data.generator_args.max_terms == 2 and arithmetic.data.limit == 400
+    custom = _compose("task=custom")
+    assert custom.data.template == "{prompt}" and not custom.reward.functions
     tldr = _compose("task=tldr")
     assert (tldr.generation.temperature, tldr.generation.max_new_tokens, tldr.ppo.kl_coef) == \
         (0.7, 53, 0.05)
     assert tldr.value_model.init == "reward_model" and tldr.reward.missing_eos_penalty > 0
+    assert (tldr.data.truncate_side, tldr.data.truncate_at) == ("right", "\n")
     assert _compose("task=gsm8k").eval.accuracy_reward == "gsm8k_correct"
 
 
@@ -133,22 +145,33 @@ def test_tldr_preset_runs_on_a_local_file(tmp_path, base_model_dirs):
     assert any("val/num_eos_tokens" in r for r in rows)
 
 
-def test_tldr_truncation_cuts_the_post_and_keeps_the_format(tmp_path, base_model_dirs):
+def test_tldr_truncation_cuts_the_post_at_a_paragraph_and_keeps_the_format(tmp_path,
+                                                                           base_model_dirs):
     from rlhf_torchrl.modules import load_tokenizer
 
     tok = load_tokenizer(base_model_dirs[0])
-    cfg = _compose("task=tldr")
+    d = _compose("task=tldr").data
     prompts = load_prompts(_write_jsonl(tmp_path / "t.jsonl", tldr_rows(3)), column="post",
-                           template=cfg.data.template)
-    fitted, n = check_prompts(prompts, tok, max_prompt_length=cfg.data.max_prompt_length,
-                              truncate=True)
+                           template=d.template)
+    fitted, n = check_prompts(prompts, tok, max_prompt_length=d.max_prompt_length,
+                              truncate=True, truncate_side=d.truncate_side,
+                              truncate_at=d.truncate_at)
     assert n == 1
     text = fitted[1].text
-    assert text.startswith("SUBREDDIT: r/relationships\n\nTITLE: Title 1\n\nPOST: ")
-    assert text.endswith("THE END OF THE POST\n\nTL;DR:") and "word0 " not in text
-    assert len(tok(text)["input_ids"]) <= 512
+    assert text.startswith("SUBREDDIT: r/relationships\n\nTITLE: Title 1\n\nPOST: p0w0 p0w1 ")
+    assert text.endswith("w59\n\nTL;DR:")
+    post = fitted[1].source_text
+    assert LONG_POST.startswith(post) and LONG_POST[len(post)] == "\n"  # whole paragraphs kept
+    assert "THE END" not in text and len(tok(text)["input_ids"]) <= 512
+    # ... as many as fit: one more paragraph would not
+    paragraphs = LONG_POST.split("\n")
+    longer = fitted[1].with_source_text("\n".join(paragraphs[: post.count("\n") + 2]))
+    assert len(tok(longer.text)["input_ids"]) > 512
     assert fitted[0] == prompts[0]  # a short post is left alone
     assert fitted[1].fields["summary"] == "we argued"  # the columns still travel
+    # the other side: the post keeps its end
+    (_, left), _ = check_prompts(prompts[:2], tok, max_prompt_length=512, truncate=True)
+    assert left.text.endswith("THE END\n\nTL;DR:") and "p0w0 " not in left.text
 
 
 def test_hh_preset_runs_multi_turn_dialogues_through_the_chat_template(tmp_path, tiny_llama_dir,
@@ -215,7 +238,7 @@ def test_truncation_without_a_column_template_keeps_the_instruction(tmp_path, to
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": LONG_POST}])
     prompts = load_prompts(path, template="Summarise: {prompt}")
     (fitted,), n = check_prompts(prompts, tokenizer, max_prompt_length=64, truncate=True)
-    assert n == 1 and fitted.text.startswith("Summarise: ") and fitted.text.endswith("POST")
+    assert n == 1 and fitted.text.startswith("Summarise: ") and fitted.text.endswith("THE END")
 
 
 def test_dataset_config_name_reaches_the_hub_loader(tmp_path):
@@ -267,12 +290,30 @@ def test_task_custom_asks_for_the_data_before_any_work(tmp_path):
 def test_truncation_drops_the_oldest_turns_of_a_long_dialogue(tokenizer):
     from rlhf_torchrl.data import to_prompt
 
-    long_turn = " ".join(["blah"] * 300)
-    transcript = (f"\n\nHuman: {long_turn}\n\nAssistant: {long_turn}\n\nHuman: Short question "
-                  "one?\n\nAssistant: Short answer.\n\nHuman: The last question?\n\nAssistant:")
+    turn = " ".join(["blah"] * 40)
+    transcript = (f"\n\nHuman: {turn}\n\nAssistant: {turn}\n\nHuman: Short question "
+                  f"one?\n\nAssistant: Short answer.\n\nHuman: The last question? {turn}"
+                  "\n\nAssistant:")
+    # the earlier turns alone fit, the whole does not: old context goes before the question
     (fitted,), n = check_prompts([to_prompt(transcript, "Be brief.")], tokenizer,
-                                 max_prompt_length=128, truncate=True)
+                                 max_prompt_length=125, truncate=True)
     roles = [m["role"] for m in fitted.messages]
     assert n == 1 and roles == ["system", "user", "assistant", "user"]
     assert fitted.messages[1]["content"] == "Short question one?"
-    assert fitted.text == "The last question?"  # the turn the policy answers is whole
+    assert fitted.text == f"The last question? {turn}"  # the turn the policy answers is whole
+    # earlier turns that alone overflow: dropped until the last turn is left, then it is cut
+    (fitted,), _ = check_prompts([to_prompt(transcript, "Be brief.")], tokenizer,
+                                 max_prompt_length=60, truncate=True)
+    assert [m["role"] for m in fitted.messages] == ["system", "user"]
+    assert fitted.text.endswith("blah blah") and not fitted.text.startswith("The last")
+
+
+def test_a_templated_prompt_keeps_its_template_through_a_system_prompt_and_a_cut(tmp_path,
+                                                                                  tokenizer):
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"post": LONG_POST, "title": "T{x}"}])
+    (prompt,) = load_prompts(path, column="post", template="{title}: {prompt} Summary:")
+    (fitted,), n = check_prompts([prompt], tokenizer, max_prompt_length=80, truncate=True,
+                                 system_prompt="Be brief.")
+    assert n == 1 and fitted.messages[0] == {"role": "system", "content": "Be brief."}
+    assert fitted.text.startswith("T{x}: ") and fitted.text.endswith("THE END Summary:")
+    assert prompt.with_text("plain").template is None  # rewritten by hand: no template any more
