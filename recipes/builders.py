@@ -524,11 +524,16 @@ def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):
         groups.append({"params": trunk_params, "lr": o.critic_lr or o.lr})
     # fused: one kernel per step for all parameters (on CPU too), instead of a loop over tensors
     optimizer = torch.optim.AdamW(groups, weight_decay=o.weight_decay, eps=o.eps, fused=True)
-    if o.lr_schedule == "linear":
-        total = sizes.optimizer_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total)
-    else:
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    total = sizes.optimizer_steps
+
+    def schedule(step: int) -> float:
+        return 1.0 - step / total if o.lr_schedule == "linear" else 1.0
+
+    def warmed_up(step: int) -> float:  # the policy's rate rises from 0 over the first steps
+        return schedule(step) * min(1.0, (step + 1) / (o.warmup_steps + 1))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, [warmed_up] + [schedule] * (len(groups) - 1))
     return optimizer, scheduler
 
 

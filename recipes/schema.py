@@ -152,6 +152,7 @@ class Optim:
     eps: float = MISSING
     max_grad_norm: float | None = MISSING
     lr_schedule: str = MISSING
+    warmup_steps: int = MISSING
 
 
 @dataclass
@@ -227,6 +228,7 @@ CHOICES = {
 _INF = math.inf
 #: setting -> (low, high, low inclusive, high inclusive); null passes where the type allows it
 RANGES = {
+    "optim.warmup_steps": (0, _INF, True, True),
     "threads": (1, _INF, True, True),
     "checkpoint.every": (0, _INF, True, True),
     "checkpoint.keep": (1, _INF, True, True),

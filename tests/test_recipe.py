@@ -178,3 +178,12 @@ def test_low_precision_recomputes_old_log_probs(tmp_path, tiny_llama_dir):
     mine = _cfg(tmp_path, tiny_llama_dir, "model.autocast=bfloat16",
                 "generation.log_probs_from_sampling=true", "generation.on_policy_tolerance=0.1")
     assert builders.log_probs_from_sampling(mine) and builders.on_policy_tolerance(mine) == 0.1
+
+
+def test_warmup_raises_the_policy_learning_rate_from_zero(tmp_path, tiny_llama_dir):
+    """2 optimiser steps per iteration; a 3-step warm-up: after iteration 0 the policy's rate is
+    at (2 + 1) / (3 + 1) of optim.lr, after iteration 1 at all of it."""
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, "optim.warmup_steps=3", "optim.lr_schedule=constant",
+                   "eval.every=0"))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in rows] == pytest.approx([0.75e-3, 1e-3])
