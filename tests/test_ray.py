@@ -45,7 +45,9 @@ def test_two_ray_workers_sample_what_one_process_samples(tmp_path, tiny_llama_di
         a, b = _comparable(a), _comparable(b)
         assert a.keys() == b.keys()
         for key in a:
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+            # fp32 log-probs of the same rows in batches of another shape: the KL (a difference
+            # of nearly equal log-probs, summed over the response) agrees to ~1e-6 nats per token
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), key
     assert all(m["time/weight_sync"] > 0 for m in remote[:-1])
 
 
