@@ -246,7 +246,7 @@ def train(cfg: DictConfig) -> dict:
             report["held_out_samples"] = [
                 {"prompt": b["prompt"], "before": b["response"], "score_before": b["score"],
                  "after": a["response"], "score_after": a["score"]}
-                for b, a in zip(held_out_before, held_out_after)]
+                for b, a in zip(held_out_before, held_out_after) if b["prompt"] == a["prompt"]]
         if parallel.is_main:
             print(f"  held-out evaluation before: {_fmt(eval_before)}\n"
                   f"                       after: {_fmt(report['eval_after'])}", flush=True)

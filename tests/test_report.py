@@ -59,6 +59,7 @@ def test_report_renders_every_plot_of_a_finished_run(tmp_path, tiny_llama_dir):
     pairs = report["held_out_samples"]
     assert len(pairs) == 4 and all({"before", "after", "score_before", "score_after"} <= set(p)
                                    for p in pairs)
+    assert len({p["prompt"] for p in pairs}) == 4  # four held-out prompts, each answered twice
     assert "Held-out prompts: the policy's response before and after training" in page
     # held-out evaluation before training, after updates 2 and 3 (the last)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
