@@ -25,7 +25,7 @@ import builders  # noqa: E402
 import cli  # noqa: E402
 import schema  # noqa: E402, F401 - registers the config schema with Hydra
 
-from rlhf_torchrl import keys as K  # noqa: E402
+from rlhf_torchrl.evaluation import format_metrics, rollout_samples  # noqa: E402
 from rlhf_torchrl.modules import load_causal_lm  # noqa: E402
 
 log = logging.getLogger("evaluate")
@@ -55,14 +55,10 @@ def evaluate(cfg: DictConfig) -> dict:
     policy = load_causal_lm(m.policy, tokenizer, dtype=m.dtype,
                             attn_implementation=m.attn_implementation).to(device)
     metrics, rollout = evaluator(policy)
-    responses = [{"prompt": p, "response": r, "score": s} for p, r, s in zip(
-        rollout.get(K.PROMPT_TEXT).tolist(), rollout.get(K.RESPONSE_TEXT).tolist(),
-        rollout.get(K.SCORE).tolist())]
     with open(os.path.join(cfg.output_dir, "eval.json"), "w") as f:
-        json.dump({"policy": m.policy, "reference": m.reference, **metrics, "responses": responses},
-                  f, indent=1)
-    print(f"{m.policy} on {len(held_out)} held-out prompts: "
-          + ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items()), flush=True)
+        json.dump({"policy": m.policy, "reference": m.reference, **metrics,
+                   "responses": rollout_samples(rollout)}, f, indent=1)
+    print(f"{m.policy} on {len(held_out)} held-out prompts: {format_metrics(metrics)}", flush=True)
     return metrics
 
 

@@ -30,6 +30,7 @@ from cli import USER_ERRORS  # noqa: E402, F401 - what the command line prints w
 
 from rlhf_torchrl import keys as K  # noqa: E402
 from rlhf_torchrl.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from rlhf_torchrl.evaluation import format_metrics, rollout_samples  # noqa: E402
 from rlhf_torchrl.guards import NonFiniteError, check_finite  # noqa: E402
 from rlhf_torchrl.metrics import (  # noqa: E402
     MetricsWriter,
@@ -120,8 +121,8 @@ def train(cfg: DictConfig) -> dict:
             evaluator.set_reference(ref_model)  # the reference's responses, once
         if eval_before is None:
             eval_before, eval_rollout = evaluator(policy)
-            held_out_before = _samples(eval_rollout, HELD_OUT_SAMPLES)
-            log.info("Evaluation before training: %s", _fmt(eval_before))
+            held_out_before = rollout_samples(eval_rollout, HELD_OUT_SAMPLES)
+            log.info("Evaluation before training: %s", format_metrics(eval_before))
     p = cfg.ppo
     # the earlier iterations of a resumed run (skipped ones have no statistics)
     history = [r for r in read_metrics(cfg.output_dir, before=first_iteration)
@@ -200,7 +201,7 @@ def train(cfg: DictConfig) -> dict:
         if evaluator is not None and (done % cfg.eval.every == 0 or done == p.num_iterations):
             with timed(times, "eval"):
                 eval_metrics, eval_rollout = evaluator(policy)  # held-out prompts, after this update
-            held_out_after = _samples(eval_rollout, HELD_OUT_SAMPLES)
+            held_out_after = rollout_samples(eval_rollout, HELD_OUT_SAMPLES)
             metrics.update(eval_metrics)
         times["time/total"] = time.perf_counter() - start
         n_tokens = float(batch.get(K.RESPONSE_MASK).sum())
@@ -213,7 +214,7 @@ def train(cfg: DictConfig) -> dict:
             writer.log(iteration, metrics)
         if stats is not None:
             history.append(metrics)
-            last_samples = _samples(rollout, cfg.logging.num_samples)
+            last_samples = rollout_samples(rollout, cfg.logging.num_samples)
             if first_samples is None:
                 first_samples = last_samples
             bar.set_postfix(score=f"{metrics['objective/scores']:.3f}",
@@ -248,8 +249,8 @@ def train(cfg: DictConfig) -> dict:
                  "after": a["response"], "score_after": a["score"]}
                 for b, a in zip(held_out_before, held_out_after) if b["prompt"] == a["prompt"]]
         if parallel.is_main:
-            print(f"  held-out evaluation before: {_fmt(eval_before)}\n"
-                  f"                       after: {_fmt(report['eval_after'])}", flush=True)
+            print(f"  held-out evaluation before: {format_metrics(eval_before)}\n"
+                  f"                       after: {format_metrics(report['eval_after'])}", flush=True)
     if writer is not None:
         writer.close()
         with open(os.path.join(cfg.output_dir, "report.json"), "w") as f:
@@ -274,17 +275,6 @@ def reference_policy(policy, reference, device, offloaded: bool):
 
 #: held-out prompts whose responses before and after training the report shows side by side
 HELD_OUT_SAMPLES = 8
-
-
-def _fmt(metrics: dict) -> str:
-    return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items())
-
-
-def _samples(rollout, n: int) -> list[dict]:
-    prompts, responses = rollout.get(K.PROMPT_TEXT).tolist(), rollout.get(K.RESPONSE_TEXT).tolist()
-    scores = rollout.get(K.SCORE).tolist()
-    return [{"prompt": prompts[i], "response": responses[i], "score": scores[i]}
-            for i in range(min(n, len(scores)))]
 
 
 def _report(history: list[dict], before: list[dict], after: list[dict], quiet: bool = False) -> dict:

@@ -99,3 +99,16 @@ class Evaluator:
             metrics["eval/win_rate"] = win_rate(self._judged(rollout), self._judged(self._reference))
             metrics["eval/reference_score"] = float(self._reference.get(K.SCORE).mean())
         return metrics, rollout
+
+
+def rollout_samples(rollout, n: int | None = None) -> list[dict]:
+    """``{"prompt", "response", "score"}`` of the first ``n`` rows of a rollout (all: None)."""
+    prompts, responses = rollout.get(K.PROMPT_TEXT).tolist(), rollout.get(K.RESPONSE_TEXT).tolist()
+    scores = rollout.get(K.SCORE).tolist()
+    return [{"prompt": p, "response": r, "score": s}
+            for p, r, s in list(zip(prompts, responses, scores))[:n]]
+
+
+def format_metrics(metrics: dict) -> str:
+    """``score 0.348, win_rate 0.656, ...``: eval metrics on one line."""
+    return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items())

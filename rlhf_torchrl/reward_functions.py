@@ -33,16 +33,26 @@ def _to_number(text: str) -> float | None:
         return None
 
 
+_ANSWER_MARKERS = ("####", "answer is", "answer:")
+
+
+def _after_markers(text: str):
+    """The text after the last occurrence of each answer marker present, in marker order."""
+    lowered = text.lower()
+    for marker in _ANSWER_MARKERS:
+        at = lowered.rfind(marker)
+        if at >= 0:
+            yield text[at + len(marker):]
+
+
 def extract_final_number(text: str) -> float | None:
     """The answer a solution ends with: the number after GSM8K's ``####`` marker if there is one,
     else after the last "answer is"/"answer:", else the last number in the text. Commas, a dollar
     sign and a trailing period are ignored; ``-3`` is negative. None when there is no number."""
-    for marker in ("####", "answer is", "answer:"):
-        at = text.lower().rfind(marker)
-        if at >= 0:
-            found = _NUMBER.search(text[at + len(marker):])
-            if found:
-                return _to_number(found.group())
+    for after in _after_markers(text):
+        found = _NUMBER.search(after)
+        if found:
+            return _to_number(found.group())
     numbers = _NUMBER.findall(text)
     return _to_number(numbers[-1]) if numbers else None
 
@@ -71,11 +81,8 @@ def extract_tagged_answer(text: str) -> str:
     tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.DOTALL)
     if tagged:
         return tagged[-1].strip()
-    lowered = text.lower()
-    for marker in ("####", "answer is", "answer:"):
-        at = lowered.rfind(marker)
-        if at >= 0:
-            return text[at + len(marker):].strip().split("\n")[0].strip().rstrip(".").strip()
+    for after in _after_markers(text):
+        return after.strip().split("\n")[0].strip().rstrip(".").strip()
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1].rstrip(".").strip() if lines else ""
 
