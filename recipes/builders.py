@@ -98,6 +98,9 @@ def check_config(cfg: DictConfig) -> Sizes:
         raise ValueError(f"model.autocast={m.autocast} keeps fp32 master weights: set model.dtype="
                          f"float32 (now {m.dtype}), or drop autocast to train in {m.dtype}.")
     F.check_kl_estimator(p.kl_estimator)
+    if cfg.optim.critic_warmup >= p.num_iterations:
+        raise ValueError(f"optim.critic_warmup={cfg.optim.critic_warmup} iterations leave the policy "
+                         f"none of ppo.num_iterations={p.num_iterations} to learn in: use fewer.")
     if cfg.value_model.init == "reward_model" and not cfg.reward.model:
         raise ValueError("value_model.init=reward_model needs reward.model to be set.")
     g = cfg.generation
@@ -525,15 +528,19 @@ def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):
     # fused: one kernel per step for all parameters (on CPU too), instead of a loop over tensors
     optimizer = torch.optim.AdamW(groups, weight_decay=o.weight_decay, eps=o.eps, fused=True)
     total = sizes.optimizer_steps
+    frozen = o.critic_warmup * total // cfg.ppo.num_iterations  # the critic's steps alone
 
-    def schedule(step: int) -> float:
-        return 1.0 - step / total if o.lr_schedule == "linear" else 1.0
+    def schedule(step: int, start: int = 0) -> float:  # linear: from 1 at `start` to 0 at the end
+        return 1.0 - (step - start) / (total - start) if o.lr_schedule == "linear" else 1.0
 
-    def warmed_up(step: int) -> float:  # the policy's rate rises from 0 over the first steps
-        return schedule(step) * min(1.0, (step + 1) / (o.warmup_steps + 1))
+    def policy_rate(step: int) -> float:
+        if step < frozen:  # critic warm-up: AdamW still updates the policy's moments, not its weights
+            return 0.0
+        warm = min(1.0, (step - frozen + 1) / (o.warmup_steps + 1))  # rises from 0 over the first steps
+        return schedule(step, frozen) * warm
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, [warmed_up] + [schedule] * (len(groups) - 1))
+        optimizer, [policy_rate] + [schedule] * (len(groups) - 1))
     return optimizer, scheduler
 
 
@@ -583,13 +590,41 @@ def resume_path(cfg: DictConfig) -> str | None:
         if latest is None and os.path.exists(metrics):  # stopped before its first checkpoint
             log.warning("output_dir=%s: the earlier run stopped before its first checkpoint; "
                         "starting over (its metrics are replaced).", out)
+        if latest is not None:
+            check_same_run(cfg, latest)
         return latest
     if not is_checkpoint(resume):
         raise ValueError(
             f"resume={resume!r} is not a checkpoint directory: give auto, never, or a path like "
             f"<output_dir>/{CHECKPOINTS}/iter_00000010."
         )
+    check_same_run(cfg, resume)
     return resume
+
+
+#: settings that make a run what it is: a resume that changes them would train another run's
+#: weights on other data or rewards (the schedule, logging and sizes may change)
+RUN_IDENTITY = ("model.policy", "model.reference", "lora.r", "value_model.init",
+                "value_model.name_or_path", "reward.model", "reward.functions", "data.source",
+                "data.config", "data.split", "data.column", "data.template", "data.system_prompt")
+
+
+def check_same_run(cfg: DictConfig, checkpoint: str) -> None:
+    """Refuse to resume from a checkpoint written with other models, data or rewards (another
+    ``task=`` preset, say), naming the settings that differ."""
+    saved = OmegaConf.load(os.path.join(checkpoint, "config.yaml"))
+    differ = []
+    for key in RUN_IDENTITY:
+        then, now = OmegaConf.select(saved, key), OmegaConf.select(cfg, key)
+        then, now = (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for v in (then, now))
+        if then != now:
+            differ.append(f"{key}: {then!r} in the checkpoint, {now!r} now")
+    if differ:
+        raise ValueError(
+            f"Cannot resume from {checkpoint}: it was trained with other settings ("
+            + "; ".join(differ) + "). Resume with the checkpoint's settings (its config.yaml; the "
+            "same task=), or start a new run: another output_dir, or resume=never."
+        )
 
 
 def checkpoint_due(cfg: DictConfig, done: int) -> bool:

@@ -195,7 +195,8 @@ def train(cfg: DictConfig) -> dict:
         else:
             metrics = rollout_metrics(batch, kl_coef=shaper.kl_coef)
             metrics.update(sampler_metrics(batch, version=iteration))
-            shaper.update_kl_coef(batch)
+            if iteration >= cfg.optim.critic_warmup:  # a frozen policy's KL of 0 says nothing
+                shaper.update_kl_coef(batch)
             metrics.update(stats)
         done = iteration + 1
         if evaluator is not None and (done % cfg.eval.every == 0 or done == p.num_iterations):
@@ -245,7 +246,8 @@ def train(cfg: DictConfig) -> dict:
         report["eval_after"] = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
         if held_out_before and held_out_after:
             report["held_out_samples"] = [
-                {"prompt": b["prompt"], "before": b["response"], "score_before": b["score"],
+                {"prompt": b["prompt"], "question": b.get("question", b["prompt"]),
+                 "before": b["response"], "score_before": b["score"],
                  "after": a["response"], "score_after": a["score"]}
                 for b, a in zip(held_out_before, held_out_after) if b["prompt"] == a["prompt"]]
         if parallel.is_main:

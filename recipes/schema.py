@@ -153,6 +153,7 @@ class Optim:
     max_grad_norm: float | None = MISSING
     lr_schedule: str = MISSING
     warmup_steps: int = MISSING
+    critic_warmup: int = MISSING
 
 
 @dataclass
@@ -229,6 +230,7 @@ _INF = math.inf
 #: setting -> (low, high, low inclusive, high inclusive); null passes where the type allows it
 RANGES = {
     "optim.warmup_steps": (0, _INF, True, True),
+    "optim.critic_warmup": (0, _INF, True, True),
     "threads": (1, _INF, True, True),
     "checkpoint.every": (0, _INF, True, True),
     "checkpoint.keep": (1, _INF, True, True),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -73,14 +74,21 @@ class Prompt:
 
 
 def template_columns(template: str) -> list[str]:
-    """The names a ``data.template`` fills in (``{prompt}`` and any column of the row)."""
-    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    """The columns a ``data.template`` fills in (``{prompt}`` and any column of the row; of
+    ``{metadata[difficulty]}`` or ``{meta.source}``, the column ``metadata`` or ``meta``)."""
+    return [re.split(r"[.\[]", name, maxsplit=1)[0]
+            for _, name, _, _ in string.Formatter().parse(template) if name]
 
 
 def fill_template(template: str, text: str, columns: dict) -> str:
-    """``template`` with ``{prompt}`` replaced by ``text`` and ``{name}`` by the row's column."""
-    return template.format_map({**{k: "" if v is None else v for k, v in columns.items()},
-                                "prompt": text})
+    """``template`` with ``{prompt}`` replaced by ``text`` and ``{name}`` by the row's column
+    (``{name[key]}``: an entry of a dict column)."""
+    try:
+        return template.format_map({**{k: "" if v is None else v for k, v in columns.items()},
+                                    "prompt": text})
+    except (KeyError, IndexError, AttributeError, TypeError) as e:
+        raise ValueError(f"data.template {template!r} cannot be filled from this row's fields "
+                         f"{sorted(columns)}: {type(e).__name__} {e}.") from None
 
 
 def to_prompt(item, system_prompt: str | None = None, where: str = "prompt") -> Prompt:

@@ -102,11 +102,16 @@ class Evaluator:
 
 
 def rollout_samples(rollout, n: int | None = None) -> list[dict]:
-    """``{"prompt", "response", "score"}`` of the first ``n`` rows of a rollout (all: None)."""
+    """``{"prompt", "question", "response", "score"}`` of the first ``n`` rows of a rollout (all:
+    None): the prompt as the policy read it (chat template applied) and, for reading, the last
+    user message alone (the prompt again where the rollout has no messages)."""
     prompts, responses = rollout.get(K.PROMPT_TEXT).tolist(), rollout.get(K.RESPONSE_TEXT).tolist()
     scores = rollout.get(K.SCORE).tolist()
-    return [{"prompt": p, "response": r, "score": s}
-            for p, r, s in list(zip(prompts, responses, scores))[:n]]
+    questions = prompts
+    if K.PROMPT_MESSAGES in rollout.keys(True):
+        questions = [m[-1]["content"] for m in rollout.get(K.PROMPT_MESSAGES).tolist()]
+    return [{"prompt": p, "question": q, "response": r, "score": s}
+            for p, q, r, s in list(zip(prompts, questions, responses, scores))[:n]]
 
 
 def format_metrics(metrics: dict) -> str:

@@ -149,6 +149,13 @@ def _plot(rows: list[dict], summary: dict, keys: list[str], title: str, ylabel: 
     return True
 
 
+def _prompt_cell(sample: dict) -> str:
+    """A table cell with the user's message (its end, if long); hovering shows the whole prompt as
+    the policy read it (system prompt and chat template included)."""
+    shown = sample.get("question") or sample["prompt"]
+    return f'<td title="{html.escape(sample["prompt"])}">{html.escape(shown[-300:])}</td>'
+
+
 def write_report(run_dir: str) -> str:
     """Write ``report.html`` and ``plots/*.png`` for ``run_dir``; returns the HTML's path."""
     rows, summary = read_run(run_dir)
@@ -188,14 +195,14 @@ def write_report(run_dir: str) -> str:
         samples = summary.get(key) or []
         if samples:
             parts.append(f"<h2>{title}</h2><table><tr><th>score</th><th>prompt</th><th>response</th></tr>"
-                         + "".join(f"<tr><td>{s['score']:+.3f}</td><td>{esc(s['prompt'][-200:])}</td>"
+                         + "".join(f"<tr><td>{s['score']:+.3f}</td>{_prompt_cell(s)}"
                                    f"<td>{esc(s['response'])}</td></tr>" for s in samples)
                          + "</table>")
     held_out = summary.get("held_out_samples") or []
     if held_out:
         parts.append("<h2>Held-out prompts: the policy's response before and after training</h2>"
                      "<table><tr><th>prompt</th><th>before</th><th>after</th></tr>"
-                     + "".join(f"<tr><td>{esc(s['prompt'][-200:])}</td>"
+                     + "".join(f"<tr>{_prompt_cell(s)}"
                                f"<td>{esc(s['before'])} <i>({s['score_before']:+.3f})</i></td>"
                                f"<td>{esc(s['after'])} <i>({s['score_after']:+.3f})</i></td></tr>"
                                for s in held_out) + "</table>")

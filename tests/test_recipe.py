@@ -187,3 +187,21 @@ def test_warmup_raises_the_policy_learning_rate_from_zero(tmp_path, tiny_llama_d
                    "eval.every=0"))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in rows] == pytest.approx([0.75e-3, 1e-3])
+
+
+def test_critic_warmup_holds_the_policy_while_the_value_head_learns(tmp_path, tiny_llama_dir):
+    """optim.critic_warmup=1: iteration 0 trains the value head alone (the policy's rate is 0, so
+    its ratio stays 1 through both minibatches and iteration 1 samples from the reference), and
+    the adaptive KL coefficient waits; from iteration 1 the policy moves."""
+    import builders
+
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, "optim.critic_warmup=1", "ppo.num_iterations=3",
+                   "eval.every=0"))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["policy/approxkl_avg"] < 1e-9 < 1e-4 < rows[1]["policy/approxkl_avg"]
+    assert abs(rows[1]["objective/kl"]) < 1e-3 < abs(rows[2]["objective/kl"])
+    assert rows[0]["loss/value_avg"] > 0 and rows[1]["objective/kl_coef"] == rows[0]["objective/kl_coef"]
+    assert rows[2]["objective/kl_coef"] != rows[1]["objective/kl_coef"]  # adapting from iteration 1
+    with pytest.raises(ValueError, match="optim.critic_warmup=3 iterations leave the policy none"):
+        builders.check_config(_cfg(tmp_path, tiny_llama_dir, "optim.critic_warmup=3",
+                                   "ppo.num_iterations=3"))

@@ -27,6 +27,8 @@ from rlhf_torchrl.checkpoint import (
     save_checkpoint,
 )
 
+builders = ppo.builders  # recipes/builders.py
+
 # one thread: the same summation order run to run (an adapting thread count changes it)
 EXACT = ["threads=1", "checkpoint.every=1", "checkpoint.keep=null", "ppo.num_iterations=4"]
 NOT_COMPARED = ("time/", "threads")
@@ -81,6 +83,24 @@ def test_resume_from_a_path_and_never(tmp_path, tiny_llama_dir):
     ppo.train(_cfg(first, tiny_llama_dir, *EXACT, "resume=never", "ppo.num_iterations=1"))
     assert [done for done, _ in list_checkpoints(first)] == [1]
     assert [r["iteration"] for r in _rows(first)] == [0]
+
+
+def test_resume_with_other_models_data_or_rewards_is_refused(tmp_path, tiny_llama_dir):
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, *EXACT, "ppo.num_iterations=1"))
+    # the same run may go on longer, with another schedule
+    builders.resume_path(_cfg(tmp_path, tiny_llama_dir, *EXACT, "ppo.num_iterations=3", "optim.lr=1e-6"))
+    checkpoint = str(latest_checkpoint(tmp_path))
+    other_task = ["task=arithmetic", "data.limit=8", "eval.every=0"]
+    for resume, overrides in [("auto", other_task), (checkpoint, other_task),
+                              ("auto", ["data.template='Review: {prompt}'"])]:
+        cfg = _cfg(tmp_path, tiny_llama_dir, *EXACT, f"resume={resume}", *overrides)
+        with pytest.raises(ValueError, match="Cannot resume from .*data.source|data.template") as info:
+            ppo.train(cfg)
+        assert "resume=never" in str(info.value)
+    assert "data.source: 'polarity' in the checkpoint, 'reasoning_gym:basic_arithmetic' now" in str(
+        pytest.raises(ValueError, builders.resume_path,
+                      _cfg(tmp_path, tiny_llama_dir, *EXACT, *other_task)).value)
+    assert [r["iteration"] for r in _rows(tmp_path)] == [0]  # nothing of the run was touched
 
 
 def test_keep_prunes_old_checkpoints(tmp_path, tiny_llama_dir):

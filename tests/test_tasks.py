@@ -232,6 +232,13 @@ def test_template_fills_columns_and_names_a_missing_one(tmp_path):
         load_prompts(path, column="post", template="r/{subreddit}: {prompt}")
     with pytest.raises(ValueError, match=r"a 'body' field"):
         load_prompts(path, column="body")
+    # an entry of a dict column (reasoning-gym's metadata, say)
+    path = _write_jsonl(tmp_path / "m.jsonl", [{"post": "text", "meta": {"level": 2}}])
+    prompt = load_prompts(path, column="post", template="[level {meta[level]}] {prompt}")[0]
+    assert prompt.text == "[level 2] text"
+    with pytest.raises(ValueError, match=r"cannot be filled from this row's fields \['meta'\]: "
+                                         r"KeyError 'rank'"):
+        load_prompts(path, column="post", template="{meta[rank]} {prompt}")
 
 
 def test_truncation_without_a_column_template_keeps_the_instruction(tmp_path, tokenizer):

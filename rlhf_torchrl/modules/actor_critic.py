@@ -17,7 +17,6 @@ depend on which of the two a loss calls first.
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 
 import torch
@@ -214,8 +213,11 @@ class TokenCritic(TensorDictModuleBase):
         if head is None:
             hidden = backbone.config.hidden_size
             head = nn.Linear(hidden, 1)
-            # N+ details (Huang et al. 2024) / Stiennon et al. 2020 p.11: std = 1/sqrt(d + 1)
-            nn.init.normal_(head.weight, std=1.0 / math.sqrt(hidden + 1))
+            # zero: every value starts at 0, so the first advantages are the returns themselves.
+            # A random head (N(0, 1/sqrt(d + 1)), the reward head's init) starts SmolLM2's values
+            # ~1.3 rms away from scores of ~0.3 spread, and that noise swamps the advantages
+            # until the head has unlearned it (value clipping slows that further).
+            nn.init.zeros_(head.weight)
             nn.init.zeros_(head.bias)
         self.head = head
         self.in_keys = list(_IN_KEYS)
