@@ -61,6 +61,7 @@ def run_variant(name: str, args, out_dir: str) -> dict:
                  f"output_dir={out_dir}", f"hydra.run.dir={out_dir}", "logging.progress_bar=false",
                  "logging.logger=null", "logging.save_model=false", "device=cpu",
                  "eval.every=0", "checkpoint.every=0",  # the training phases only
+                 "optim.critic_warmup=0",  # (a warm-up iteration does the same work, at lr 0)
                  *VARIANTS[name],
                  *args.overrides]
     if name == "token-budget":

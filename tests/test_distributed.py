@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["ppo.num_iterations=2", "ppo.batch_size=8", "ppo.num_mini_batches=2",
         "ppo.forward_batch_size=4", "generation.max_new_tokens=6", "logging.progress_bar=false",
         "data.limit=32", "optim.lr=1e-3", "threads=1", "logging.logger=null", "device=cpu",
-        "eval.every=0"]
+        "eval.every=0", "optim.critic_warmup=0"]
 IGNORED = {"threads", "iteration"}  # and every time/* entry
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
@@ -80,7 +80,10 @@ def test_two_processes_match_one(tmp_path, tiny_llama_dir, overrides):
         for key, value in a.items():
             if key in IGNORED or key.startswith("time/"):
                 continue
-            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), (a["iteration"], key)
+            # a clip fraction counts tokens: one on the clip boundary, put on the other side by
+            # float rounding, moves it by 1/48 (2 minibatches of 4 rows x 6 tokens, averaged)
+            tolerance = 0.03 if "clipfrac" in key else 1e-5
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=tolerance), (a["iteration"], key)
             compared += 1
     assert compared > 2 * 20
     # the run learned something (the comparison is not between two untouched models)

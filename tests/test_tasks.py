@@ -23,7 +23,8 @@ TASKS = ["sentiment", "tldr", "hh", "gsm8k", "arithmetic", "custom"]
 TWO_ITERATIONS = ["ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batches=2",
                   "ppo.forward_batch_size=2", "ppo.micro_batch_tokens=null",
                   "logging.progress_bar=false", "eval.every=1", "eval.num_prompts=2",
-                  "checkpoint.every=0", "reuse_freed_memory=false", "optim.lr=1e-3"]
+                  "checkpoint.every=0", "reuse_freed_memory=false", "optim.lr=1e-3",
+                  "optim.critic_warmup=0"]
 
 
 def _compose(*overrides):
@@ -106,8 +107,9 @@ def test_every_preset_composes_and_passes_the_config_checks():
         assert cfg.data.source and (cfg.reward.functions or cfg.reward.model), task
     default = _compose()  # no task named: the sentiment task
     assert default == _compose("task=sentiment") and default.data.source == "polarity"
-    assert (default.ppo.kl_target, default.reward.functions[0]) == \
-        (1.5, "rlhf_torchrl.reward_functions.vader_sentiment")
+    assert (default.ppo.kl_coef, default.ppo.kl_target, default.optim.critic_warmup,
+            default.generation.temperature, default.reward.functions[0]) == \
+        (0.1, None, 2, 0.7, "rlhf_torchrl.reward_functions.vader_sentiment")
     hh = _compose("task=hh")
     assert (hh.data.source, hh.data.column, hh.data.truncate_prompts) == ("Anthropic/hh-rlhf", "chosen", True)
     assert hh.reward.model and not hh.reward.functions and hh.data.system_prompt is None
