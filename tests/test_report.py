@@ -1,5 +1,6 @@
 """Evaluation metrics on known inputs; the run report renders from a finished tiny run."""
 
+import html
 import json
 import subprocess
 import sys
@@ -61,6 +62,9 @@ def test_report_renders_every_plot_of_a_finished_run(tmp_path, tiny_llama_dir):
                                    for p in pairs)
     assert len({p["prompt"] for p in pairs}) == 4  # four held-out prompts, each answered twice
     assert "Held-out prompts: the policy's response before and after training" in page
+    # each prompt shown as its user message (the rendered prompt, chat template included, on hover)
+    assert all(p["question"] in p["prompt"] and p["question"] != p["prompt"] for p in pairs)
+    assert f'">{html.escape(pairs[0]["question"])}</td>' in page
     # held-out evaluation before training, after updates 2 and 3 (the last)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert ["eval/score" in r for r in rows] == [False, True, True]
