@@ -606,7 +606,8 @@ def resume_path(cfg: DictConfig) -> str | None:
 #: weights on other data or rewards (the schedule, logging and sizes may change)
 RUN_IDENTITY = ("model.policy", "model.reference", "lora.r", "value_model.init",
                 "value_model.name_or_path", "reward.model", "reward.functions", "data.source",
-                "data.config", "data.split", "data.column", "data.template", "data.system_prompt")
+                "data.config", "data.generator_args", "data.split", "data.column", "data.template",
+                "data.max_words", "data.system_prompt")
 
 
 def check_same_run(cfg: DictConfig, checkpoint: str) -> None:
@@ -616,7 +617,8 @@ def check_same_run(cfg: DictConfig, checkpoint: str) -> None:
     differ = []
     for key in RUN_IDENTITY:
         then, now = OmegaConf.select(saved, key), OmegaConf.select(cfg, key)
-        then, now = (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for v in (then, now))
+        then, now = (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+                     for v in (then, now))
         if then != now:
             differ.append(f"{key}: {then!r} in the checkpoint, {now!r} now")
     if differ:

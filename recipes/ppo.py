@@ -195,7 +195,10 @@ def train(cfg: DictConfig) -> dict:
         else:
             metrics = rollout_metrics(batch, kl_coef=shaper.kl_coef)
             metrics.update(sampler_metrics(batch, version=iteration))
-            if iteration >= cfg.optim.critic_warmup:  # a frozen policy's KL of 0 says nothing
+            # the first batch of a moved policy comes after the warm-up (and any batches sampled
+            # ahead of it): until then the KL is 0 and says nothing about the coefficient
+            warm = cfg.optim.critic_warmup
+            if not warm or iteration > warm + (overlap or 0):
                 shaper.update_kl_coef(batch)
             metrics.update(stats)
         done = iteration + 1

@@ -81,8 +81,8 @@ def test_two_processes_match_one(tmp_path, tiny_llama_dir, overrides):
             if key in IGNORED or key.startswith("time/"):
                 continue
             # a clip fraction counts tokens: one on the clip boundary, put on the other side by
-            # float rounding, moves it by 1/48 (2 minibatches of 4 rows x 6 tokens, averaged)
-            tolerance = 0.03 if "clipfrac" in key else 1e-5
+            # float rounding, moves it by 1/(2n) (2 minibatches of n <= 24 valid tokens, averaged)
+            tolerance = 0.1 if "clipfrac" in key else 1e-5
             assert b[key] == pytest.approx(value, rel=1e-4, abs=tolerance), (a["iteration"], key)
             compared += 1
     assert compared > 2 * 20

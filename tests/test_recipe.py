@@ -196,13 +196,15 @@ def test_critic_warmup_holds_the_policy_while_the_value_head_learns(tmp_path, ti
     the adaptive KL coefficient waits; from iteration 1 the policy moves."""
     import builders
 
-    ppo.train(_cfg(tmp_path, tiny_llama_dir, "optim.critic_warmup=1", "ppo.num_iterations=3",
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, "optim.critic_warmup=1", "ppo.num_iterations=4",
                    "eval.every=0", "ppo.kl_target=1.0", "ppo.kl_horizon=4"))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["policy/approxkl_avg"] < 1e-9 < 1e-4 < rows[1]["policy/approxkl_avg"]
     assert abs(rows[1]["objective/kl"]) < 1e-3 < abs(rows[2]["objective/kl"])
-    assert rows[0]["loss/value_avg"] > 0 and rows[1]["objective/kl_coef"] == rows[0]["objective/kl_coef"]
-    assert rows[2]["objective/kl_coef"] != rows[1]["objective/kl_coef"]  # adapting from iteration 1
+    assert rows[1]["loss/value_avg"] < rows[0]["loss/value_avg"]  # the head learned alone
+    # the coefficient waits for the first batch of the moved policy (iteration 2), then adapts
+    coefs = [r["objective/kl_coef"] for r in rows]
+    assert coefs[0] == coefs[1] == coefs[2] != coefs[3]
     with pytest.raises(ValueError, match="optim.critic_warmup=3 iterations leave the policy none"):
         builders.check_config(_cfg(tmp_path, tiny_llama_dir, "optim.critic_warmup=3",
                                    "ppo.num_iterations=3"))
