@@ -195,10 +195,11 @@ def train(cfg: DictConfig) -> dict:
         else:
             metrics = rollout_metrics(batch, kl_coef=shaper.kl_coef)
             metrics.update(sampler_metrics(batch, version=iteration))
-            # the first batch of a moved policy comes after the warm-up (and any batches sampled
-            # ahead of it): until then the KL is 0 and says nothing about the coefficient
-            warm = cfg.optim.critic_warmup
-            if not warm or iteration > warm + (overlap or 0):
+            # a batch sampled by the policy of the critic warm-up (updates 0..warm-1 left it as it
+            # was) has a KL of 0, which says nothing about the coefficient
+            sampled_by = (int(batch.get(K.POLICY_VERSION).min()) if K.POLICY_VERSION in batch.keys()
+                          else iteration)  # asynchronous rows record their version
+            if sampled_by > cfg.optim.critic_warmup or not cfg.optim.critic_warmup:
                 shaper.update_kl_coef(batch)
             metrics.update(stats)
         done = iteration + 1
