@@ -139,10 +139,8 @@ def worker_trl(a, fixture: Path) -> dict:
 
 def worker_ours(a, fixture: Path) -> dict:
     import torch
-    from hydra import compose, initialize_config_dir
 
-    sys.path.insert(0, str(ROOT / "recipes"))
-    import ppo
+    from rlhf_torchrl.config import builders, compose
 
     torch.set_num_threads(a.threads)
     overrides = [
@@ -158,9 +156,8 @@ def worker_ours(a, fixture: Path) -> dict:
         "logging.progress_bar=false", "logging.save_model=false", "logging.logger=null",
         f"seed={a.seed}",
     ]
-    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "config"), version_base=None):
-        cfg = compose("ppo", overrides=overrides)
-    ppo.train(cfg)
+    cfg = compose(overrides)
+    builders.train(cfg)
     rows = [json.loads(x) for x in open(Path(cfg.output_dir) / "metrics.jsonl")]
     phases = {k.split("/")[1]: statistics.median(r[k] for r in rows[a.warmup:])
               for k in rows[0] if k.startswith("time/")}

@@ -5,11 +5,13 @@ from .collectors import RolloutCollector, make_generation_env, make_generation_p
 from .modules import TokenCritic, TokenLevelActor, evaluate_rollout, make_critic
 from .objectives import ResponseGAE, make_ppo_loss, ppo_update
 from .rewards import KLRewardShaper, RewardModel, Scorer, load_reward_function, make_kl_controller
+from .trainer import PPOTrainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "KLRewardShaper",
+    "PPOTrainer",
     "ResponseGAE",
     "RewardModel",
     "RolloutCollector",

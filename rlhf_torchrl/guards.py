@@ -11,10 +11,15 @@ then saves the rollout and skips the iteration or stops (``guards.non_finite``).
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 from tensordict import TensorDictBase
 
 from . import keys as K
+
+log = logging.getLogger(__name__)
 
 #: rollout quantities in the order the pipeline produces them: name -> (key, per token?)
 QUANTITIES = {
@@ -80,3 +85,40 @@ def _score_sources(td: TensorDictBase, rows: list[int]) -> str:
 def _few(items: list, n: int = 8) -> str:
     shown = ", ".join(map(str, items[:n]))
     return shown + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+class NonFiniteAction:
+    """What the trainer does when :class:`NonFiniteError` fires: the rollout is saved to
+    ``<output_dir>/diverged/iter_<k>.pt`` (by the main process), then the run stops
+    (``action="stop"``: :class:`DivergenceError`) or the iteration is skipped (``"skip"``: a
+    warning, no further optimiser step)."""
+
+    def __init__(self, output_dir: str, action: str = "stop", is_main: bool = True):
+        if action not in ("stop", "skip"):
+            raise ValueError(f"action={action!r}: choose stop or skip.")
+        self.output_dir, self.action, self.is_main = output_dir, action, is_main
+
+    def __call__(self, error: NonFiniteError, iteration: int, batch: TensorDictBase | None) -> None:
+        path = os.path.join(self.output_dir, "diverged", f"iter_{iteration:08d}.pt")
+        if self.is_main and batch is not None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(batch.detach().cpu(), path)
+        message = f"Iteration {iteration}: {error}. The rollout is saved in {path}"
+        if self.action == "skip":
+            log.warning("%s; the iteration is skipped (guards.non_finite=skip).", message)
+            return
+        raise DivergenceError(f"{message} (torch.load(path, weights_only=False)). Stopped "
+                              "(guards.non_finite=stop; skip drops such iterations instead).")
+
+
+def check_kl_ceiling(kl: float, iteration: int, *, ceiling: float | None, stop: bool = False) -> None:
+    """Warn (or, with ``stop``, raise :class:`DivergenceError`) when the KL to the reference passes
+    ``ceiling`` nats per response (None: no ceiling)."""
+    if ceiling is None or kl <= ceiling:
+        return
+    message = (f"Iteration {iteration}: the KL to the reference, {kl:.3f} nats per response, is "
+               f"above guards.kl_ceiling={ceiling}")
+    if stop:
+        raise DivergenceError(message + ". Stopped (guards.kl_ceiling_stop=true); resume from the "
+                              "last checkpoint with a larger ppo.kl_coef or a ppo.kl_target.")
+    log.warning("%s: the policy is drifting (raise ppo.kl_coef or set ppo.kl_target).", message)

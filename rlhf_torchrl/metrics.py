@@ -29,13 +29,15 @@ def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
         "objective/non_score_reward": float(non_score.mean()),
         "objective/rlhf_reward": float((score + non_score).mean()),
         "objective/scores": float(score.mean()),
-        "objective/raw_scores": float(td.get(K.RAW_SCORE).mean()),
         "objective/kl_coef": kl_coef,
         "val/num_eos_tokens": float(td.get(K.HAS_STOP).sum()),
         "val/sequence_lengths": float(mask.sum(-1).float().mean()),
         "val/value_mean": float(F.masked_mean(td.get(K.VALUE).squeeze(-1), mask)),
     }
-    if K.ENTROPY in td.keys(True):
+    keys = td.keys(True)
+    if K.RAW_SCORE in keys:  # a Scorer's score before the missing-EOS penalty
+        out["objective/raw_scores"] = float(td.get(K.RAW_SCORE).mean())
+    if K.ENTROPY in keys:
         out["objective/entropy"] = float((td.get(K.ENTROPY) * mask).sum(-1).mean())
     if "scores" in td.keys():
         for name, value in td.get("scores").items():

@@ -16,9 +16,9 @@ sys.path.insert(0, str(ROOT / "recipes"))
 @pytest.fixture(scope="module")
 def cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60's token auth writes ~/.ray
-    path = os.pathsep.join([str(ROOT / "recipes"), str(ROOT)])
+    # the workers import the installed package only: no recipes/ (nor the checkout) on their path
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+
+from rlhf_torchrl.config import builders, compose
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -26,9 +27,8 @@ IN_PROCESS = ["reuse_freed_memory=false"]
 
 
 def _cfg(tmp_path, model_dir, *overrides):
-    with initialize_config_dir(config_dir=str(RECIPES / "config"), version_base=None):
-        return compose("ppo", overrides=[f"output_dir={tmp_path}", f"model.policy={model_dir}",
-                                         *TINY, *IN_PROCESS, *overrides])
+    return compose([f"output_dir={tmp_path}", f"model.policy={model_dir}", *TINY, *IN_PROCESS,
+                    *overrides])
 
 
 @pytest.mark.parametrize("overrides", [
@@ -129,7 +129,7 @@ def test_recipe_on_policy_check(tmp_path, tiny_llama_dir, caplog):
                        "eval.every=0"))
     ppo.train(_cfg(tmp_path / "b", tiny_llama_dir, "generation.on_policy_tolerance=0",
                    "generation.check_on_policy=false", "ppo.num_iterations=1"))
-    with caplog.at_level("INFO", logger="ppo"):
+    with caplog.at_level("INFO", logger="rlhf_torchrl"):
         ppo.train(_cfg(tmp_path / "c", tiny_llama_dir, "ppo.num_iterations=1"))
     assert "On-policy check: recorded and recomputed log-probs" in caplog.text
 
@@ -169,8 +169,6 @@ def test_recipe_on_cuda(tmp_path, tiny_llama_dir, extra):
 def test_low_precision_recomputes_old_log_probs(tmp_path, tiny_llama_dir):
     """In bf16/fp16 the old log-probs come from the training forward and the on-policy check is
     coarser; fp32 keeps the recorded ones and 1e-3; explicit settings win."""
-    import builders
-
     fp32 = _cfg(tmp_path, tiny_llama_dir)
     assert builders.log_probs_from_sampling(fp32) and builders.on_policy_tolerance(fp32) == 1e-3
     for setting in ("model.autocast=bfloat16", "model.dtype=bfloat16"):
@@ -194,8 +192,6 @@ def test_critic_warmup_holds_the_policy_while_the_value_head_learns(tmp_path, ti
     """optim.critic_warmup=1: iteration 0 trains the value head alone (the policy's rate is 0, so
     its ratio stays 1 through both minibatches and iteration 1 samples from the reference), and
     the adaptive KL coefficient waits; from iteration 1 the policy moves."""
-    import builders
-
     ppo.train(_cfg(tmp_path, tiny_llama_dir, "optim.critic_warmup=1", "ppo.num_iterations=4",
                    "eval.every=0", "ppo.kl_target=1.0", "ppo.kl_horizon=4"))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -26,8 +26,7 @@ from rlhf_torchrl.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-
-builders = ppo.builders  # recipes/builders.py
+from rlhf_torchrl.config import builders  # noqa: E402
 
 # one thread: the same summation order run to run (an adapting thread count changes it)
 EXACT = ["threads=1", "checkpoint.every=1", "checkpoint.keep=null", "ppo.num_iterations=4"]

@@ -7,9 +7,9 @@ import math
 import pytest
 import reward_model  # noqa: E402  (recipes/ is on the path through test_recipe)
 import torch
-from hydra import compose, initialize_config_dir
-from test_recipe import RECIPES, _cfg, ppo
+from test_recipe import _cfg, ppo
 
+from rlhf_torchrl.config import compose
 from rlhf_torchrl.reward_training import (
     bradley_terry_loss,
     init_reward_head,
@@ -71,8 +71,7 @@ def test_hh_transcripts_split_at_the_last_assistant_turn(tmp_path):
 
 
 def _rm_cfg(out, *overrides):
-    with initialize_config_dir(config_dir=str(RECIPES / "config"), version_base=None):
-        return compose("reward_model", overrides=[f"output_dir={out}", *overrides])
+    return compose([f"output_dir={out}", *overrides], config_name="reward_model")
 
 
 def test_recipe_improves_held_out_accuracy_on_the_packaged_pairs(tmp_path):

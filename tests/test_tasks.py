@@ -1,4 +1,4 @@
-"""The task presets (recipes/config/task/*.yaml): each loads a local file in its dataset's schema,
+"""The task presets (rlhf_torchrl/config/task/*.yaml): each loads a local file in its dataset's schema,
 written here, and runs two PPO iterations with a tiny model; the data features they rely on
 (templates over several columns, truncation inside the template, dataset config names,
 reasoning-gym tasks)."""
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+
+from rlhf_torchrl.config import builders, compose
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -28,8 +29,7 @@ TWO_ITERATIONS = ["ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batc
 
 
 def _compose(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "recipes" / "config"), version_base=None):
-        return compose("ppo", overrides=list(overrides))
+    return compose(overrides)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> str:
@@ -98,8 +98,6 @@ def gsm8k_rows(n: int = 8) -> list[dict]:
 
 
 def test_every_preset_composes_and_passes_the_config_checks():
-    import builders
-
     for task in TASKS:
         extra = ["data.source=prompts.jsonl", "reward.model=rm"] if task == "custom" else []
         cfg = _compose(f"task={task}", "output_dir=/tmp/unused", *extra)

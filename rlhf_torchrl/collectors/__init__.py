@@ -16,10 +16,10 @@ from .base import (
     sampler_of,
     to_rollout,
 )
-from .weight_sync import WeightSync, engine_weights
+from .weight_sync import SyncedCollector, WeightSync, engine_weights
 
 __all__ = [
-    "RolloutCollector", "ShardedBatchSampler", "WeightSync", "build_rollout", "decode",
+    "RolloutCollector", "ShardedBatchSampler", "SyncedCollector", "WeightSync", "build_rollout", "decode",
     "engine_weights", "make_generation_env", "make_generation_policy", "probe_rollout",
     "sampler_of", "to_rollout",
 ]

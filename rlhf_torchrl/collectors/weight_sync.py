@@ -68,3 +68,26 @@ class WeightSync:
         start = time.perf_counter()
         self.target.load_weights(engine_weights(self.model))
         return time.perf_counter() - start
+
+
+class SyncedCollector:
+    """A collector whose sampler holds weights of its own (a vLLM engine, Ray workers):
+    ``update_weights(version)`` pushes the trainer's through ``weight_sync`` between batches (the
+    call :class:`~rlhf_torchrl.collectors.asynchronous.AsyncCollector` has too), so the trainer's
+    weight-push hook treats both alike."""
+
+    def __init__(self, collector, weight_sync: WeightSync):
+        self.collector, self.weight_sync = collector, weight_sync
+
+    @property
+    def sampler(self):
+        return self.collector.sampler
+
+    def __iter__(self):
+        return iter(self.collector)
+
+    def update_weights(self, version: int) -> float:
+        return self.weight_sync(version)
+
+    def shutdown(self) -> None:
+        self.collector.shutdown()

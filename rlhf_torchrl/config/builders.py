@@ -1,4 +1,4 @@
-"""Builders for the PPO recipe: the only place that reads the Hydra config.
+"""Config to objects: the only module that reads the Hydra config.
 
 Each ``make_*`` turns one config group into library objects with explicit keyword arguments.
 :func:`check_config` validates everything cheap before any model is loaded.
@@ -9,39 +9,42 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 
-import schema
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlhf_torchrl import functional as F
-from rlhf_torchrl.collectors import (
+from .. import functional as F
+from ..collectors import (
     RolloutCollector,
+    SyncedCollector,
     WeightSync,
     make_generation_env,
     make_generation_policy,
     probe_rollout,
 )
-from rlhf_torchrl.collectors.asynchronous import AsyncCollector, ModelCopy
-from rlhf_torchrl.collectors.ray import RayCollector
-from rlhf_torchrl.data import Prompt, check_prompts, load_prompts
-from rlhf_torchrl.distributed import DataParallel, init_data_parallel
-from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, load_tokenizer, make_critic
-from rlhf_torchrl.modules.lora import add_lora
-from rlhf_torchrl.modules.models import torch_dtype
-from rlhf_torchrl.objectives import ResponseGAE, make_minibatch_buffer, make_ppo_loss
-from rlhf_torchrl.rewards import (
+from ..collectors.asynchronous import AsyncCollector, ModelCopy
+from ..collectors.ray import RayCollector
+from ..data import Prompt, check_prompts, load_prompts
+from ..distributed import DataParallel, init_data_parallel
+from ..guards import NonFiniteAction
+from ..modules import TokenLevelActor, load_causal_lm, load_tokenizer, make_critic
+from ..modules.lora import add_lora
+from ..modules.models import torch_dtype
+from ..objectives import ResponseGAE, make_minibatch_buffer, make_ppo_loss
+from ..rewards import (
     KLRewardShaper,
     RewardModel,
     Scorer,
     load_reward_function,
     make_kl_controller,
 )
-from rlhf_torchrl.runtime import ThreadTuner, resolve_device
+from ..runtime import ThreadTuner, resolve_device
+from . import schema
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +260,7 @@ def make_evaluator(cfg: DictConfig, held_out, tokenizer, scorer, stop_ids, devic
 
 def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device):
     """An :class:`~rlhf_torchrl.evaluation.Evaluator` of ``prompts`` with the ``eval.*`` settings."""
-    from rlhf_torchrl.evaluation import Evaluator
+    from ..evaluation import Evaluator
 
     e = cfg.eval
     judge = e.judge or ("reward_model" if cfg.reward.model else None)
@@ -331,8 +334,8 @@ def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids, device
                    parallel: DataParallel, start_batch: int = 0, pending=()):
     """This process's share of every global batch, each row sampled from its own stream.
 
-    Returns ``(collector, push)``: ``push(version)`` gives the sampler the trainer's weights after
-    an update (seconds taken), None where the trained model itself samples. With
+    A sampler with weights of its own (vLLM, Ray workers, a copy) gets the trainer's through the
+    collector's ``update_weights(version)`` (:class:`SyncedCollector`). With
     ``collection.overlap`` set the collector runs in a background thread (:class:`AsyncCollector`),
     and the transformers backend then samples with a copy of the policy.
 
@@ -344,10 +347,9 @@ def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids, device
 
     def in_background(collector, sync):
         if overlap is None:
-            return collector, sync
-        collector = AsyncCollector(collector, sync, overlap=overlap, start_version=start_batch,
-                                   pending=pending)
-        return collector, collector.update_weights
+            return collector if sync is None else SyncedCollector(collector, sync)
+        return AsyncCollector(collector, sync, overlap=overlap, start_version=start_batch,
+                              pending=pending)
 
     if cfg.collection.ray_workers:
         collector = make_ray_collector(cfg, tokenizer, device, start_batch=first)
@@ -397,10 +399,7 @@ def make_ray_collector(cfg: DictConfig, tokenizer, device: torch.device,
     c = cfg.collection
     started = not ray.is_initialized()
     if started:
-        recipes = os.path.dirname(os.path.abspath(__file__))
-        path = os.pathsep.join(p for p in (recipes, os.environ.get("PYTHONPATH")) if p)
-        ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": path}})  # the workers import builders
+        ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=False)
     settings = OmegaConf.to_container(cfg, resolve=True)
     return RayCollector(functools.partial(ray_worker, settings, start_batch=start_batch), c.ray_workers,
                         pad_token_id=tokenizer.pad_token_id, num_cpus=c.ray_cpus_per_worker,
@@ -422,15 +421,17 @@ def ray_worker(settings: dict, rank: int, world_size: int, start_batch: int = 0)
     # the worker's model is only sampled from; weights arrive merged (LoRA) from the trainer
     target = ModelCopy(model, copy_model=False)
     place = DataParallel(rank=rank, world_size=world_size)
-    collector, sync = make_collector(cfg, prompts, tokenizer, target.model, stop_ids, device, place,
-                                     start_batch=start_batch)
-    return collector, (sync.target if sync is not None else target)
+    collector = make_collector(cfg, prompts, tokenizer, target.model, stop_ids, device, place,
+                               start_batch=start_batch)
+    if isinstance(collector, SyncedCollector):  # vLLM: the engine loads the pushed weights
+        return collector.collector, collector.weight_sync.target
+    return collector, target
 
 
 def make_vllm_policy(cfg: DictConfig, policy, tokenizer, stop_ids, device: torch.device):
     """A vLLM engine with the policy's architecture, behind TorchRL's generation wrapper; its
     weights are pushed by the collector's weight sync (:func:`make_collector`)."""
-    from rlhf_torchrl.collectors.vllm import (
+    from ..collectors.vllm import (
         VLLMGenerator,
         make_vllm_engine,
         make_vllm_generation_policy,
@@ -513,48 +514,17 @@ def make_grad_scaler(cfg: DictConfig, device: torch.device):
 
 
 def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):
-    """AdamW over the policy, the critic's own trunk and the value head, and its LR schedule.
+    """AdamW over the policy, the critic's own trunk and the value head, and its LR schedule
+    (:func:`rlhf_torchrl.optim.make_optimizer`)."""
+    from ..optim import make_optimizer as optimizer_and_schedule
 
-    Shared parameters are counted once (a shared-trunk critic adds only its head).
-    """
     o = cfg.optim
-    policy_params = [p for p in policy.parameters() if p.requires_grad]
-    seen = {id(p) for p in policy_params} | {id(p) for p in critic.head.parameters()}
-    trunk_params = [p for p in critic.parameters() if p.requires_grad and id(p) not in seen]
-    groups = [{"params": policy_params, "lr": o.lr},
-              {"params": list(critic.head.parameters()), "lr": o.value_head_lr or o.critic_lr or o.lr}]
-    if trunk_params:
-        groups.append({"params": trunk_params, "lr": o.critic_lr or o.lr})
-    # fused: one kernel per step for all parameters (on CPU too), instead of a loop over tensors
-    optimizer = torch.optim.AdamW(groups, weight_decay=o.weight_decay, eps=o.eps, fused=True)
-    total = sizes.optimizer_steps
-    frozen = o.critic_warmup * total // cfg.ppo.num_iterations  # the critic's steps alone
-
-    def schedule(step: int, start: int = 0) -> float:  # linear: from 1 at `start` to 0 at the end
-        return 1.0 - (step - start) / (total - start) if o.lr_schedule == "linear" else 1.0
-
-    def policy_rate(step: int) -> float:
-        if step < frozen:  # critic warm-up: AdamW still updates the policy's moments, not its weights
-            return 0.0
-        warm = min(1.0, (step - frozen + 1) / (o.warmup_steps + 1))  # rises from 0 over the first steps
-        return schedule(step, frozen) * warm
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, [policy_rate] + [schedule] * (len(groups) - 1))
-    return optimizer, scheduler
-
-
-def save_policy(cfg: DictConfig, policy, tokenizer, state_dict: dict | None) -> None:
-    """A Hugging Face checkpoint in ``<output_dir>/policy`` (LoRA: the adapters, and with
-    ``lora.save_merged`` the merged weights in ``policy_merged``)."""
-    path = os.path.join(cfg.output_dir, "policy")
-    policy.save_pretrained(path, state_dict=state_dict)
-    tokenizer.save_pretrained(path)
-    if cfg.lora.r and cfg.lora.save_merged:
-        merged_path = os.path.join(cfg.output_dir, "policy_merged")
-        merged = copy.deepcopy(policy).merge_and_unload()  # the live policy keeps its adapters
-        merged.save_pretrained(merged_path)
-        tokenizer.save_pretrained(merged_path)
+    return optimizer_and_schedule(
+        policy, critic, lr=o.lr, critic_lr=o.critic_lr, value_head_lr=o.value_head_lr,
+        weight_decay=o.weight_decay, eps=o.eps, schedule=o.lr_schedule,
+        warmup_steps=o.warmup_steps, total_steps=sizes.optimizer_steps,
+        # the critic's steps alone
+        critic_warmup_steps=o.critic_warmup * sizes.optimizer_steps // cfg.ppo.num_iterations)
 
 
 # ---- checkpoints and resume ------------------------------------------------------------------
@@ -568,7 +538,7 @@ def resume_path(cfg: DictConfig) -> str | None:
     fresh, deleting an earlier run's checkpoints and metrics in ``output_dir``; any other value is
     the path of a checkpoint (``<run>/checkpoints/iter_<N>``).
     """
-    from rlhf_torchrl.checkpoint import CHECKPOINTS, is_checkpoint, latest_checkpoint
+    from ..checkpoint import CHECKPOINTS, is_checkpoint, latest_checkpoint
 
     resume, out = str(cfg.resume), cfg.output_dir
     metrics = os.path.join(out, "metrics.jsonl")
@@ -629,86 +599,6 @@ def check_same_run(cfg: DictConfig, checkpoint: str) -> None:
         )
 
 
-def checkpoint_due(cfg: DictConfig, done: int) -> bool:
-    """A checkpoint every ``checkpoint.every`` iterations and after the last (0: never)."""
-    every = cfg.checkpoint.every
-    return bool(every) and (done % every == 0 or done == cfg.ppo.num_iterations)
-
-
-def trained_modules(policy, critic) -> dict:
-    """The modules whose parameters the optimiser updates, each once: the policy, the value head
-    and a separate critic's trunk (a shared trunk is the policy's)."""
-    modules = {"policy": policy, "value_head": critic.head}
-    if not critic.shares_trunk:
-        modules["critic_trunk"] = critic.backbone
-    return modules
-
-
-def trainer_state(done: int, *, scheduler, grad_scaler, shaper, replay_buffer, samples,
-                  pending, eval_before=None, held_out_before=None) -> dict:
-    """What a checkpoint holds besides weights and optimiser: enough to continue exactly."""
-    from rlhf_torchrl.checkpoint import rng_state
-
-    return {
-        "iteration": done,
-        "scheduler": scheduler.state_dict(),
-        "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
-        "kl_coef": shaper.kl_coef,
-        "minibatch_rng": replay_buffer._rng.get_state(),  # the minibatch shuffle's generator
-        "rng": rng_state(),
-        "first_samples": samples[0],  # the report's responses before and after training
-        "last_samples": samples[1],
-        "pending": pending,
-        "eval_before": eval_before,  # the held-out metrics of the untrained policy
-        "held_out_before": held_out_before,  # and a few of its held-out responses
-    }
-
-
-def restore_trainer_state(state: dict, *, scheduler, grad_scaler, shaper, replay_buffer) -> None:
-    from rlhf_torchrl.checkpoint import set_rng_state
-
-    scheduler.load_state_dict(state["scheduler"])
-    if grad_scaler is not None and state["grad_scaler"] is not None:
-        grad_scaler.load_state_dict(state["grad_scaler"])
-    shaper.kl_controller.coef = state["kl_coef"]
-    replay_buffer._rng.set_state(state["minibatch_rng"])
-    set_rng_state(state["rng"])
-
-
-# ---- divergence guards -----------------------------------------------------------------------
-def on_non_finite(cfg: DictConfig, error, iteration: int, batch, parallel: DataParallel) -> None:
-    """A guard fired: save the rollout to ``<output_dir>/diverged/iter_<k>.pt``, then stop (raise
-    :class:`DivergenceError`) or, with ``guards.non_finite=skip``, warn and go on."""
-    from rlhf_torchrl.guards import DivergenceError
-
-    path = os.path.join(cfg.output_dir, "diverged", f"iter_{iteration:08d}.pt")
-    if parallel.is_main:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(batch.detach().cpu(), path)
-    message = f"Iteration {iteration}: {error}. The rollout is saved in {path}"
-    if cfg.guards.non_finite == "skip":
-        log.warning("%s; the iteration is skipped (guards.non_finite=skip).", message)
-        return
-    raise DivergenceError(f"{message} (torch.load(path, weights_only=False)). Stopped "
-                          "(guards.non_finite=stop; skip drops such iterations instead).")
-
-
-def check_kl_ceiling(cfg: DictConfig, kl: float, iteration: int) -> None:
-    """Warn (or stop, with ``guards.kl_ceiling_stop``) when the KL to the reference passes
-    ``guards.kl_ceiling``."""
-    from rlhf_torchrl.guards import DivergenceError
-
-    ceiling = cfg.guards.kl_ceiling
-    if ceiling is None or kl <= ceiling:
-        return
-    message = (f"Iteration {iteration}: the KL to the reference, {kl:.3f} nats per response, is "
-               f"above guards.kl_ceiling={ceiling}")
-    if cfg.guards.kl_ceiling_stop:
-        raise DivergenceError(message + ". Stopped (guards.kl_ceiling_stop=true); resume from the "
-                              "last checkpoint with a larger ppo.kl_coef or a ppo.kl_target.")
-    log.warning("%s: the policy is drifting (raise ppo.kl_coef or set ppo.kl_target).", message)
-
-
 # ---- inputs checked before the heavy loads -----------------------------------------------------
 def check_output_dir(cfg: DictConfig) -> None:
     out = cfg.output_dir
@@ -727,7 +617,7 @@ def _model_config(setting: str, name: str):
     read, before any weights are."""
     from transformers import AutoConfig
 
-    from rlhf_torchrl.modules.models import resolve_model_path
+    from ..modules.models import resolve_model_path
 
     path = resolve_model_path(name)
     if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
@@ -767,3 +657,217 @@ def check_models(cfg: DictConfig) -> None:
                              "gives one score (num_labels=1).")
     if v.init == "model" and v.name_or_path:
         _model_config("value_model.name_or_path", v.name_or_path)
+
+
+# ---- the trainer ----------------------------------------------------------------------------------
+def build_trainer(cfg: DictConfig):
+    """The :class:`~rlhf_torchrl.trainer.PPOTrainer` of ``cfg`` with its hooks, resumed from the
+    checkpoint ``resume`` names; everything cheap is checked before any model is loaded.
+    """
+    from ..hooks import (
+        Checkpointer,
+        Evaluation,
+        KLCeiling,
+        OnPolicyCheck,
+        RunLog,
+        SavePolicy,
+        ThreadTuning,
+        WeightPush,
+    )
+    from ..runtime import reuse_freed_memory
+    from ..trainer import PPOTrainer
+
+    sizes = check_config(cfg)
+    check_output_dir(cfg)
+    check_models(cfg)  # config.json of each model, no weights
+    resume_from = resume_path(cfg)  # None: a fresh run
+    reward_functions = make_reward_functions(cfg)
+    device = make_device(cfg)
+    parallel = make_data_parallel(cfg, device)
+    if not parallel.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    torch.manual_seed(cfg.seed)
+    threads = make_thread_tuner(cfg)
+    if cfg.reuse_freed_memory:
+        reuse_freed_memory()
+
+    tokenizer = make_tokenizer(cfg)
+    prompts, held_out = split_eval_prompts(cfg, make_prompts(cfg, tokenizer))
+    stop_ids = stop_token_ids(cfg, tokenizer)
+    scorer = make_scorer(cfg, reward_functions, device)
+    scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids))
+    policy, reference, critic = make_models(cfg, tokenizer, device)
+    # FSDP2 shards the models before the optimiser sees their parameters (no-op otherwise)
+    parallel.shard(policy, reference, *critic.modules_to_shard(), mixed_precision=autocast_dtype(cfg))
+    actor, ref_actor = make_actors(cfg, policy, reference, critic)
+    loss_module = make_loss(cfg, actor, critic)
+    parallel.wrap_loss(loss_module)  # DDP (no-op otherwise)
+    optimizer, scheduler = make_optimizer(cfg, policy, critic, sizes)
+    p, g, c = cfg.ppo, cfg.generation, cfg.collection
+    trainer = PPOTrainer(
+        # built when the run starts, at the batch the checkpoint stopped at
+        collector=functools.partial(_collector_factory, cfg, prompts, tokenizer, policy, stop_ids,
+                                    device, parallel),
+        scorer=scorer, actor=actor, reference=ref_actor, critic=critic, shaper=make_shaper(cfg),
+        advantage=make_advantage(cfg), loss_module=loss_module, optimizer=optimizer,
+        scheduler=scheduler, grad_scaler=make_grad_scaler(cfg, device),
+        replay_buffer=make_replay_buffer(cfg, sizes), parallel=parallel,
+        pad_token_id=tokenizer.pad_token_id, num_iterations=p.num_iterations,
+        num_ppo_epochs=p.num_ppo_epochs, num_mini_batches=p.num_mini_batches,
+        gradient_accumulation_steps=p.gradient_accumulation_steps,
+        micro_batch_tokens=p.micro_batch_tokens, max_grad_norm=cfg.optim.max_grad_norm,
+        forward_batch_size=p.forward_batch_size, exact_entropy=cfg.logging.exact_entropy,
+        # a shared trunk under FSDP2 is run through the whole (sharded) model, never the bare trunk
+        recompute_log_probs=not log_probs_from_sampling(cfg) or (parallel.fsdp and critic.shares_trunk),
+        keep_sampler_log_probs=not log_probs_from_sampling(cfg),
+        offload_reference=cfg.model.offload_reference, critic_warmup=cfg.optim.critic_warmup,
+        non_finite=NonFiniteAction(cfg.output_dir, cfg.guards.non_finite, is_main=parallel.is_main),
+    )
+    trainer.register_hook("threads", ThreadTuning(threads))
+    if g.check_on_policy:
+        separate = bool(c.ray_workers) or g.backend == "vllm" or c.overlap is not None
+        trainer.register_hook("on_policy_check", OnPolicyCheck(
+            num_rows=g.on_policy_rows, atol=on_policy_tolerance(cfg),
+            recheck_after_push=separate and not c.overlap))
+    trainer.register_hook("weight_push", WeightPush())
+    evaluator = make_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device, parallel)
+    evaluation = None
+    if evaluator is not None:
+        evaluation = Evaluation(evaluator, every=cfg.eval.every, policy=policy, reference=reference,
+                                device=device, offload_reference=cfg.model.offload_reference)
+        trainer.register_hook("evaluation", evaluation)
+    if cfg.guards.kl_ceiling is not None:
+        trainer.register_hook("kl_ceiling", KLCeiling(cfg.guards.kl_ceiling, cfg.guards.kl_ceiling_stop))
+    if cfg.checkpoint.every:
+        trainer.register_hook("checkpoint", Checkpointer(
+            cfg.output_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+            config_yaml=OmegaConf.to_yaml(cfg, resolve=True)))
+    if parallel.is_main:
+        trainer.register_hook("run_log", RunLog(
+            cfg.output_dir, logger=cfg.logging.logger, num_samples=cfg.logging.num_samples,
+            progress_bar=cfg.logging.progress_bar, evaluation=evaluation,
+            config=OmegaConf.to_container(cfg, resolve=True)))
+    if cfg.logging.save_model:
+        trainer.register_hook("save_policy", SavePolicy(cfg.output_dir, tokenizer,
+                                                        save_merged=cfg.lora.r and cfg.lora.save_merged))
+    if resume_from:
+        trainer.load_checkpoint(resume_from)
+    log.info("Output directory: %s (device %s, %d process%s)", cfg.output_dir, device,
+             parallel.world_size, "es" if parallel.enabled else "")
+    return trainer
+
+
+def _collector_factory(cfg, prompts, tokenizer, policy, stop_ids, device, parallel,
+                       start_batch: int, pending):
+    return make_collector(cfg, prompts, tokenizer, policy, stop_ids, device, parallel,
+                          start_batch=start_batch, pending=pending)
+
+
+def train(cfg: DictConfig) -> dict:
+    """Build the trainer of ``cfg`` and run it; returns the run's report (rank 0's; empty on the
+    other processes)."""
+    trainer = build_trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.parallel.shutdown()
+
+
+# ---- the other commands ---------------------------------------------------------------------
+def train_reward_model(cfg: DictConfig) -> dict:
+    """Train a reward model as ``cfg`` (``reward_model.yaml``) says; returns the report (also
+    ``<output_dir>/report.json``; the model in ``<output_dir>/model``)."""
+    from ..reward_training import (
+        evaluate_pairs,
+        init_reward_head,
+        load_preference_pairs,
+        reward_offset,
+    )
+    from ..reward_training import (
+        train_reward_model as fit_reward_model,
+    )
+
+    t, d, m = cfg.train, cfg.data, cfg.model
+    for key in ("epochs", "batch_size"):
+        if int(t[key]) < 1:
+            raise ValueError(f"train.{key}={t[key]} is out of range: it must be >= 1.")
+    if not 0 < d.eval_fraction < 1:
+        raise ValueError(f"data.eval_fraction={d.eval_fraction} is out of range: it must be in (0, 1).")
+    if t.lr <= 0:
+        raise ValueError(f"train.lr={t.lr} is out of range: it must be > 0.")
+    torch.manual_seed(cfg.seed)
+    train_pairs, eval_pairs = load_preference_pairs(
+        d.source, split=d.split, prompt_column=d.prompt_column, chosen_column=d.chosen_column,
+        rejected_column=d.rejected_column, eval_fraction=d.eval_fraction, limit=d.limit, seed=cfg.seed)
+    log.info("%d training pairs, %d held-out pairs from %s", len(train_pairs), len(eval_pairs), d.source)
+    reward_model = RewardModel.from_pretrained(m.name, dtype=m.dtype, batch_size=t.batch_size,
+                                               max_length=m.max_length)
+    init_reward_head(reward_model.model)
+    reward_model.model.requires_grad_(True)
+    before = evaluate_pairs(reward_model, eval_pairs)
+    log.info("Held-out accuracy before training: %.3f", before["eval/accuracy"])
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w") as f:
+        def write(row):
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            log.info("epoch %d: train loss %.4f, accuracy %.3f | held-out loss %.4f, accuracy %.3f",
+                     row["epoch"], row["train/loss"], row["train/accuracy"], row["eval/loss"],
+                     row["eval/accuracy"])
+
+        history = fit_reward_model(
+            reward_model, train_pairs, eval_pairs, epochs=t.epochs, batch_size=t.batch_size,
+            lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, seed=cfg.seed,
+            log=write)
+    offset = reward_offset(reward_model, train_pairs) if t.normalize else 0.0
+    model = reward_model.model
+    model.config.reward_offset = offset
+    path = os.path.join(cfg.output_dir, "model")
+    model.save_pretrained(path)
+    reward_model.tokenizer.save_pretrained(path)
+    report = {"eval/accuracy": history[-1]["eval/accuracy"],
+              "eval/accuracy_before": before["eval/accuracy"],
+              "eval/loss": history[-1]["eval/loss"], "reward_offset": offset,
+              "train_pairs": len(train_pairs), "eval_pairs": len(eval_pairs), "model_path": path,
+              "history": history}
+    with open(os.path.join(cfg.output_dir, "report.json"), "w") as f:
+        json.dump({"config": OmegaConf.to_container(cfg, resolve=True), **report}, f, indent=1)
+    print(f"\nReward model: held-out accuracy {before['eval/accuracy']:.3f} -> "
+          f"{report['eval/accuracy']:.3f} on {len(eval_pairs)} pairs; offset {offset:+.3f}; "
+          f"saved to {path}", flush=True)
+    return report
+
+
+def evaluate_policy(cfg: DictConfig) -> dict:
+    """``eval/...`` metrics of ``model.policy`` on the held-out prompts of the PPO config (the
+    last ``eval.num_prompts``), against ``model.reference``'s responses when it is set; also
+    ``<output_dir>/eval.json`` with every response."""
+    from ..evaluation import format_metrics, rollout_samples
+
+    schema.validate(cfg)
+    check_output_dir(cfg)
+    check_models(cfg)
+    reward_functions = make_reward_functions(cfg)
+    device = make_device(cfg)
+    torch.manual_seed(cfg.seed)
+    tokenizer = make_tokenizer(cfg)
+    prompts = make_prompts(cfg, tokenizer)
+    held_out = prompts[-cfg.eval.num_prompts:]
+    stop_ids = stop_token_ids(cfg, tokenizer)
+    scorer = make_scorer(cfg, reward_functions, device)
+    scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids))
+    m = cfg.model
+    evaluator = new_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device)
+    if m.reference:
+        reference = load_causal_lm(m.reference, tokenizer, dtype=m.dtype,
+                                   attn_implementation=m.attn_implementation).to(device)
+        evaluator.set_reference(reference)
+        del reference
+    policy = load_causal_lm(m.policy, tokenizer, dtype=m.dtype,
+                            attn_implementation=m.attn_implementation).to(device)
+    metrics, rollout = evaluator(policy)
+    with open(os.path.join(cfg.output_dir, "eval.json"), "w") as f:
+        json.dump({"policy": m.policy, "reference": m.reference, **metrics,
+                   "responses": rollout_samples(rollout)}, f, indent=1)
+    print(f"{m.policy} on {len(held_out)} held-out prompts: {format_metrics(metrics)}", flush=True)
+    return metrics

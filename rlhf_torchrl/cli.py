@@ -1,0 +1,162 @@
+"""The ``rlhf-torchrl`` command: PPO, reward-model training, evaluation, reports, benchmarks.
+
+    rlhf-torchrl ppo                                   # the offline default task
+    rlhf-torchrl ppo task=arithmetic ppo.batch_size=16 # Hydra overrides pass through
+    rlhf-torchrl reward-model data.source=pairs.jsonl
+    rlhf-torchrl evaluate model.policy=outputs/ppo/<run>/policy
+    rlhf-torchrl report outputs/ppo/<run>
+    rlhf-torchrl ppo --help                            # config groups and the most used settings
+
+User errors (bad settings, data, a guard that stopped the run) print one line, ``Error: ...``, and
+exit with status 1; internal errors keep their traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .guards import DivergenceError
+from .rewards import RewardError
+from .sampling import OffPolicyError
+
+#: errors that explain themselves: bad settings or data, and the guards that stop a run
+USER_ERRORS = (ValueError, FileNotFoundError, ImportError, RewardError, DivergenceError,
+               OffPolicyError)
+
+
+def run(fn, cfg):
+    """``fn(cfg)``; a :data:`USER_ERRORS` error is a message about the input or the run, not
+    about this code: printed as ``Error: ...``, exit status 1 (``RLHF_TORCHRL_TRACEBACK=1``
+    re-raises it with its traceback)."""
+    try:
+        return fn(cfg)
+    except USER_ERRORS as error:
+        if os.environ.get("RLHF_TORCHRL_TRACEBACK"):
+            raise
+        print(f"Error: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+#: the settings ``rlhf-torchrl ppo --help`` shows, by the question they answer
+MOST_USED = {
+    "what to train": ["model.policy", "model.reference", "value_model.init", "lora.r"],
+    "on what": ["data.source", "data.column", "data.template", "data.limit",
+                "data.max_prompt_length"],
+    "rewarded how": ["reward.model", "reward.functions", "reward.missing_eos_penalty"],
+    "sampling": ["generation.backend", "generation.max_new_tokens", "generation.temperature",
+                 "collection.overlap"],
+    "PPO": ["ppo.num_iterations", "ppo.batch_size", "ppo.num_mini_batches", "ppo.num_ppo_epochs",
+            "ppo.kl_coef", "ppo.kl_target", "optim.lr", "optim.critic_warmup"],
+    "run": ["seed", "output_dir", "resume", "device", "model.autocast", "checkpoint.every",
+            "eval.every", "logging.logger"],
+}
+
+
+def _hydra_app(fn, config_name: str, job: str, args: list[str]) -> None:
+    """Run ``fn(cfg)`` as the Hydra app of config ``config_name`` over ``args`` (overrides and
+    Hydra's own flags: ``--cfg job``, ``--multirun``, ``hydra.run.dir=...``)."""
+    import hydra
+
+    from . import config  # noqa: F401 - registers the configs
+
+    @hydra.main(config_path=None, config_name=config_name, version_base=None)
+    def app(cfg) -> None:
+        run(fn, cfg)
+
+    sys.argv = [f"rlhf-torchrl {job}", f"hydra.job.name={job}", *args]
+    app()
+
+
+def _ppo_help() -> str:
+    from omegaconf import OmegaConf
+
+    from .config import compose, setting_docs, tasks
+
+    cfg = compose(["output_dir=."])
+    docs = setting_docs()
+    lines = ["usage: rlhf-torchrl ppo [KEY=VALUE ...] [--cfg job] [--multirun]", "",
+             "PPO-RLHF: the package's trainer over the Hydra config (every setting: --cfg job).", "",
+             "config groups:",
+             f"  task={'|'.join(tasks())}   (default: sentiment) data, rewards and settings of a task",
+             ""]
+    for title, keys in MOST_USED.items():
+        lines.append(f"{title}:")
+        for key in keys:
+            value = OmegaConf.select(cfg, key)
+            value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            shown = "null" if value is None else value
+            lines.append(f"  {key}={shown}".ljust(40) + f"  {docs.get(key, '')}"[:120])
+        lines.append("")
+    lines += ["examples:",
+              "  rlhf-torchrl ppo task=arithmetic ppo.batch_size=16",
+              "  rlhf-torchrl ppo model.policy=Qwen/Qwen2.5-0.5B-Instruct task=gsm8k device=cuda",
+              "  torchrun --nproc_per_node=2 -m rlhf_torchrl.cli ppo distributed.strategy=fsdp2"]
+    return "\n".join(lines)
+
+
+def _ppo(args: list[str]) -> None:
+    from .config.builders import train
+
+    _hydra_app(train, "rlhf_ppo", "ppo", args)
+
+
+def _reward_model(args: list[str]) -> None:
+    from .config.builders import train_reward_model
+
+    _hydra_app(train_reward_model, "rlhf_reward_model", "reward_model", args)
+
+
+def _evaluate(args: list[str]) -> None:
+    from .config.builders import evaluate_policy
+
+    _hydra_app(evaluate_policy, "rlhf_ppo", "evaluate", args)
+
+
+def _report(args: list[str]) -> None:
+    from .report import main
+
+    main(args)
+
+
+def _bench(args: list[str]) -> None:
+    import importlib
+
+    names = ("ppo_iteration", "collectors", "backends", "scaling", "vs_trl")
+    if not args or args[0] in ("-h", "--help") or args[0].replace("-", "_") not in names:
+        print(f"usage: rlhf-torchrl bench {{{','.join(names)}}} [--help] [options]")
+        sys.exit(0 if args and args[0] in ("-h", "--help") else 2)
+    module = importlib.import_module(f"rlhf_torchrl.benchmarks.{args[0].replace('-', '_')}")
+    module.main(args[1:])
+
+
+COMMANDS = {
+    "ppo": (_ppo, "train a policy with PPO (Hydra overrides: task=arithmetic ppo.batch_size=16)"),
+    "reward-model": (_reward_model, "train a reward model on preference pairs (Bradley-Terry)"),
+    "evaluate": (_evaluate, "evaluate a saved policy on the held-out prompts (eval.json)"),
+    "report": (_report, "write report.html for a run directory"),
+    "bench": (_bench, "run a benchmark: ppo_iteration, collectors, backends, scaling, vs_trl"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: rlhf-torchrl {" + ",".join(COMMANDS) + "} [args ...]\n\n"
+              "PPO-RLHF for language models as a composable TorchRL pipeline.\n\ncommands:")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:<14}{text}")
+        print("\n`rlhf-torchrl <command> --help` for its settings.")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nError: unknown command {argv[0]!r}.", file=sys.stderr)
+            sys.exit(2)
+        return
+    command, args = argv[0], argv[1:]
+    if command == "ppo" and any(a in ("-h", "--help") for a in args):
+        print(_ppo_help())
+        return
+    COMMANDS[command][0](args)
+
+
+if __name__ == "__main__":
+    main()

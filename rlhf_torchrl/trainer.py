@@ -1,0 +1,335 @@
+"""PPOTrainer: the PPO-RLHF iteration over TorchRL components; everything else hangs on hooks.
+
+The loop (:meth:`PPOTrainer.fit`) is the algorithm box: collect, score, old quantities, KL-shaped
+rewards, advantages, PPO epochs, log. Evaluation, checkpoints, guards, weight pushes, thread tuning,
+metrics and the report are hooks (:mod:`rlhf_torchrl.hooks`) registered at named stages, as in
+``torchrl.trainers.Trainer``. A user builds the trainer in Python from any components, swaps one,
+or registers a hook::
+
+    trainer = PPOTrainer(collector=..., scorer=..., actor=..., reference=..., critic=...,
+                         shaper=..., advantage=..., loss_module=..., optimizer=...,
+                         replay_buffer=..., num_iterations=100)
+    trainer.register_op("post_steps_log", lambda batch: {"my/len": float(batch["masks", "response"].sum())})
+    trainer.fit()
+
+``rlhf_torchrl.config.builders.build_trainer(cfg)`` builds it from the Hydra config.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
+
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+
+from . import keys as K
+from .checkpoint import load_checkpoint, rng_state, set_rng_state
+from .distributed import DataParallel
+from .guards import NonFiniteError, check_finite
+from .metrics import rollout_metrics, sampler_metrics
+from .modules import evaluate_rollout
+from .objectives import ppo_update
+from .runtime import module_device, placed
+
+log = logging.getLogger(__name__)
+
+#: the stages hooks register at, in the order an iteration reaches them (TorchRL's names where the
+#: moment is the same; ``pre_collect``, ``checkpoint`` and ``log`` are this trainer's own)
+STAGES = {
+    "setup": "once, before the first iteration (after the collector is built): op()",
+    "pre_collect": "before sampling: op() -> metrics or None",
+    "batch_process": "the rollout, just sampled: op(rollout) -> rollout or None",
+    "post_steps": "after the update (a skipped one too): op() -> metrics or None",
+    "post_steps_log": "the iteration's global batch, updated on: op(batch) -> metrics or None",
+    "checkpoint": "after the metrics are complete, before they are written: op() -> metrics or None",
+    "log": "the iteration's finished metrics row: op(metrics) -> None",
+    "shutdown": "once, after the last iteration: op() -> None",
+}
+
+
+class PPOTrainer:
+    """PPO with a token-level critic over a rollout TensorDict, one method per phase.
+
+    Components (each swappable): ``collector`` (an iterable of rollouts, or a callable
+    ``(start_batch, pending) -> collector`` that :meth:`fit` calls, so that a resumed run's
+    collector starts where the checkpoint stopped); ``scorer`` (writes ``"score"``); ``actor``,
+    ``reference`` (:class:`~rlhf_torchrl.modules.TokenLevelActor`) and ``critic``
+    (:class:`~rlhf_torchrl.modules.TokenCritic`); ``shaper`` (per-token KL rewards, owns the KL
+    coefficient); ``advantage`` (a TensorDict module writing ``"advantage"`` and
+    ``"value_target"``); ``loss_module`` (``ClipPPOLoss``); ``optimizer`` and ``scheduler``;
+    ``replay_buffer`` (the minibatch sampler, :func:`~rlhf_torchrl.objectives.make_minibatch_buffer`
+    with a seed of its own; None: one per update, shuffled by torch's global generator); ``parallel`` (this process's place in a torchrun
+    job; None: one process).
+
+    Where TorchRL's ``Trainer`` does not fit, and why: an iteration is one rollout of whole
+    responses, not a frame count; minibatches are split into token-weighted micro-batches
+    (:func:`~rlhf_torchrl.objectives.ppo_update`), each process runs its slice of every minibatch
+    and the gradients are averaged over all processes' tokens; a non-finite value skips (or stops)
+    the iteration before any optimiser step; checkpoints are sharded
+    (:mod:`rlhf_torchrl.checkpoint`). The stage names are TorchRL's where they fit (:data:`STAGES`).
+
+    ``state_dict()`` holds everything an exact resume needs besides the weights and the optimiser
+    (which :meth:`load_checkpoint` restores too): iterations done, scheduler, gradient scaler, KL
+    coefficient, minibatch shuffle, RNG states, rollouts sampled ahead, and each registered hook's
+    state.
+    """
+
+    def __init__(
+        self,
+        *,
+        collector: Iterable | Callable,
+        scorer: nn.Module,
+        actor: nn.Module,
+        reference: nn.Module,
+        critic: nn.Module,
+        shaper: nn.Module,
+        advantage: nn.Module,
+        loss_module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        num_iterations: int,
+        pad_token_id: int,
+        replay_buffer=None,
+        num_ppo_epochs: int = 1,
+        num_mini_batches: int = 1,
+        gradient_accumulation_steps: int = 1,
+        micro_batch_tokens: int | None = None,
+        max_grad_norm: float | None = 1.0,
+        forward_batch_size: int = 16,
+        scheduler=None,
+        grad_scaler=None,
+        parallel: DataParallel | None = None,
+        recompute_log_probs: bool = False,
+        keep_sampler_log_probs: bool = False,
+        exact_entropy: bool = True,
+        offload_reference: bool = False,
+        critic_warmup: int = 0,
+        non_finite: Callable | None = None,
+    ):
+        self.collector = collector
+        self.scorer, self.actor, self.reference, self.critic = scorer, actor, reference, critic
+        self.shaper, self.advantage, self.loss_module = shaper, advantage, loss_module
+        self.optimizer, self.scheduler, self.grad_scaler = optimizer, scheduler, grad_scaler
+        self.replay_buffer, self.pad_token_id = replay_buffer, pad_token_id
+        self.parallel = parallel if parallel is not None else DataParallel()
+        self.num_iterations, self.num_ppo_epochs = num_iterations, num_ppo_epochs
+        self.num_mini_batches = num_mini_batches
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.micro_batch_tokens, self.max_grad_norm = micro_batch_tokens, max_grad_norm
+        self.forward_batch_size, self.exact_entropy = forward_batch_size, exact_entropy
+        # old log-probs from a training forward (vLLM, bf16) instead of those recorded while sampling;
+        # keep_sampler_log_probs keeps the recorded ones beside them (TIS, the mismatch metric)
+        self.recompute_log_probs, self.keep_sampler_log_probs = recompute_log_probs, keep_sampler_log_probs
+        self.offload_reference, self.critic_warmup = offload_reference, critic_warmup
+        # what a NaN/inf does: on_non_finite(error, iteration, batch) raises (stop) or returns (skip)
+        self.on_non_finite = non_finite
+        self.iteration = 0  # iterations done
+        self.first_iteration = 0  # where this process started (a resumed run: the checkpoint's)
+        self.pending: list = []  # rollouts sampled ahead, restored from a checkpoint
+        self.metrics: dict = {}  # the current iteration's row
+        self.report: dict = {}  # the run's summary, filled by the RunLog hook at the end
+        self.stop_error: Exception | None = None  # request_stop(): raised once the row is logged
+        self.hooks: dict[str, object] = {}  # named hooks (their state goes into state_dict)
+        self._ops: dict[str, list[Callable]] = {stage: [] for stage in STAGES}
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def register_op(self, dest: str, op: Callable) -> None:
+        """Call ``op`` at stage ``dest`` (:data:`STAGES`) of every iteration, after the ops
+        registered there before it. Ops that return a dict add it to the iteration's metrics."""
+        if dest not in self._ops:
+            raise ValueError(f"Unknown stage {dest!r}: choose one of {', '.join(STAGES)}.")
+        self._ops[dest].append(op)
+
+    def register_hook(self, name: str, hook) -> None:
+        """Register ``hook`` (a :class:`torchrl.trainers.TrainerHookBase`) under ``name``: it
+        picks its stages (``hook.register(trainer, name)``) and its ``state_dict()`` is saved with
+        the trainer's."""
+        if name in self.hooks:
+            raise ValueError(f"A hook named {name!r} is registered already.")
+        self.hooks[name] = hook
+        hook.register(self, name)
+
+    def _run(self, stage: str, *args):
+        """Run ``stage``'s ops; a batch_process op may return a new rollout."""
+        for op in self._ops[stage]:
+            out = op(*args)
+            if stage == "batch_process" and isinstance(out, TensorDictBase):
+                args = (out,)
+            elif isinstance(out, Mapping):
+                self.metrics.update(out)
+        return args[0] if args else None
+
+    def request_stop(self, error: Exception) -> None:
+        """Stop the run with ``error`` once this iteration's metrics are logged (no checkpoint of
+        this iteration is written): how a guard stops it."""
+        self.stop_error = error
+
+    @contextmanager
+    def timed(self, name: str):
+        """Time the block as ``time/<name>`` in this iteration's metrics."""
+        start = time.perf_counter()
+        yield
+        self.metrics[f"time/{name}"] = time.perf_counter() - start
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Run the iterations left (all, or those after the loaded checkpoint); returns the
+        report (:attr:`report`)."""
+        if callable(self.collector) and not hasattr(self.collector, "__iter__"):
+            self.collector = self.collector(self.iteration, self.pending)
+        elif self.iteration and not self.pending:
+            log.warning("Resumed at iteration %d with a collector built in advance: it must start "
+                        "at that batch (pass a collector factory to be sure).", self.iteration)
+        self._run("setup")
+        rollouts = iter(self.collector)
+        for iteration in range(self.iteration, self.num_iterations):
+            self.metrics, start = {}, time.perf_counter()
+            self._run("pre_collect")  # thread tuning
+            self.actor.model.eval()
+            # 1. Collect: responses to this process's prompts, truncated after the stop token.
+            with self.timed("generation"):
+                rollout = next(rollouts)
+            rollout = self._run("batch_process", rollout)  # the on-policy check
+            # 2. Score: one scalar per response (reward model / functions, missing-EOS penalty).
+            with self.timed("scoring"):
+                self.scorer(rollout)
+            # 3. Old quantities, no grad: policy and reference log-probs (fp32, temperature), values.
+            with self.timed("evaluation"):
+                self.old_quantities(rollout)
+            # 4-6. On the global batch: per-token KL rewards, advantages, then PPO epochs.
+            batch, stats = self.optimise(rollout, iteration)
+            self.iteration = iteration + 1
+            self._run("post_steps")  # the sampler gets the updated weights
+            # 7. Log: the global batch's statistics (the same on every process).
+            self.log_iteration(batch, stats, iteration, start)
+        shutdown = getattr(self.collector, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self._run("shutdown")  # the policy saved, the report written
+        self.parallel.barrier()
+        return self.report
+
+    def old_quantities(self, rollout: TensorDictBase) -> None:
+        """Phase 3: old log-probs (unless recorded while sampling), reference log-probs, values."""
+        if self.keep_sampler_log_probs:
+            # the sampler's log-probs stay beside the recomputed ones: TIS and the gap metric
+            rollout.set(K.BEHAVIOUR_LOG_PROB, rollout.get(K.LOG_PROB).clone())
+        # an offloaded reference visits the device while it runs (LoRA: the policy, adapters off)
+        reference = None if getattr(self.reference, "adapters_off", False) else self.reference.model
+        with placed(reference, module_device(self.actor.model), self.offload_reference):
+            evaluate_rollout(rollout, actor=self.actor, reference=self.reference, critic=self.critic,
+                             chunk_size=self.forward_batch_size, exact_entropy=self.exact_entropy,
+                             recompute_log_probs=self.recompute_log_probs)
+
+    def optimise(self, rollout: TensorDictBase, iteration: int) -> tuple[TensorDictBase, dict | None]:
+        """Phases 4-6 on the global batch (every process's rows): KL-shaped rewards, advantages
+        (whitened over the whole batch), PPO epochs (each process runs its slice of each
+        minibatch). A NaN/inf is caught where it appears (the same decision on every process);
+        returns the batch and the update's statistics (None: a skipped iteration)."""
+        batch = stats = None
+        try:
+            with self.timed("advantages"):
+                batch = self.parallel.gather_rollout(rollout, self.pad_token_id)
+                check_finite(batch, ("scores", "log-probs", "sampler log-probs",
+                                     "reference log-probs", "values"))
+                self.shaper(batch)
+                self.advantage(batch)
+                check_finite(batch, ("rewards", "advantages", "returns"))
+            with self.timed("update"):
+                stats = ppo_update(
+                    batch, self.loss_module, self.optimizer, num_ppo_epochs=self.num_ppo_epochs,
+                    num_mini_batches=self.num_mini_batches,
+                    gradient_accumulation_steps=self.gradient_accumulation_steps,
+                    micro_batch_tokens=self.micro_batch_tokens, max_grad_norm=self.max_grad_norm,
+                    scheduler=self.scheduler, replay_buffer=self.replay_buffer,
+                    grad_scaler=self.grad_scaler, parallel=self.parallel,
+                )
+        except NonFiniteError as error:
+            if self.on_non_finite is None:
+                raise
+            self.on_non_finite(error, iteration, batch)  # raises to stop; returns to skip
+        return batch, stats
+
+    def log_iteration(self, batch: TensorDictBase, stats: dict | None, iteration: int,
+                      start: float) -> None:
+        """Phase 7: the iteration's metrics row, the KL coefficient's update, the log hooks."""
+        metrics = self.metrics
+        if stats is None:  # a skipped iteration
+            metrics["guard/skipped"] = 1.0
+        else:
+            metrics.update(rollout_metrics(batch, kl_coef=self.shaper.kl_coef))
+            metrics.update(sampler_metrics(batch, version=iteration))
+            self.update_kl_coef(batch, iteration)
+            metrics.update(stats)
+        self._run("post_steps_log", batch)  # evaluation, the KL ceiling
+        self._run("checkpoint")
+        metrics["time/total"] = time.perf_counter() - start
+        # tokens sampled per second of generation (the queue wait, under overlap)
+        n_tokens = float(batch.get(K.RESPONSE_MASK).sum())
+        metrics["time/tokens_per_second"] = n_tokens / max(metrics["time/generation"], 1e-9)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["episode"] = self.iteration * batch.shape[0]
+        self._run("log", metrics)
+        if self.stop_error is not None:
+            raise self.stop_error
+
+    def update_kl_coef(self, batch: TensorDictBase, iteration: int) -> None:
+        """The adaptive KL coefficient's step. A batch sampled by the policy of the critic
+        warm-up (updates 0..warm-1 left it as it was) has a KL of 0, which says nothing about the
+        coefficient: it waits."""
+        sampled_by = (int(batch.get(K.POLICY_VERSION).min()) if K.POLICY_VERSION in batch.keys()
+                      else iteration)  # asynchronous rows record their version
+        if sampled_by > self.critic_warmup or not self.critic_warmup:
+            self.shaper.update_kl_coef(batch)
+
+    # ---- state ----------------------------------------------------------------------------------
+    @property
+    def trained_modules(self) -> dict[str, nn.Module]:
+        """The modules whose parameters the optimiser updates, each once: the policy, the value
+        head and a separate critic's trunk (a shared trunk is the policy's)."""
+        modules = {"policy": self.actor.model, "value_head": self.critic.head}
+        if not self.critic.shares_trunk:
+            modules["critic_trunk"] = self.critic.backbone
+        return modules
+
+    def state_dict(self) -> dict:
+        """What an exact resume needs besides weights and optimiser (see the class docstring)."""
+        pending = getattr(self.collector, "pending", None)
+        return {
+            "iteration": self.iteration,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "kl_coef": self.shaper.kl_coef,
+            # the minibatch shuffle's own generator (None: torch's global one, in "rng")
+            "minibatch_rng": (self.replay_buffer._rng.get_state()
+                              if getattr(self.replay_buffer, "_rng", None) is not None else None),
+            "rng": rng_state(),
+            # batches sampled ahead by older weights (none after the last iteration)
+            "pending": pending() if pending is not None and self.iteration < self.num_iterations else [],
+            "hooks": {name: hook.state_dict() for name, hook in self.hooks.items()},
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.iteration = self.first_iteration = state["iteration"]
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.grad_scaler is not None and state["grad_scaler"] is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        self.shaper.kl_controller.coef = state["kl_coef"]
+        if state["minibatch_rng"] is not None:
+            self.replay_buffer._rng.set_state(state["minibatch_rng"])
+        set_rng_state(state["rng"])
+        self.pending = list(state["pending"])
+        for name, hook_state in state["hooks"].items():
+            if name in self.hooks:
+                self.hooks[name].load_state_dict(hook_state)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Continue from checkpoint ``path``: trained weights, optimiser and :meth:`state_dict`."""
+        state = load_checkpoint(path, modules=self.trained_modules, optimizer=self.optimizer)
+        self.load_state_dict(state)
+        log.info("Resumed from %s: %d of %d iterations done", path, self.iteration,
+                 self.num_iterations)
