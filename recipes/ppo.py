@@ -9,14 +9,19 @@ The same as ``rlhf-torchrl ppo ...``. Every setting is in the package's ``config
 hooks. Copy this script to change the run: swap a component or register a hook before ``fit()``.
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
-from rlhf_torchrl.cli import run
+from rlhf_torchrl.cli import check_task, run
 from rlhf_torchrl.config import builders
 
 
 def train(cfg: DictConfig) -> dict:
+    report = builders.finished_run(cfg)  # output_dir holds this run, finished: its report
+    if report is not None:
+        return report
     trainer = builders.build_trainer(cfg)  # collector, scorer, actor/reference/critic, loss, hooks
     # e.g. a metric of your own, logged with the others:
     # trainer.register_op("post_steps_log", lambda batch: {"my/rows": batch.shape[0]})
@@ -32,4 +37,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_task(sys.argv[1:])  # an unknown task=: the list of presets, not Hydra's search path
     main()

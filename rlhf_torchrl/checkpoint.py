@@ -7,8 +7,12 @@ A checkpoint is the directory ``<output_dir>/checkpoints/iter_<N>`` (N: iteratio
   tensors are written once). Frozen weights (a LoRA base model, the reference) are not saved: a
   resumed run loads them from where the first run did;
 - ``trainer.pt``: the rest of the trainer's state (scheduler, KL coefficient, RNG states, data
-  position, rollouts already sampled ahead, ...), a plain ``torch.save`` of a dict;
-- ``config.yaml``: the run's resolved config.
+  position, hooks' state, ...): plain containers, tensors and numbers, read back with
+  ``torch.load(weights_only=True)``, so a checkpoint directory cannot run code when resumed;
+- ``rollouts/rank_<k>/<i>/``: the rollouts process ``k`` had sampled ahead (asynchronous
+  collection), in TensorDict's own format (memory-mapped tensors, JSON for the texts);
+- ``config.yaml``: the run's resolved config;
+- ``manifest.json``: every file's size, so that a file a bad disk tore is found before it is read.
 
 It is written as ``checkpoints/.tmp-iter_<N>``, every file flushed to disk (``fsync``), then renamed:
 the rename is atomic, so a directory named ``iter_<N>`` is complete, and a crash mid-write leaves the
@@ -17,21 +21,33 @@ previous checkpoints as they were. Only the last ``keep`` are kept.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import random
 import re
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from .errors import ConfigError, MissingFileError
+
+log = logging.getLogger(__name__)
+
 CHECKPOINTS = "checkpoints"
 _NAME = re.compile(r"^iter_(\d+)$")
 _TRAINER = "trainer.pt"
 _WEIGHTS = "weights"
+_ROLLOUTS = "rollouts"
+_MANIFEST = "manifest.json"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be read (a torn or missing file); the message names it."""
 
 
 def rng_state() -> dict:
@@ -40,7 +56,9 @@ def rng_state() -> dict:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, key, pos, has_gauss, gauss = np.random.get_state()
+        # plain numbers, not an array: trainer.pt loads with weights_only=True
+        state["numpy"] = (kind, key.tolist(), pos, has_gauss, gauss)
     except ImportError:
         pass
     if torch.cuda.is_available():
@@ -54,7 +72,8 @@ def set_rng_state(state: Mapping) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, key, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.asarray(key, dtype=np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -78,9 +97,51 @@ def is_checkpoint(path: str) -> bool:
             and os.path.isfile(os.path.join(path, _WEIGHTS, ".metadata")))
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    found = list_checkpoints(output_dir)
-    return found[-1][1] if found else None
+def latest_checkpoint(output_dir: str, verify: bool = False) -> str | None:
+    """The newest complete checkpoint of ``output_dir`` (None: none). With ``verify``, the newest
+    that :func:`verify_checkpoint` accepts: a torn one is named in a warning and skipped."""
+    for _, path in reversed(list_checkpoints(output_dir)):
+        if not verify:
+            return path
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as error:
+            log.warning("%s; resuming from the checkpoint before it.", error)
+    return None
+
+
+def verify_checkpoint(path: str) -> None:
+    """Raise :class:`CheckpointError` naming the first file of checkpoint ``path`` that is missing,
+    of another size than when it was written, or unreadable (``config.yaml``, ``trainer.pt``)."""
+    manifest = os.path.join(path, _MANIFEST)
+    try:
+        if os.path.exists(manifest):  # (checkpoints of earlier versions have none)
+            with open(manifest, encoding="utf-8") as f:
+                sizes = json.load(f)
+            for name, size in sizes.items():
+                file = os.path.join(path, name)
+                if not os.path.isfile(file):
+                    raise CheckpointError(f"Checkpoint {path} is torn: {name} is missing")
+                if os.path.getsize(file) != size:
+                    raise CheckpointError(f"Checkpoint {path} is torn: {name} has "
+                                          f"{os.path.getsize(file)} bytes, {size} when written")
+        from omegaconf import OmegaConf
+
+        config = os.path.join(path, "config.yaml")
+        if os.path.exists(config):
+            OmegaConf.load(config)
+        load_trainer_state(path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a torn file makes the readers raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"Checkpoint {path} is unreadable ({type(e).__name__}: {first})") from e
+
+
+def load_trainer_state(path: str) -> dict:
+    """The trainer state of checkpoint ``path`` (``weights_only``: no code runs)."""
+    return torch.load(os.path.join(path, _TRAINER), weights_only=True)
 
 
 def _state_dicts(modules: Mapping[str, nn.Module], optimizer):
@@ -98,12 +159,13 @@ def _state_dicts(modules: Mapping[str, nn.Module], optimizer):
 
 def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn.Module], optimizer,
                     trainer_state: dict, config_yaml: str, keep: int | None = None,
-                    parallel=None) -> str:
+                    parallel=None, rollouts: Sequence = ()) -> str:
     """Write checkpoint ``iter_<iteration>`` atomically and drop all but the last ``keep``.
 
     ``modules`` name the trained modules (their trainable parameters are saved); ``optimizer``
     holds exactly their parameters. Under ``torchrun`` every process calls this (the weights are a
-    collective write); ``trainer_state`` and the config are written by the main process.
+    collective write) with its own ``rollouts`` (TensorDicts sampled ahead: each process's rows
+    differ); ``trainer_state`` and the config are written by the main process.
     Returns the checkpoint's path.
     """
     import torch.distributed.checkpoint as dcp
@@ -120,11 +182,15 @@ def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn
     with _single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state},
                  checkpoint_id=os.path.join(tmp, _WEIGHTS))
+    rank = parallel.rank if parallel is not None else 0
+    for i, rollout in enumerate(rollouts):
+        rollout.detach().cpu().save(os.path.join(tmp, _ROLLOUTS, f"rank_{rank}", f"{i:04d}"))
     _barrier(parallel)
     if is_main:
         torch.save(trainer_state, os.path.join(tmp, _TRAINER))
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(config_yaml)
+        _write_manifest(tmp)
         _fsync_tree(tmp)
         if os.path.exists(final):  # the same iteration written again (a resumed run)
             shutil.rmtree(final)
@@ -144,15 +210,33 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     if not is_checkpoint(path):
-        raise FileNotFoundError(f"{path} is not a checkpoint (no {_TRAINER} and {_WEIGHTS}/): give "
+        raise MissingFileError(f"{path} is not a checkpoint (no {_TRAINER} and {_WEIGHTS}/): give "
                                 "a checkpoints/iter_<N> directory of a run.")
+    verify_checkpoint(path)
     model_state, optim_state = _state_dicts(modules, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=os.path.join(path, _WEIGHTS))
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=os.path.join(path, _WEIGHTS))
+    except Exception as e:  # noqa: BLE001 - a torn weights file, whatever the reader raises
+        raise CheckpointError(f"Checkpoint {path} is unreadable: its weights could not be loaded "
+                              f"({type(e).__name__}). Resume from an earlier one "
+                              f"(resume=<output_dir>/{CHECKPOINTS}/iter_<N>).") from e
     set_state_dict(nn.ModuleDict(dict(modules)), optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
-    return torch.load(os.path.join(path, _TRAINER), weights_only=False)
+    return load_trainer_state(path)
+
+
+def load_rollouts(path: str, rank: int = 0, device=None) -> list:
+    """The rollouts process ``rank`` saved with checkpoint ``path`` (in order), on ``device``."""
+    from tensordict import TensorDict
+
+    folder = os.path.join(path, _ROLLOUTS, f"rank_{rank}")
+    if not os.path.isdir(folder):
+        return []
+    # clone(): plain tensors, not memory maps of the checkpoint's files
+    return [TensorDict.load(os.path.join(folder, name)).clone().to(device or "cpu")
+            for name in sorted(os.listdir(folder))]
 
 
 @contextmanager
@@ -166,6 +250,16 @@ def _single_process_quiet():
 def _barrier(parallel) -> None:
     if parallel is not None:
         parallel.barrier()
+
+
+def _write_manifest(path: str) -> None:
+    sizes = {}
+    for folder, _, files in os.walk(path):
+        for name in files:
+            file = os.path.join(folder, name)
+            sizes[os.path.relpath(file, path)] = os.path.getsize(file)
+    with open(os.path.join(path, _MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(sizes, f, indent=0, sort_keys=True)
 
 
 def _fsync_tree(path: str) -> None:

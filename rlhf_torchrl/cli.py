@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 import sys
 
+from .errors import ConfigError
 from .guards import DivergenceError
 from .rewards import RewardError
 from .sampling import OffPolicyError
 
-#: errors that explain themselves: bad settings or data, and the guards that stop a run
-USER_ERRORS = (ValueError, FileNotFoundError, ImportError, RewardError, DivergenceError,
-               OffPolicyError)
+#: errors that explain themselves: bad settings, data, files or packages (ConfigError and its
+#: kin), a reward that fails, and the guards that stop a run. Anything else is a bug: traceback.
+USER_ERRORS = (ConfigError, RewardError, DivergenceError, OffPolicyError)
 
 
 def run(fn, cfg):
@@ -53,12 +54,29 @@ MOST_USED = {
 }
 
 
+def check_task(args: list[str]) -> None:
+    """An unknown ``task=`` preset: one line naming the presets, exit status 1 (Hydra would
+    print its config search path)."""
+    from .config import tasks
+
+    for arg in args:
+        if arg.startswith(("task=", "+task=", "++task=")):
+            name = arg.split("=", 1)[1]
+            if name not in tasks():
+                print(f"Error: task={name} is not a task preset: choose one of "
+                      f"{', '.join(tasks())} (task=custom takes your own data and reward).",
+                      file=sys.stderr, flush=True)
+                sys.exit(1)
+
+
 def _hydra_app(fn, config_name: str, job: str, args: list[str]) -> None:
     """Run ``fn(cfg)`` as the Hydra app of config ``config_name`` over ``args`` (overrides and
     Hydra's own flags: ``--cfg job``, ``--multirun``, ``hydra.run.dir=...``)."""
     import hydra
 
     from . import config  # noqa: F401 - registers the configs
+
+    check_task(args)
 
     @hydra.main(config_path=None, config_name=config_name, version_base=None)
     def app(cfg) -> None:
@@ -68,25 +86,31 @@ def _hydra_app(fn, config_name: str, job: str, args: list[str]) -> None:
     app()
 
 
-def _ppo_help() -> str:
+def _ppo_help(overrides: list[str]) -> str:
+    """The settings of ``rlhf-torchrl ppo [overrides] --help``: with ``task=...`` that task's."""
     from omegaconf import OmegaConf
 
     from .config import compose, setting_docs, tasks
 
-    cfg = compose(["output_dir=."])
+    overrides = [o for o in overrides if "=" in o and not o.startswith(("hydra.", "output_dir="))]
+    cfg = compose([*overrides, "output_dir=outputs/ppo/TASK/DATE"])
+    task = next((o.split("=", 1)[1] for o in overrides if o.startswith("task=")), "sentiment")
     docs = setting_docs()
     lines = ["usage: rlhf-torchrl ppo [KEY=VALUE ...] [--cfg job] [--multirun]", "",
              "PPO-RLHF: the package's trainer over the Hydra config (every setting: --cfg job).", "",
              "config groups:",
              f"  task={'|'.join(tasks())}   (default: sentiment) data, rewards and settings of a task",
-             ""]
+             "", f"most used settings, with their values under task={task} "
+             "(`rlhf-torchrl ppo task=NAME --help` for another):", ""]
     for title, keys in MOST_USED.items():
         lines.append(f"{title}:")
         for key in keys:
             value = OmegaConf.select(cfg, key)
             value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
             shown = "null" if value is None else value
-            lines.append(f"  {key}={shown}".ljust(40) + f"  {docs.get(key, '')}"[:120])
+            doc = docs.get(key, "")
+            doc = doc if len(doc) <= 72 else doc[:69].rsplit(" ", 1)[0] + " ..."
+            lines.append(f"  {key}={shown}".ljust(40) + f"  {doc}")
         lines.append("")
     lines += ["examples:",
               "  rlhf-torchrl ppo task=arithmetic ppo.batch_size=16",
@@ -153,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     command, args = argv[0], argv[1:]
     if command == "ppo" and any(a in ("-h", "--help") for a in args):
-        print(_ppo_help())
+        check_task(args)
+        print(_ppo_help(args))
         return
     COMMANDS[command][0](args)
 

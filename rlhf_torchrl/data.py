@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .errors import ConfigError, MissingDependencyError, MissingFileError
+
 #: Built-in offline prompt set: the 200 movie-review sentences gensim ships (Pang & Lee polarity).
 POLARITY = "polarity"
 #: Prefix of a reasoning-gym task source: ``"reasoning_gym:basic_arithmetic"``.
@@ -87,7 +89,7 @@ def fill_template(template: str, text: str, columns: dict) -> str:
         return template.format_map({**{k: "" if v is None else v for k, v in columns.items()},
                                     "prompt": text})
     except (KeyError, IndexError, AttributeError, TypeError) as e:
-        raise ValueError(f"data.template {template!r} cannot be filled from this row's fields "
+        raise ConfigError(f"data.template {template!r} cannot be filled from this row's fields "
                          f"{sorted(columns)}: {type(e).__name__} {e}.") from None
 
 
@@ -118,20 +120,20 @@ def _conversation(value, where: str) -> tuple[list[dict], str | None]:
         else:
             return [{"role": "user", "content": value}], None
     if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(
+        raise ConfigError(
             f"{where}: the prompt is a {type(value).__name__}, expected text or a list of chat "
             "messages ({'role': ..., 'content': ...})."
         )
     for message in value:
         if not (isinstance(message, dict) and message.get("role") in _ROLES
                 and isinstance(message.get("content"), str)):
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: {message!r} is not a chat message: expected {{'role': one of "
                 f"{_ROLES}, 'content': text}}."
             )
     users = [i for i, m in enumerate(value) if m["role"] == "user"]
     if not users:
-        raise ValueError(f"{where}: the conversation has no user turn to answer.")
+        raise ConfigError(f"{where}: the conversation has no user turn to answer.")
     last = users[-1]
     trailing = [m["content"] for m in value[last + 1 :] if m["role"] == "assistant"]
     messages = [{"role": m["role"], "content": m["content"]} for m in value[: last + 1]]
@@ -159,7 +161,7 @@ def polarity_sentences() -> list[tuple[str, str]]:
 
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("The 'polarity' prompt set needs gensim: `pip install gensim`.")
+        raise MissingDependencyError("The 'polarity' prompt set needs gensim: `pip install gensim`.")
     path = Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data" / "pang_lee_polarity.cor"
     pairs = []
     for line in path.read_text(encoding="latin-1").splitlines():
@@ -206,7 +208,7 @@ def load_prompts(
         seed: reasoning-gym: the seed its rows are generated from.
     """
     if "{prompt}" not in template:
-        raise ValueError(f"data.template must contain '{{prompt}}', got {template!r}.")
+        raise ConfigError(f"data.template must contain '{{prompt}}', got {template!r}.")
     if source == POLARITY:
         rows = [({column: text}, f"polarity[{i}]") for i, (_, text) in enumerate(polarity_sentences())]
     elif source.startswith(REASONING_GYM):
@@ -217,14 +219,14 @@ def load_prompts(
     else:
         rows = _read_hf_dataset(source, split, column, config)
     if rows and column not in rows[0][0]:
-        raise ValueError(f"{rows[0][1]} has no field {column!r}; its fields are "
+        raise ConfigError(f"{rows[0][1]} has no field {column!r}; its fields are "
                          f"{sorted(rows[0][0])}. Set data.column.")
     wanted = [name for name in template_columns(template) if name != "prompt"]
     prompts = []
     for row, where in rows[:limit]:
         missing = [name for name in wanted if name not in row or name == column]
         if missing:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: data.template names {{{missing[0]}}}, which is not one of the row's "
                 f"other fields {sorted(k for k in row if k != column)}. Name a column of the data "
                 "(the prompt column itself is {prompt})."
@@ -238,7 +240,7 @@ def load_prompts(
         filled = prompt.with_text(fill_template(template, text, columns))
         prompts.append(Prompt(filled.messages, fields, template, text))
     if not prompts:
-        raise ValueError(f"The prompt set {source!r} is empty: point data.source at prompts.")
+        raise ConfigError(f"The prompt set {source!r} is empty: point data.source at prompts.")
     return prompts
 
 
@@ -247,34 +249,39 @@ def _reasoning_gym_rows(name: str, size: int, seed: int, settings: dict) -> list
     try:
         import reasoning_gym
     except ImportError as e:
-        raise ImportError(f"data.source={REASONING_GYM}{name} needs reasoning-gym: "
+        raise MissingDependencyError(f"data.source={REASONING_GYM}{name} needs reasoning-gym: "
                           "`pip install 'rlhf_torchrl[tasks]'`.") from e
     from reasoning_gym.factory import DATASETS
 
     if name not in DATASETS:
-        raise ValueError(f"reasoning-gym has no task {name!r}; it has {', '.join(sorted(DATASETS))}.")
+        raise ConfigError(f"reasoning-gym has no task {name!r}; it has {', '.join(sorted(DATASETS))}.")
     try:
         dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **settings)
     except (TypeError, AssertionError, ValueError) as e:
-        raise ValueError(f"reasoning-gym task {name!r} refused data.generator_args={settings}: "
+        raise ConfigError(f"reasoning-gym task {name!r} refused data.generator_args={settings}: "
                          f"{e}") from e
     return [(dict(entry), f"{REASONING_GYM}{name}[{i}]") for i, entry in enumerate(dataset)]
 
 
 def _read_jsonl(path: str, column: str) -> list[tuple[dict, str]]:
     if not os.path.exists(path):
-        raise FileNotFoundError(f"Prompt file {path!r} does not exist.")
+        raise MissingFileError(f"Prompt file {path!r} does not exist.")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at "
+                                  f"column {e.start + 1}): save the file as UTF-8.") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from e
+                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from e
             if not isinstance(row, dict) or column not in row:
-                raise ValueError(
+                raise ConfigError(
                     f"{path}:{lineno}: expected an object with a {column!r} field "
                     f"(set data.column to the field holding the prompt)."
                 )
@@ -287,13 +294,13 @@ def _read_hf_dataset(name: str, split: str, column: str,
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(
+        raise MissingDependencyError(
             f"Loading the dataset {name!r} needs the `datasets` package: "
             "`pip install 'rlhf_torchrl[datasets]'` (or pass a local .jsonl file)."
         ) from e
     ds = datasets.load_dataset(name, config, split=split)
     if column not in ds.column_names:
-        raise ValueError(
+        raise ConfigError(
             f"Dataset {name!r} has no column {column!r}; its columns are {ds.column_names}. "
             "Set data.column."
         )
@@ -352,9 +359,9 @@ def check_prompts(
     many were cut. Otherwise raises, naming the first offending prompt.
     """
     if not prompts:
-        raise ValueError("The prompt set is empty: point data.source at prompts.")
+        raise ConfigError("The prompt set is empty: point data.source at prompts.")
     if truncate_side not in ("left", "right"):
-        raise ValueError(f"data.truncate_side={truncate_side!r}: left or right.")
+        raise ConfigError(f"data.truncate_side={truncate_side!r}: left or right.")
     out, n_truncated = [], 0
     for i, item in enumerate(prompts):
         prompt = to_prompt(item, system_prompt)
@@ -363,7 +370,7 @@ def check_prompts(
             out.append(prompt)
             continue
         if not truncate:
-            raise ValueError(
+            raise ConfigError(
                 f"Prompt {i} is {length} tokens with the chat template, over "
                 f"data.max_prompt_length={max_prompt_length}: {prompt.text[:80]!r}... Raise "
                 "data.max_prompt_length, or set data.truncate_prompts=true to cut prompts."
@@ -384,7 +391,7 @@ def _fit(prompt: Prompt, tokenizer, max_length: int, i: int, side: str, at: str 
     ids = tokenizer(prompt.cuttable_text, add_special_tokens=False)["input_ids"]
     keep = max_length - (length - len(ids))
     if keep <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"Prompt {i}: the chat template and data.template alone are {length - len(ids)} "
             f"tokens, over data.max_prompt_length={max_length}: raise it."
         )
@@ -400,6 +407,6 @@ def _fit(prompt: Prompt, tokenizer, max_length: int, i: int, side: str, at: str 
     while keep > 0 and templated_length(tokenizer, cut(keep)) > max_length:
         keep -= 1
     if keep == 0 and templated_length(tokenizer, cut(0)) > max_length:
-        raise ValueError(f"Prompt {i} does not fit data.max_prompt_length={max_length} even with "
+        raise ConfigError(f"Prompt {i} does not fit data.max_prompt_length={max_length} even with "
                          "its text cut away: raise it.")
     return cut(keep)

@@ -32,6 +32,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from . import keys as K
+from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class DataParallel:
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
                  strategy: str = "ddp", device: torch.device | None = None):
         if strategy not in STRATEGIES:
-            raise ValueError(f"Unknown distributed.strategy {strategy!r}: choose one of {STRATEGIES}.")
+            raise ConfigError(f"Unknown distributed.strategy {strategy!r}: choose one of {STRATEGIES}.")
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.strategy = strategy
         self.device = device or torch.device("cpu")

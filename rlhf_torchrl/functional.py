@@ -9,13 +9,15 @@ from __future__ import annotations
 import torch
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
+from .errors import ConfigError
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def check_kl_estimator(estimator: str) -> str:
     """Return ``estimator`` if it is one of :data:`KL_ESTIMATORS`, else raise naming the options."""
     if estimator not in KL_ESTIMATORS:
-        raise ValueError(
+        raise ConfigError(
             f"Unknown KL estimator {estimator!r}: choose one of {KL_ESTIMATORS} "
             "(k1 = log-ratio, k2 = squared log-ratio / 2, k3 = (r - 1) - log r)."
         )
@@ -53,7 +55,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     sq = masked_mean((x - mean) ** 2, mask)
     if unbiased:
         if n < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"masked_var(unbiased=True) needs at least 2 valid elements, got {int(n)}."
             )
         sq = sq * n / (n - 1)
@@ -202,7 +204,7 @@ def log_probs_from_logits(
     (float64 for float64 logits).
     """
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}.")
+        raise ConfigError(f"temperature must be > 0, got {temperature}.")
     return _TokenLogProb.apply(logits, tokens, float(temperature))
 
 

@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDictBase
 
 from . import keys as K
+from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class NonFiniteAction:
 
     def __init__(self, output_dir: str, action: str = "stop", is_main: bool = True):
         if action not in ("stop", "skip"):
-            raise ValueError(f"action={action!r}: choose stop or skip.")
+            raise ConfigError(f"action={action!r}: choose stop or skip.")
         self.output_dir, self.action, self.is_main = output_dir, action, is_main
 
     def __call__(self, error: NonFiniteError, iteration: int, batch: TensorDictBase | None) -> None:

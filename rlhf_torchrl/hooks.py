@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from torchrl.trainers import TrainerHookBase
 
@@ -135,7 +135,9 @@ class Evaluation(TrainerHookBase):
         if done % self.every and done != last:
             return None
         start = time.perf_counter()
-        metrics, rollout = self.evaluator(self.policy)  # held-out prompts, after this update
+        # a background sampler may use this very model (overlap=0): it waits meanwhile
+        with getattr(self.trainer.collector, "paused", nullcontext)():
+            metrics, rollout = self.evaluator(self.policy)  # held-out prompts, after this update
         self.held_out_after = rollout_samples(rollout, HELD_OUT_SAMPLES)
         return {**metrics, "time/eval": time.perf_counter() - start}
 
@@ -211,7 +213,8 @@ class Checkpointer(_Stateless):
         start = time.perf_counter()
         save_checkpoint(self.output_dir, t.iteration, modules=t.trained_modules,
                         optimizer=t.optimizer, keep=self.keep, parallel=t.parallel,
-                        config_yaml=self.config_yaml, trainer_state=t.state_dict())
+                        config_yaml=self.config_yaml, trainer_state=t.state_dict(),
+                        rollouts=t.pending_rollouts())
         seconds = time.perf_counter() - start
         log.info("Checkpoint %d written in %.2f s", t.iteration, seconds)
         return {"time/checkpoint": seconds}

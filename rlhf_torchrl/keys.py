@@ -38,6 +38,9 @@ LOG_PROB = ("log_probs", "response")
 BEHAVIOUR_LOG_PROB = ("log_probs", "behaviour")
 # (B,) int64: the policy version (updates done) whose weights sampled each row (TorchRL's key).
 POLICY_VERSION = "policy_version"
+# (B,) float64, asynchronous collection: the seconds the sampler spent on the row's batch (the
+# trainer waits for it only in part, so its own clock cannot give the sampling speed).
+SAMPLING_SECONDS = "sampling_seconds"
 # (B, R) float32: the same tokens under the frozen reference model.
 REF_LOG_PROB = ("ref_log_probs", "response")
 # (B, R) float32: per-token KL estimate between policy and reference.

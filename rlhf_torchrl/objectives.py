@@ -21,6 +21,7 @@ from torchrl.objectives import ClipPPOLoss
 
 from . import functional as F
 from . import keys as K
+from .errors import ConfigError
 
 
 class ResponseGAE(TensorDictModuleBase):
@@ -151,7 +152,7 @@ def make_ppo_loss(
     correcting for tokens sampled by a stale policy (asynchronous collection) or other kernels.
     """
     if tis_cap is not None and tis_cap <= 0:
-        raise ValueError(f"tis_cap must be > 0 (or None), got {tis_cap}.")
+        raise ConfigError(f"tis_cap must be > 0 (or None), got {tis_cap}.")
     loss = TokenPPOLoss(
         actor,
         critic,
@@ -314,13 +315,14 @@ def ppo_update(
     """
     from .distributed import DataParallel
     from .guards import NonFiniteError
+    from .optim import clip_grad_norm
 
     parallel = parallel or DataParallel()
     world, rank = parallel.world_size, parallel.rank
     n = rollout.shape[0]
     mini = n // num_mini_batches
     if mini % world:
-        raise ValueError(f"A minibatch of {mini} rows does not split over {world} processes.")
+        raise ConfigError(f"A minibatch of {mini} rows does not split over {world} processes.")
     local = mini // world
     if replay_buffer is None:
         replay_buffer = make_minibatch_buffer(n, mini)
@@ -334,7 +336,6 @@ def ppo_update(
     sums = torch.zeros(steps, len(_STATS), dtype=torch.float64, device=device)
     seen = torch.zeros(len(_STATS), dtype=torch.bool)
     grad_norms = torch.zeros(steps, dtype=torch.float64, device=device)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     loss_module.train()
     for step in range(steps):
         minibatch = replay_buffer.sample().contiguous()  # lazy stack -> dense (mini, ...)
@@ -383,7 +384,7 @@ def ppo_update(
                     seen[i] = True
         if grad_scaler is not None:
             grad_scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+        norm = clip_grad_norm(optimizer, max_grad_norm)  # over the groups this step moves
         grad_norms[step] = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).double()
         # (fp16: the scaler skips steps with inf gradients itself, and lowers its scale)
         if grad_scaler is None and not torch.isfinite(grad_norms[step]):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .errors import ConfigError
+
 SCHEDULES = ("linear", "constant")
 
 
@@ -53,7 +55,7 @@ def schedule_multiplier(step: int, *, total_steps: int, schedule: str = "linear"
                         start: int = 0) -> float:
     """``linear``: 1 at step ``start``, falling to 0 at ``total_steps``; ``constant``: 1."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}.")
+        raise ConfigError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}.")
     return 1.0 - (step - start) / (total_steps - start) if schedule == "linear" else 1.0
 
 
@@ -80,3 +82,23 @@ def make_optimizer(policy: nn.Module, critic: nn.Module, *, lr: float, total_ste
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, [policy_rate] + [critic_rate] * (len(groups) - 1))
     return optimizer, scheduler
+
+
+def clip_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
+    """Clip the gradients of the parameters this step moves to a global norm of ``max_norm``
+    (None: no clipping) and return their norm before clipping.
+
+    Groups at learning rate 0 (the policy during the critic warm-up) are left out of that norm:
+    gradients that move nothing must not throttle those that do (the value head). They are
+    clipped by their own norm, since AdamW still gathers them into its moments.
+    """
+    limit = max_norm if max_norm else float("inf")
+    moving, still = [], []
+    for group in optimizer.param_groups:
+        (moving if group["lr"] > 0 else still).extend(group["params"])
+    if not moving:  # every rate at 0: report the whole norm
+        moving, still = still, []
+    norm = torch.nn.utils.clip_grad_norm_(moving, limit)
+    if still:
+        torch.nn.utils.clip_grad_norm_(still, limit)
+    return norm

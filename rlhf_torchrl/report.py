@@ -19,6 +19,8 @@ import json
 import os
 import statistics
 
+from .errors import MissingFileError
+
 #: (file name, title, metric keys, y label)
 PLOTS = [
     ("score", "Score (reward model / functions)", ["objective/scores"], "mean score"),
@@ -45,7 +47,7 @@ def read_run(run_dir: str) -> tuple[list[dict], dict]:
     """(metric rows, report.json) of a run directory."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a run directory.")
+        raise MissingFileError(f"{run_dir} has no metrics.jsonl: not a run directory.")
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     summary = {}

@@ -5,13 +5,15 @@ from __future__ import annotations
 import re
 from functools import cache, lru_cache
 
+from .errors import MissingDependencyError
+
 
 @lru_cache(maxsize=1)
 def _vader():
     try:
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
     except ImportError as e:
-        raise ImportError("vader_sentiment needs vaderSentiment: `pip install vaderSentiment`.") from e
+        raise MissingDependencyError("vader_sentiment needs vaderSentiment: `pip install vaderSentiment`.") from e
     return SentimentIntensityAnalyzer()
 
 

@@ -28,6 +28,7 @@ from .data import (
     _read_jsonl,
     polarity_sentences,
 )
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def reward_head(model: nn.Module) -> nn.Linear:
         module = modules.get(name)
         if isinstance(module, nn.Linear) and module.out_features == 1:
             return module
-    raise ValueError(f"{type(model).__name__} has no one-output score head (score/classifier): "
+    raise ConfigError(f"{type(model).__name__} has no one-output score head (score/classifier): "
                      "load it as AutoModelForSequenceClassification with num_labels=1.")
 
 
@@ -127,13 +128,13 @@ def load_preference_pairs(source: str, *, split: str = "train", prompt_column: s
     pairs = []
     for row, where in rows[:limit]:
         if rejected_column not in row:
-            raise ValueError(f"{where}: no {rejected_column!r} field (set data.rejected_column).")
+            raise ConfigError(f"{where}: no {rejected_column!r} field (set data.rejected_column).")
         chosen, rejected = row[chosen_column], row[rejected_column]
         if not isinstance(chosen, str) or not isinstance(rejected, str):
-            raise ValueError(f"{where}: {chosen_column!r} and {rejected_column!r} must be text.")
+            raise ConfigError(f"{where}: {chosen_column!r} and {rejected_column!r} must be text.")
         pairs.append(_pair(str(row.get(prompt_column) or ""), chosen, rejected))
     if len(pairs) < 2:
-        raise ValueError(f"{source}: {len(pairs)} preference pair(s); training needs at least 2.")
+        raise ConfigError(f"{source}: {len(pairs)} preference pair(s); training needs at least 2.")
     random.Random(seed).shuffle(pairs)
     k = max(1, round(len(pairs) * eval_fraction))
     return pairs[:-k], pairs[-k:]

@@ -30,6 +30,7 @@ from tensordict.nn import TensorDictModuleBase
 
 from . import functional as F
 from . import keys as K
+from .errors import ConfigError, MissingDependencyError
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -40,20 +41,20 @@ def load_reward_function(path: str) -> RewardFn:
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(
+        raise ConfigError(
             f"Reward function {path!r} is not a dotted path: write it as "
             "'package.module.function' (or 'package.module:function')."
         )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ImportError(
+        raise MissingDependencyError(
             f"Reward function {path!r}: cannot import module {module_name!r} ({e}). "
             "Is the package installed and on PYTHONPATH?"
         ) from e
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
-        raise ImportError(f"Reward function {path!r}: module {module_name!r} has no callable {attr!r}.")
+        raise MissingDependencyError(f"Reward function {path!r}: module {module_name!r} has no callable {attr!r}.")
     return fn
 
 
@@ -86,7 +87,7 @@ class RewardModel:
         if self.max_length is not None and self.max_length > 100_000:
             self.max_length = None
         if tokenizer.pad_token_id is None:
-            raise ValueError(
+            raise ConfigError(
                 f"Reward model tokenizer {tokenizer.name_or_path!r} has no pad token and no "
                 "EOS/UNK token to use as one: its vocabulary cannot be reconciled with batched "
                 "scoring. Set `tokenizer.pad_token` before building the reward model."
@@ -124,7 +125,7 @@ class RewardModel:
         stopped = has_stop if has_stop is not None else [True] * len(responses)
         if self.has_chat_template:
             if messages is None:
-                raise ValueError(
+                raise ConfigError(
                     "This reward model has a chat template: it needs the prompt conversations "
                     "(('messages', 'prompt') in the rollout) to render what it reads."
                 )
@@ -195,7 +196,7 @@ def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase) -> dict:
         elif param.name == "tensordict" or param.name in columns:
             wanted[param.name] = param.name
         elif param.default is inspect.Parameter.empty:
-            raise ValueError(
+            raise ConfigError(
                 f"Reward {name!r} asks for {param.name!r}, which is not a dataset column: the "
                 f"prompts carry {sorted(columns) or 'no columns'}. A reward function takes "
                 "(prompts, responses), then by name 'tensordict' (the rollout) and dataset columns."
@@ -223,19 +224,22 @@ def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None,
                           f"{where.lineno}, in {where.name})") from e
     try:
         out = torch.as_tensor(out, dtype=torch.float32, device=device).reshape(-1)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise TypeError(
+    except (TypeError, ValueError, RuntimeError):
+        got = type(out).__name__
+        if isinstance(out, (list, tuple)) and out:
+            got += f" of {', '.join(sorted({type(v).__name__ for v in out}))}"
+        raise RewardError(
             f"Reward {name!r} must return one float per response (a list, array or 1-D tensor); "
-            f"got {type(out).__name__}."
-        ) from e
+            f"got {got}."
+        ) from None
     if out.numel() != len(responses):
-        raise ValueError(
+        raise ConfigError(
             f"Reward {name!r} returned {out.numel()} values for {len(responses)} responses: "
             "it must return exactly one float per response."
         )
     if finite and not torch.isfinite(out).all():
         bad = (~torch.isfinite(out)).nonzero().flatten()[:5].tolist()
-        raise ValueError(
+        raise ConfigError(
             f"Reward {name!r} returned non-finite values (NaN or inf) at rows {bad}: "
             "return finite floats (e.g. 0.0 for unscorable responses)."
         )
@@ -269,7 +273,7 @@ class Scorer(TensorDictModuleBase):
     ):
         super().__init__()
         if not rewards:
-            raise ValueError(
+            raise ConfigError(
                 "No reward given: set a reward model (reward.model) and/or reward functions "
                 "(reward.functions=[package.module.fn])."
             )
@@ -326,7 +330,7 @@ def make_kl_controller(kl_coef: float, target: float | None = None, horizon: int
     from torchrl.data.llm.utils import AdaptiveKLController
 
     if kl_coef <= 0:
-        raise ValueError("The adaptive KL controller needs kl_coef > 0 to start from.")
+        raise ConfigError("The adaptive KL controller needs kl_coef > 0 to start from.")
     return AdaptiveKLController(init_kl_coef=kl_coef, target=target, horizon=horizon)
 
 

@@ -24,6 +24,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
+from .errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 # glibc's mallopt parameters (malloc.h)
@@ -140,13 +142,13 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     try:
         device = torch.device(device)
     except RuntimeError as e:
-        raise ValueError(f"device={device!r} is not a device: use cpu, cuda, cuda:N or auto.") from e
+        raise ConfigError(f"device={device!r} is not a device: use cpu, cuda, cuda:N or auto.") from e
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device={device} but torch sees no CUDA device: use device=cpu "
+            raise ConfigError(f"device={device} but torch sees no CUDA device: use device=cpu "
                              "(or auto), or install a CUDA build of torch.")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device} but only {torch.cuda.device_count()} CUDA "
+            raise ConfigError(f"device={device} but only {torch.cuda.device_count()} CUDA "
                              "device(s) are visible.")
     return device
 

@@ -25,6 +25,7 @@ import logging
 import torch
 
 from . import keys as K
+from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +116,11 @@ class InverseCDFSampler:
         generator: torch.Generator | None = None,
     ):
         if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}.")
+            raise ConfigError(f"temperature must be > 0, got {temperature}.")
         if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}.")
+            raise ConfigError(f"top_p must be in (0, 1], got {top_p}.")
         if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}.")
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {top_k}.")
         from transformers import TopKLogitsWarper, TopPLogitsWarper
 
         self.temperature = temperature
@@ -147,7 +148,7 @@ class InverseCDFSampler:
         if self._stream_seeds is None:
             return None
         if len(self._stream_seeds) != n_rows:
-            raise ValueError(f"The sampler has {len(self._stream_seeds)} row streams for a batch "
+            raise ConfigError(f"The sampler has {len(self._stream_seeds)} row streams for a batch "
                              f"of {n_rows} rows: call set_streams with one seed per row.")
         if self._streams is None or self._streams[0].device != device:
             self._streams = [torch.Generator(device).manual_seed(s) for s in self._stream_seeds]

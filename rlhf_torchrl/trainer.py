@@ -27,8 +27,9 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from . import keys as K
-from .checkpoint import load_checkpoint, rng_state, set_rng_state
+from .checkpoint import load_checkpoint, load_rollouts, rng_state, set_rng_state
 from .distributed import DataParallel
+from .errors import ConfigError
 from .guards import NonFiniteError, check_finite
 from .metrics import rollout_metrics, sampler_metrics
 from .modules import evaluate_rollout
@@ -140,7 +141,7 @@ class PPOTrainer:
         """Call ``op`` at stage ``dest`` (:data:`STAGES`) of every iteration, after the ops
         registered there before it. Ops that return a dict add it to the iteration's metrics."""
         if dest not in self._ops:
-            raise ValueError(f"Unknown stage {dest!r}: choose one of {', '.join(STAGES)}.")
+            raise ConfigError(f"Unknown stage {dest!r}: choose one of {', '.join(STAGES)}.")
         self._ops[dest].append(op)
 
     def register_hook(self, name: str, hook) -> None:
@@ -148,7 +149,7 @@ class PPOTrainer:
         picks its stages (``hook.register(trainer, name)``) and its ``state_dict()`` is saved with
         the trainer's."""
         if name in self.hooks:
-            raise ValueError(f"A hook named {name!r} is registered already.")
+            raise ConfigError(f"A hook named {name!r} is registered already.")
         self.hooks[name] = hook
         hook.register(self, name)
 
@@ -183,6 +184,10 @@ class PPOTrainer:
         elif self.iteration and not self.pending:
             log.warning("Resumed at iteration %d with a collector built in advance: it must start "
                         "at that batch (pass a collector factory to be sure).", self.iteration)
+        if hasattr(self.collector, "update_weights") and "weight_push" not in self.hooks:
+            from .hooks import WeightPush  # a sampler with weights of its own waits for them
+
+            self.register_hook("weight_push", WeightPush())
         self._run("setup")
         rollouts = iter(self.collector)
         for iteration in range(self.iteration, self.num_iterations):
@@ -267,9 +272,13 @@ class PPOTrainer:
         self._run("post_steps_log", batch)  # evaluation, the KL ceiling
         self._run("checkpoint")
         metrics["time/total"] = time.perf_counter() - start
-        # tokens sampled per second of generation (the queue wait, under overlap)
+        # response tokens per second of sampling: under overlap the sampler's own clock (the
+        # trainer waited only for part of it); several processes sample in parallel, so the slowest
         n_tokens = float(batch.get(K.RESPONSE_MASK).sum())
-        metrics["time/tokens_per_second"] = n_tokens / max(metrics["time/generation"], 1e-9)
+        sampling = metrics["time/generation"]
+        if K.SAMPLING_SECONDS in batch.keys():
+            sampling = metrics["time/sampling"] = float(batch.get(K.SAMPLING_SECONDS).max())
+        metrics["time/tokens_per_second"] = n_tokens / max(sampling, 1e-9)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["episode"] = self.iteration * batch.shape[0]
         self._run("log", metrics)
@@ -295,9 +304,15 @@ class PPOTrainer:
             modules["critic_trunk"] = self.critic.backbone
         return modules
 
-    def state_dict(self) -> dict:
-        """What an exact resume needs besides weights and optimiser (see the class docstring)."""
+    def pending_rollouts(self) -> list:
+        """This process's rollouts sampled ahead by older weights (asynchronous collection; none
+        after the last iteration): a checkpoint keeps them, each process its own rows."""
         pending = getattr(self.collector, "pending", None)
+        return pending() if pending is not None and self.iteration < self.num_iterations else []
+
+    def state_dict(self) -> dict:
+        """What an exact resume needs besides weights, optimiser and the rollouts sampled ahead
+        (see the class docstring): plain containers, loadable with ``weights_only=True``."""
         return {
             "iteration": self.iteration,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -307,8 +322,8 @@ class PPOTrainer:
             "minibatch_rng": (self.replay_buffer._rng.get_state()
                               if getattr(self.replay_buffer, "_rng", None) is not None else None),
             "rng": rng_state(),
-            # batches sampled ahead by older weights (none after the last iteration)
-            "pending": pending() if pending is not None and self.iteration < self.num_iterations else [],
+            "pending": len(self.pending_rollouts()),  # (the rollouts: one folder per process)
+            "world_size": self.parallel.world_size,
             "hooks": {name: hook.state_dict() for name, hook in self.hooks.items()},
         }
 
@@ -322,14 +337,19 @@ class PPOTrainer:
         if state["minibatch_rng"] is not None:
             self.replay_buffer._rng.set_state(state["minibatch_rng"])
         set_rng_state(state["rng"])
-        self.pending = list(state["pending"])
         for name, hook_state in state["hooks"].items():
             if name in self.hooks:
                 self.hooks[name].load_state_dict(hook_state)
 
     def load_checkpoint(self, path: str) -> None:
-        """Continue from checkpoint ``path``: trained weights, optimiser and :meth:`state_dict`."""
+        """Continue from checkpoint ``path``: trained weights, optimiser, :meth:`state_dict` and
+        this process's rollouts sampled ahead."""
         state = load_checkpoint(path, modules=self.trained_modules, optimizer=self.optimizer)
+        if state["pending"] and state["world_size"] != self.parallel.world_size:
+            raise ConfigError(
+                f"Checkpoint {path} holds rollouts sampled ahead by each of {state['world_size']} "
+                f"processes; resume it with {state['world_size']} (now {self.parallel.world_size}).")
         self.load_state_dict(state)
+        self.pending = load_rollouts(path, self.parallel.rank, module_device(self.actor.model))
         log.info("Resumed from %s: %d of %d iterations done", path, self.iteration,
                  self.num_iterations)

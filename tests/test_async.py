@@ -95,6 +95,9 @@ def test_overlap_one_with_truncated_importance_sampling(tmp_path, tiny_llama_dir
     for m in lines:
         assert 0 < m["policy/tis_weight_avg"] <= 2.0 and 0 <= m["policy/tis_capped_frac"] <= 1
         assert all(math.isfinite(v) for v in m.values())
+        # tokens per second of the sampler's own time, not of the trainer's wait for the batch
+        tokens = m["val/sequence_lengths"] * 4
+        assert m["time/tokens_per_second"] == pytest.approx(tokens / m["time/sampling"])
 
 
 def test_truncated_importance_sampling_weights_the_surrogate(tokenizer, tiny_llama_dir):
@@ -118,3 +121,42 @@ def test_truncated_importance_sampling_weights_the_surrogate(tokenizer, tiny_lla
         td.set(K.BEHAVIOUR_LOG_PROB, td.get(K.LOG_PROB) - shift * mask)
         weighted = make_ppo_loss(actor, critic, tis_cap=cap)(td)["loss_objective"]
         torch.testing.assert_close(weighted, plain * factor, rtol=1e-5, atol=1e-7)
+
+
+def test_evaluation_never_runs_beside_the_background_sampler(tiny_llama_dir, tokenizer):
+    """overlap=0 with the transformers backend samples with the live policy in a background
+    thread: a held-out evaluation (which samples with that same model, at its own temperature)
+    must wait for the batch under way and hold the sampler back while it runs."""
+    import threading
+
+    from test_trainer import build
+
+    from rlhf_torchrl.evaluation import Evaluator
+    from rlhf_torchrl.hooks import Evaluation
+
+    trainer = build(tiny_llama_dir, num_iterations=3)
+    inner = trainer.collector
+    trainer.collector = lambda start, pending: AsyncCollector(inner(start, pending), overlap=0,
+                                                              start_version=start)
+    policy = trainer.actor.model
+    evaluator = Evaluator(PROMPTS[:4], tokenizer, trainer.scorer, max_new_tokens=6,
+                          temperature=0.1, stop_token_ids=[tokenizer.eos_token_id])
+    trainer.register_hook("evaluation", Evaluation(evaluator, every=1, policy=policy,
+                                                   reference=policy))
+    active, threads, overlaps = set(), [], []
+
+    def enter(module, args):
+        me = threading.get_ident()
+        if active - {me}:
+            overlaps.append(me)
+        active.add(me)
+        threads.append(me)
+
+    def leave(module, args, out):
+        active.discard(threading.get_ident())
+
+    policy.register_forward_pre_hook(enter)
+    policy.register_forward_hook(leave)
+    trainer.fit()
+    assert len(set(threads)) == 2  # the sampler's thread and the trainer's (evaluation, forwards)
+    assert not overlaps

@@ -23,6 +23,7 @@ def files(tmp_path_factory, tokenizer):
     (d / "bad_json.jsonl").write_text('{"prompt": "a b"}\n{"prompt": "c d"}\n{"prompt": oops}\n')
     (d / "no_column.jsonl").write_text('{"text": "a b"}\n')
     (d / "empty.jsonl").write_text("")
+    (d / "latin1.jsonl").write_bytes('{"prompt": "ok"}\n{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
     (d / "a_file").write_text("not a directory")
     (d / "long.jsonl").write_text(json.dumps({"prompt": "word " * 400}) + "\n")
     small_vocab = _tiny_llama(tokenizer, vocab_size=1000)
@@ -67,10 +68,13 @@ CASES = {
     "reward-raises": (["reward.functions=[test_rewards.raising_reward]"],
                       r"'raising_reward' raised KeyError: 'boom' \(at .*test_rewards.py:\d+"),
     "reward-nan-at-start": (["reward.functions=[test_rewards.nan_reward]"], r"nan_reward.*non-finite"),
+    "reward-text": (["reward.functions=[test_rewards.text_reward]"], r"text_reward.*got list of str"),
+    "reward-none": (["reward.functions=[test_rewards.none_reward]"], r"none_reward.*got NoneType"),
     # data
     "json-line-3": (["data.source={d}/bad_json.jsonl"], r"bad_json.jsonl:3: not valid JSON"),
     "json-column": (["data.source={d}/no_column.jsonl"], r"no_column.jsonl:1: .*'prompt' field .*data.column"),
     "empty-file": (["data.source={d}/empty.jsonl"], r"empty"),
+    "not-utf8": (["data.source={d}/latin1.jsonl"], r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 .*UTF-8"),
     "missing-file": (["data.source={d}/none.jsonl"], r"none.jsonl' does not exist"),
     "too-few-prompts": (["data.limit=2"], r"2 prompts, 4 of them held out .*fewer than ppo.batch_size=4"),
     "over-long-prompt": (["data.source={d}/long.jsonl", "data.max_words=null", "ppo.batch_size=1",
@@ -102,8 +106,11 @@ def test_bad_input_fails_before_work(tmp_path, tiny_llama_dir, files, overrides,
 
 def test_a_finished_run_without_checkpoints_is_not_overwritten(tmp_path, tiny_llama_dir):
     ppo.train(_cfg(tmp_path, tiny_llama_dir, "checkpoint.every=0", "ppo.num_iterations=1"))
+    report = (tmp_path / "report.json").read_bytes()
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=1"))  # finished: nothing to do
     with pytest.raises(ValueError, match="holds a finished run without a checkpoint.*resume=never"):
-        ppo.train(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=1"))
+        ppo.train(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=2"))  # no checkpoint to go on from
+    assert (tmp_path / "report.json").read_bytes() == report
 
 
 COMPOSE_CASES = {  # wrong types and unknown keys: Hydra refuses them while composing
@@ -144,3 +151,31 @@ def test_load_tokenizer_gives_a_distinct_pad_token(tokenizer):
     """Missing pad token or pad = EOS: the tokenizer gets its own pad token (no error needed)."""
     assert tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
     assert torch.tensor(tokenizer("a b")["input_ids"]).ndim == 1
+
+
+def test_unknown_task_lists_the_presets(tmp_path):
+    for command in ([sys.executable, "-m", "rlhf_torchrl.cli", "ppo"], [sys.executable, str(RECIPES / "ppo.py")]):
+        proc = subprocess.run([*command, "task=sentimnet", f"hydra.run.dir={tmp_path}"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1
+        assert "Error: task=sentimnet is not a task preset: choose one of arithmetic, custom" in proc.stderr
+        assert "search path" not in proc.stderr + proc.stdout
+
+
+def test_user_errors_are_one_line_and_bugs_keep_their_traceback(capsys):
+    """A ConfigError (a setting, a file) is the user's: one line, exit 1. A ValueError from
+    anywhere else is a bug: it propagates with its traceback."""
+    from rlhf_torchrl.cli import run
+    from rlhf_torchrl.errors import ConfigError
+
+    def bad_setting(cfg):
+        raise ConfigError("ppo.batch_size=3 does not split")
+
+    def bug(cfg):
+        raise ValueError("an internal mistake")
+
+    with pytest.raises(SystemExit) as info:
+        run(bad_setting, None)
+    assert info.value.code == 1 and capsys.readouterr().err == "Error: ppo.batch_size=3 does not split\n"
+    with pytest.raises(ValueError, match="an internal mistake"):
+        run(bug, None)

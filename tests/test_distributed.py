@@ -112,3 +112,58 @@ def test_sharded_checkpoint_resumes_exactly(tmp_path, tiny_llama_dir, strategy):
                           for r in rows]
     assert [r["iteration"] for r in resumed] == [0, 1, 2]
     assert strip(resumed) == strip(whole)
+
+
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun's workers sit in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def test_ddp_overlap_resume_after_the_whole_job_is_killed(tmp_path, tiny_llama_dir):
+    """2 processes sampling one update ahead: every process of the job is SIGKILLed once
+    checkpoint 2 of 4 exists (a lost node), then the same command resumes. Each process's rows
+    sampled ahead are its own in the checkpoint, so every iteration equals the uninterrupted
+    run's (they were all rank 0's rows before)."""
+    import signal
+    import time
+
+    overrides = ["distributed.strategy=ddp", "collection.overlap=1",
+                 "generation.log_probs_from_sampling=false", "ppo.num_iterations=4",
+                 "checkpoint.every=1", "checkpoint.keep=null"]
+    whole = _run(tmp_path / "whole", tiny_llama_dir, 2, *overrides)
+    cut = tmp_path / "cut"
+    command = ["torchrun", "--standalone", "--nproc_per_node=2", str(ROOT / "recipes" / "ppo.py"),
+               f"model.policy={tiny_llama_dir}", f"output_dir={cut}", f"hydra.run.dir={cut}",
+               *TINY, *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (cut / "checkpoints" / "iter_00000002").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended first"
+        time.sleep(0.005)
+    for pid in _process_tree(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    assert not (cut / "checkpoints" / "iter_00000004").exists()
+    resumed = _run(cut, tiny_llama_dir, 2, *overrides)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in IGNORED and not k.startswith("time/")}  # noqa: E731
+                          for r in rows]
+    assert [r["iteration"] for r in resumed] == [0, 1, 2, 3]
+    assert strip(resumed) == strip(whole)

@@ -231,3 +231,95 @@ def test_lora_checkpoint_holds_the_adapters_and_value_head_only(tmp_path, tiny_l
     weights = [k for k in keys if k.startswith("model.")]
     assert any("lora_A" in k for k in weights) and any(k.startswith("model.value_head") for k in weights)
     assert all("lora_" in k or k.startswith("model.value_head") for k in weights), weights
+
+
+def test_finished_run_is_left_as_it_is(tmp_path, tiny_llama_dir, monkeypatch, capsys):
+    """The same command again on a finished run: it says so, loads nothing, keeps the report
+    (with its held-out before/after table)."""
+    cfg = _cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=2", "eval.every=1")
+    first = ppo.train(cfg)
+    saved = {name: (tmp_path / name).read_bytes() for name in ("report.json", "report.html")}
+    assert "held_out_samples" in json.loads(saved["report.json"])
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a finished run must not load its models again")
+
+    monkeypatch.setattr(builders, "make_models", no_loading)
+    again = ppo.train(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=2", "eval.every=1"))
+    assert "holds this run, finished (2 iterations)" in capsys.readouterr().out
+    assert again["final_score"] == first["final_score"] and "held_out_samples" in again
+    assert {name: (tmp_path / name).read_bytes() for name in saved} == saved
+    # asked for more iterations, the run goes on from its last checkpoint
+    with pytest.raises(AssertionError, match="must not load"):
+        ppo.train(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=3", "eval.every=1"))
+
+
+def test_resume_with_another_seed_or_batch_size_is_refused(tmp_path, tiny_llama_dir):
+    """The seed and the batch size decide the prompt order and each row's random stream: a
+    resume that changes them would not continue the run, so it is refused, naming them."""
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, *EXACT, "ppo.num_iterations=1"))
+    for override, named in [("seed=1", "seed: 0 in the checkpoint, 1 now"),
+                            ("ppo.batch_size=8", "ppo.batch_size: 4 in the checkpoint, 8 now"),
+                            ("eval.every=0", "held-out prompts")]:
+        with pytest.raises(ValueError, match="Cannot resume") as info:
+            builders.resume_path(_cfg(tmp_path, tiny_llama_dir, *EXACT, override))
+        assert named in str(info.value)
+
+
+def test_torn_checkpoint_is_named_and_the_one_before_used(tmp_path, tiny_llama_dir, caplog):
+    """A bad disk tore the newest checkpoint's files: resume=auto names it and continues from
+    the one before (the run still equals the uninterrupted one); resume=<that path> stops with
+    one line."""
+    from rlhf_torchrl.checkpoint import CheckpointError
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    ppo.train(_cfg(whole, tiny_llama_dir, *EXACT, "ppo.num_iterations=3"))
+    ppo.train(_cfg(cut, tiny_llama_dir, *EXACT, "ppo.num_iterations=3"))
+    _stop_at(cut, 2)
+    (cut / "report.json").unlink()
+    newest = cut / "checkpoints" / "iter_00000002"
+    (newest / "config.yaml").write_bytes(b"seed: \x00\x9f\xff torn\n")  # yaml: a ReaderError
+    with pytest.raises(CheckpointError, match="iter_00000002 is (torn|unreadable)"):
+        builders.resume_path(_cfg(cut, tiny_llama_dir, *EXACT, f"resume={newest}"))
+    trainer_pt = cut / "checkpoints" / "iter_00000001" / "trainer.pt"
+    with caplog.at_level("WARNING"):
+        ppo.train(_cfg(cut, tiny_llama_dir, *EXACT, "ppo.num_iterations=3"))
+    assert "iter_00000002" in caplog.text and "resuming from the checkpoint before it" in caplog.text
+    assert _rows(cut) == _rows(whole)
+    # a file cut short: found by its size before it is read
+    with open(trainer_pt, "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(CheckpointError, match="trainer.pt has 10 bytes"):
+        builders.resume_path(_cfg(cut, tiny_llama_dir, *EXACT, f"resume={trainer_pt.parent}"))
+
+
+class _Payload:
+    """Unpickling it would run code: what a crafted trainer.pt could do."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/rlhf_torchrl_pwned",))
+
+
+def test_a_checkpoint_cannot_run_code_when_resumed(tmp_path, tiny_llama_dir):
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, *EXACT, "ppo.num_iterations=1"))
+    (_, path), = list_checkpoints(tmp_path)
+    trainer_pt = Path(path) / "trainer.pt"
+    state = torch.load(trainer_pt, weights_only=True)  # what it holds loads safely
+    torch.save({**state, "rng": _Payload()}, trainer_pt)
+    (Path(path) / "manifest.json").unlink()  # (the size check would catch it first)
+    if os.path.exists("/tmp/rlhf_torchrl_pwned"):
+        os.remove("/tmp/rlhf_torchrl_pwned")
+    from rlhf_torchrl.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="unreadable.*UnpicklingError"):
+        builders.resume_path(_cfg(tmp_path, tiny_llama_dir, *EXACT, f"resume={path}"))
+    assert not os.path.exists("/tmp/rlhf_torchrl_pwned")
+
+
+def test_checkpoint_time_is_logged_and_counted(tmp_path, tiny_llama_dir):
+    ppo.train(_cfg(tmp_path, tiny_llama_dir, *EXACT, "ppo.num_iterations=2"))
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        phases = sum(v for k, v in row.items() if k.startswith("time/") and k not in (
+            "time/total", "time/tokens_per_second"))
+        assert row["time/checkpoint"] > 0 and row["time/total"] >= phases

@@ -39,6 +39,14 @@ def raising_reward(prompts, responses):
     raise KeyError("boom")
 
 
+def text_reward(prompts, responses):
+    return ["good" for _ in responses]
+
+
+def none_reward(prompts, responses):
+    return None
+
+
 def test_weighted_sum_and_missing_eos_penalty():
     td = _td(["p", "q"], ["great movie", "terrible"], [True, False])
     scorer = Scorer({"len": (length_reward, 0.5), "vader": (vader_sentiment, 2.0)},
@@ -118,6 +126,8 @@ def test_reward_functions_get_dataset_columns_by_name(tokenizer):
     (wrong_length, "wrong_length.*returned 1 values for 3 responses"),
     (nan_reward, "nan_reward.*non-finite"),
     (raising_reward, "raising_reward.*raised KeyError"),
+    (text_reward, "text_reward.*one float per response .*got list of str"),
+    (none_reward, "none_reward.*one float per response .*got NoneType"),
 ])
 def test_bad_reward_functions_are_named(fn, match, tokenizer):
     scorer = Scorer({fn.__name__: (fn, 1.0)})

@@ -16,13 +16,16 @@ import copy
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from tensordict import TensorDict
 from torch import nn
 
 from .. import keys as K
+from ..errors import ConfigError
 
 
 class AsyncCollector:
@@ -34,7 +37,8 @@ class AsyncCollector:
     never during one. Batch k is sampled by exactly version ``max(0, k - overlap)``: the thread
     waits for that version, and a push waits until the batches the older version still owes are
     sampled. Staleness is therefore fixed, not a matter of timing, and a run is reproducible. The
-    rows of each batch get ``"policy_version"`` (B,) int64.
+    rows of each batch get ``"policy_version"`` (B,) int64 and ``"sampling_seconds"`` (B,)
+    float64, the time the batch took to sample.
 
     Resume: :meth:`pending` (after ``update_weights(v)``) returns the batches already sampled for
     the trainer's next iterations, by versions older than ``v``; a collector rebuilt with
@@ -51,7 +55,7 @@ class AsyncCollector:
     def __init__(self, collector, weight_sync=None, *, overlap: int = 1, start_version: int = 0,
                  pending: Sequence[TensorDict] = ()):
         if overlap < 0:
-            raise ValueError(f"overlap must be >= 0, got {overlap}.")
+            raise ConfigError(f"overlap must be >= 0, got {overlap}.")
         self.collector, self.weight_sync, self.overlap = collector, weight_sync, overlap
         self.version = start_version  # of the weights the sampler holds
         self._first = start_version + len(pending)  # index of the first batch sampled here
@@ -88,11 +92,15 @@ class AsyncCollector:
                     self._turn.wait_for(lambda k=k: self._stop or self.version >= k - self.overlap)
                     if self._stop:
                         break
+                    start = time.perf_counter()
                     rollout = next(batches, None)
                     if rollout is None:
                         break
                     rollout.set(K.POLICY_VERSION, torch.full(
                         rollout.shape, self.version, dtype=torch.long, device=rollout.device))
+                    rollout.set(K.SAMPLING_SECONDS, torch.full(
+                        rollout.shape, time.perf_counter() - start, dtype=torch.float64,
+                        device=rollout.device))
                     self._queue.put(rollout)  # queued and counted together: see pending()
                     self._sampled += 1
                     self._turn.notify_all()
@@ -113,6 +121,13 @@ class AsyncCollector:
             self.version = version
             self._turn.notify_all()
         return seconds
+
+    @contextmanager
+    def paused(self):
+        """No batch is sampled inside the block: the one under way finishes first. For whatever
+        else uses the sampling model meanwhile (a held-out evaluation with the live policy)."""
+        with self._turn:
+            yield
 
     def pending(self) -> list[TensorDict]:
         """The sampled batches the trainer has not taken yet, sampled by versions older than the

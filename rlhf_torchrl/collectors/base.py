@@ -21,6 +21,7 @@ from torchrl.modules.llm import TransformersWrapper
 from .. import functional as F
 from .. import keys as K
 from ..data import Prompt, prompt_token_ids, to_prompt
+from ..errors import ConfigError
 
 
 def make_generation_env(
@@ -55,12 +56,12 @@ def make_generation_env(
     from torchrl.envs.llm import ChatEnv
 
     if len(prompts) < batch_size:
-        raise ValueError(
+        raise ConfigError(
             f"The prompt set has {len(prompts)} prompts, fewer than one batch "
             f"(batch_size={batch_size}): add prompts or lower the batch size."
         )
     if batch_size % world_size or not 0 <= rank < world_size:
-        raise ValueError(f"A global batch of {batch_size} rows does not split over {world_size} "
+        raise ConfigError(f"A global batch of {batch_size} rows does not split over {world_size} "
                          f"processes (rank {rank}): make the batch size a multiple of the world size.")
     rows = [to_prompt(p, system_prompt) for p in prompts]
     local = batch_size // world_size
@@ -368,7 +369,7 @@ def probe_rollout(
     stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
     stopped = [i % 2 == 0 for i in range(len(rows))] if stopped is None else stopped
     if any(not text and not s for text, s in zip(responses, stopped)):
-        raise ValueError("An empty response must end with the stop token (stopped=True).")
+        raise ConfigError("An empty response must end with the stop token (stopped=True).")
     prompt = tokenizer.pad({"input_ids": [prompt_token_ids(tokenizer, r) for r in rows]},
                            padding_side="left", return_tensors="pt")
     response = tokenizer.pad({"input_ids": [
@@ -435,7 +436,7 @@ class RolloutCollector:
         self.seed, self.row_offset, self.device = seed, row_offset, device
         self.sampler = sampler_of(policy)  # draws the tokens (and records their log-probs)
         if seed is not None and self.sampler is None:
-            raise ValueError("RolloutCollector(seed=...) needs a policy from make_generation_policy "
+            raise ConfigError("RolloutCollector(seed=...) needs a policy from make_generation_policy "
                              "(its InverseCDFSampler draws the tokens from per-row streams).")
         self.records = self.sampler is not None and self.sampler.record
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])

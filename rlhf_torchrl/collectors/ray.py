@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 import torch
 from tensordict import TensorDict
 
+from ..errors import ConfigError
 from .base import concat_rollouts
 
 
@@ -63,7 +64,7 @@ class RayCollector:
         import ray
 
         if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
+            raise ConfigError(f"num_workers must be >= 1, got {num_workers}.")
         if not ray.is_initialized():
             raise RuntimeError("RayCollector needs a Ray cluster: call ray.init(...) first.")
         actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(_Worker)

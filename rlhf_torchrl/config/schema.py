@@ -15,6 +15,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
+from ..errors import ConfigError
+
 
 @dataclass
 class Distributed:
@@ -301,13 +303,13 @@ def validate(cfg: DictConfig) -> None:
 
     missing = OmegaConf.missing_keys(cfg)
     if missing:
-        raise ValueError(f"{', '.join(sorted(missing))} must be set: the task (task=...) sets it, "
+        raise ConfigError(f"{', '.join(sorted(missing))} must be set: the task (task=...) sets it, "
                          "or give it on the command line, e.g. data.source=prompts.jsonl.")
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             shown = ", ".join("null" if a is None else a for a in allowed)
-            raise ValueError(f"{key}={value!r} is not one of the allowed values: {shown}.")
+            raise ConfigError(f"{key}={value!r} is not one of the allowed values: {shown}.")
     for key, bounds in RANGES.items():
         value = OmegaConf.select(cfg, key)
         if value is None:
@@ -315,4 +317,4 @@ def validate(cfg: DictConfig) -> None:
         low, high, low_in, high_in = bounds
         inside = (low <= value if low_in else low < value) and (value <= high if high_in else value < high)
         if not inside or (isinstance(value, float) and math.isnan(value)):
-            raise ValueError(f"{key}={value} is out of range: it must be {_describe(*bounds)}.")
+            raise ConfigError(f"{key}={value} is out of range: it must be {_describe(*bounds)}.")

@@ -27,6 +27,7 @@ from torch.distributions import Distribution
 
 from .. import functional as F
 from .. import keys as K
+from ..errors import ConfigError
 from ..runtime import autocast
 
 _IN_KEYS = [K.PROMPT_TOKENS, K.PROMPT_MASK, K.RESPONSE_TOKENS, K.RESPONSE_MASK]
@@ -142,9 +143,9 @@ class TokenLevelActor(TensorDictModuleBase):
         from .lora import is_peft, trunk
 
         if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}.")
+            raise ConfigError(f"temperature must be > 0, got {temperature}.")
         if adapters_off and not is_peft(model):
-            raise ValueError("adapters_off=True needs a PEFT model (modules.lora.add_lora).")
+            raise ConfigError("adapters_off=True needs a PEFT model (modules.lora.add_lora).")
         self.model = model
         self.temperature = temperature
         self.autocast_dtype = autocast_dtype
@@ -152,7 +153,7 @@ class TokenLevelActor(TensorDictModuleBase):
         self.handoff = None
         if trunk_critic is not None:
             if trunk_critic.handoff is None or trunk_critic.backbone is not trunk(model):
-                raise ValueError(
+                raise ConfigError(
                     "trunk_critic must be a critic on this policy's own trunk "
                     "(make_critic(policy=..., init='shared')); a separate critic runs its own."
                 )
@@ -279,12 +280,12 @@ def make_critic(
     if init == "shared":
         return TokenCritic(trunk(policy), shared_trunk=True, autocast_dtype=autocast_dtype)
     if init not in ("policy", "reward_model", "model"):
-        raise ValueError(
+        raise ConfigError(
             f"Unknown critic init {init!r}: choose 'policy' (copy of the policy), 'reward_model' "
             "or 'model' (load value_model.name_or_path), or 'shared' (head on the policy backbone)."
         )
     if not name_or_path:
-        raise ValueError(f"critic init {init!r} needs a model path (value_model.name_or_path).")
+        raise ConfigError(f"critic init {init!r} needs a model path (value_model.name_or_path).")
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     path = resolve_model_path(name_or_path)
@@ -297,7 +298,7 @@ def make_critic(
         "distilbert",
         "electra",
     ):
-        raise ValueError(
+        raise ConfigError(
             f"Value model {name_or_path!r} ({config.model_type}) is bidirectional: a token-level "
             "critic must be a causal (decoder-only) model that reads the policy's tokens."
         )
@@ -333,7 +334,7 @@ def _check_same_vocab(path: str, tokenizer, name: str) -> None:
         return  # no tokenizer files next to the weights: nothing to compare against
     ours = tokenizer.get_vocab()
     if any(ours.get(token) != index for token, index in theirs.items()):
-        raise ValueError(
+        raise ConfigError(
             f"Value model {name!r} uses a different vocabulary than the policy's tokenizer: a "
             "token-level critic must read the policy's token ids. Initialise it from the policy "
             "(value_model.init=policy or shared) or from a model sharing its tokenizer."

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from ..errors import ConfigError, MissingDependencyError
+
 
 def add_lora(
     model: nn.Module,
@@ -29,9 +31,9 @@ def add_lora(
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
-        raise ImportError("LoRA needs PEFT: pip install -e \".[peft]\" (or pip install peft).") from e
+        raise MissingDependencyError("LoRA needs PEFT: pip install -e \".[peft]\" (or pip install peft).") from e
     if r < 1:
-        raise ValueError(f"LoRA rank must be >= 1, got {r}.")
+        raise ConfigError(f"LoRA rank must be >= 1, got {r}.")
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                         task_type=task_type, bias="none")

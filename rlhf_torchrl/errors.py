@@ -1,0 +1,19 @@
+"""The errors that are the user's to fix: a setting, an argument, a file or a package.
+
+Their messages name what was wrong and how to fix it; the command line prints them as one line
+(``Error: ...``, exit status 1), while any other exception is a bug of this code or a library's
+and keeps its traceback. They subclass the built-in error a caller would expect
+(``ValueError``, ``ImportError``, ``FileNotFoundError``), so ``except ValueError`` still works.
+"""
+
+
+class ConfigError(ValueError):
+    """A setting, argument or input that cannot work."""
+
+
+class MissingDependencyError(ConfigError, ImportError):
+    """An optional package that a setting needs is not installed."""
+
+
+class MissingFileError(ConfigError, FileNotFoundError):
+    """A file or directory a setting names does not exist or is not what it should be."""
