@@ -14,8 +14,9 @@ pre-temperature).
 
 The engine starts from the policy's config with dummy weights (:func:`make_vllm_engine`) and gets
 the trainer's weights by :meth:`VLLMGenerator.load_weights` before its first batch and after every
-update: the worker's ``model_runner.reload_weights`` through ``collective_rpc`` (on the CPU backend
-``load_weights`` after start-up fails: linear weights are repacked), then a prefix-cache reset.
+update: the workers' ``reload_weights`` method, called by name through ``collective_rpc`` (no
+function is pickled: vLLM's insecure serialization stays off; on the CPU backend ``load_weights``
+after start-up fails: linear weights are repacked), then a prefix-cache reset.
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ _CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
 
 def _import_vllm():
-    # collective_rpc with a function needs it; in-process engine: weights pushed without a copy
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    # an in-process engine: weights are pushed without a copy (the user's setting wins)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         import vllm
@@ -112,11 +112,6 @@ def make_vllm_engine(
         enforce_eager=enforce_eager, enable_sleep_mode=sleep_mode,
         tensor_parallel_size=tensor_parallel_size, **memory, **engine_kwargs,
     )
-
-
-def _reload_weights(worker, weights: list) -> None:
-    """Runs in each vLLM worker: load ``(name, tensor)`` pairs (Hugging Face names) into the model."""
-    worker.model_runner.reload_weights(weights_iterator=iter(weights))
 
 
 class VLLMGenerator:
@@ -222,7 +217,9 @@ class VLLMGenerator:
         items = weights.items() if isinstance(weights, Mapping) else weights
         batch = [(name, t.detach()) for name, t in items]
         self.wake_up()
-        self.llm.collective_rpc(_reload_weights, args=(batch,))
+        # the workers' own method, by name: no function is pickled, so vLLM's insecure
+        # serialization stays off (a list of tensors crosses a process boundary as msgpack)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": batch})
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
