@@ -143,15 +143,31 @@ def _report(args: list[str]) -> None:
     main(args)
 
 
-def _bench(args: list[str]) -> None:
-    import importlib
+BENCHMARKS = ("ppo_iteration", "collectors", "backends", "scaling", "vs_trl")
 
-    names = ("ppo_iteration", "collectors", "backends", "scaling", "vs_trl")
-    if not args or args[0] in ("-h", "--help") or args[0].replace("-", "_") not in names:
-        print(f"usage: rlhf-torchrl bench {{{','.join(names)}}} [--help] [options]")
-        sys.exit(0 if args and args[0] in ("-h", "--help") else 2)
-    module = importlib.import_module(f"rlhf_torchrl.benchmarks.{args[0].replace('-', '_')}")
-    module.main(args[1:])
+
+def _bench(args: list[str]) -> None:
+    """``benchmarks/<name>.py`` of a clone: the one in the current directory, or the one beside
+    the package's source (an editable install)."""
+    import runpy
+    from pathlib import Path
+
+    usage = f"usage: rlhf-torchrl bench {{{','.join(BENCHMARKS)}}} [--help] [options]"
+    if not args or args[0] in ("-h", "--help"):
+        print(usage)
+        return
+    name = args[0].replace("-", "_")
+    if name not in BENCHMARKS:
+        print(f"{usage}\nError: no benchmark {args[0]!r}.", file=sys.stderr)
+        sys.exit(2)
+    folders = [Path.cwd() / "benchmarks", Path(__file__).resolve().parents[1] / "benchmarks"]
+    script = next((f / f"{name}.py" for f in folders if (f / f"{name}.py").is_file()), None)
+    if script is None:
+        print(f"Error: the benchmarks run from a clone of the repository (benchmarks/{name}.py): "
+              "run this command in the clone's root.", file=sys.stderr)
+        sys.exit(1)
+    sys.argv = [str(script), *args[1:]]
+    runpy.run_path(str(script), run_name="__main__")
 
 
 COMMANDS = {

@@ -275,3 +275,28 @@ def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3) ->
             "difference is expected."
         )
     return stats
+
+
+def low_precision(*, autocast: str | None = None, dtype: str = "float32") -> bool:
+    """bf16/fp16 computation: autocast, or low-precision weights."""
+    return bool(autocast) or dtype in ("bfloat16", "float16")
+
+
+def log_probs_from_sampling(*, backend: str = "transformers", autocast: str | None = None,
+                            dtype: str = "float32", setting: bool | None = None) -> bool:
+    """Whether PPO's old log-probs can be those recorded while sampling (``setting`` decides when
+    given). By default yes for the transformers backend in fp32: its sampling forward is the
+    training forward, so they are equal; no for vLLM or bf16/fp16, whose kernels round
+    differently, so PPO's first ratio would not be 1: a training forward recomputes them."""
+    if setting is not None:
+        return bool(setting)
+    return not low_precision(autocast=autocast, dtype=dtype) and backend == "transformers"
+
+
+def on_policy_tolerance(*, autocast: str | None = None, dtype: str = "float32",
+                        setting: float | None = None) -> float:
+    """The on-policy check's tolerance (``setting`` when given): 1e-3 nats in fp32, 0.5 in
+    bf16/fp16 (rounding alone gave up to 0.25 on SmolLM2 with bf16 autocast on CPU)."""
+    if setting is not None:
+        return float(setting)
+    return 0.5 if low_precision(autocast=autocast, dtype=dtype) else 1e-3

@@ -108,7 +108,7 @@ class PPOTrainer:
         exact_entropy: bool = True,
         offload_reference: bool = False,
         critic_warmup: int = 0,
-        non_finite: Callable | None = None,
+        on_non_finite: Callable | None = None,
     ):
         self.collector = collector
         self.scorer, self.actor, self.reference, self.critic = scorer, actor, reference, critic
@@ -125,8 +125,9 @@ class PPOTrainer:
         # keep_sampler_log_probs keeps the recorded ones beside them (TIS, the mismatch metric)
         self.recompute_log_probs, self.keep_sampler_log_probs = recompute_log_probs, keep_sampler_log_probs
         self.offload_reference, self.critic_warmup = offload_reference, critic_warmup
-        # what a NaN/inf does: on_non_finite(error, iteration, batch) raises (stop) or returns (skip)
-        self.on_non_finite = non_finite
+        # what a NaN/inf does: on_non_finite(error, iteration, batch) raises (stop) or returns
+        # (skip: no further optimiser step this iteration); None: the NonFiniteError propagates
+        self.on_non_finite = on_non_finite
         self.iteration = 0  # iterations done
         self.first_iteration = 0  # where this process started (a resumed run: the checkpoint's)
         self.pending: list = []  # rollouts sampled ahead, restored from a checkpoint

@@ -153,13 +153,22 @@ def test_load_tokenizer_gives_a_distinct_pad_token(tokenizer):
     assert torch.tensor(tokenizer("a b")["input_ids"]).ndim == 1
 
 
-def test_unknown_task_lists_the_presets(tmp_path):
-    for command in ([sys.executable, "-m", "rlhf_torchrl.cli", "ppo"], [sys.executable, str(RECIPES / "ppo.py")]):
-        proc = subprocess.run([*command, "task=sentimnet", f"hydra.run.dir={tmp_path}"],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 1
-        assert "Error: task=sentimnet is not a task preset: choose one of arithmetic, custom" in proc.stderr
-        assert "search path" not in proc.stderr + proc.stdout
+def test_unknown_task_lists_the_presets(tmp_path, monkeypatch, capsys):
+    """What `rlhf-torchrl ppo task=...` and `python recipes/ppo.py task=...` print (in process:
+    both stop before Hydra composes anything)."""
+    import runpy
+
+    from rlhf_torchrl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["recipes/ppo.py", "task=sentimnet", f"hydra.run.dir={tmp_path}"])
+    for run in (lambda: main(["ppo", *sys.argv[1:]]),
+                lambda: runpy.run_path(str(RECIPES / "ppo.py"), run_name="__main__")):
+        with pytest.raises(SystemExit) as info:
+            run()
+        assert info.value.code == 1
+        out = capsys.readouterr()
+        assert "Error: task=sentimnet is not a task preset: choose one of arithmetic, custom" in out.err
+        assert "search path" not in out.err + out.out
 
 
 def test_user_errors_are_one_line_and_bugs_keep_their_traceback(capsys):

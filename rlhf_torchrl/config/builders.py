@@ -6,7 +6,6 @@ Each ``make_*`` turns one config group into library objects with explicit keywor
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib.util
 import json
@@ -19,22 +18,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import functional as F
-from ..collectors import (
-    RolloutCollector,
-    SyncedCollector,
-    WeightSync,
-    make_generation_env,
-    make_generation_policy,
-    probe_rollout,
-)
-from ..collectors.asynchronous import AsyncCollector, ModelCopy
-from ..collectors.ray import RayCollector
+from ..collectors import probe_rollout
+from ..collectors.factory import CollectorSpec, VLLMSpec, make_collector
 from ..data import Prompt, check_prompts, load_prompts
 from ..distributed import DataParallel, init_data_parallel
 from ..errors import ConfigError
 from ..guards import NonFiniteAction
-from ..modules import TokenLevelActor, load_causal_lm, load_tokenizer, make_critic
-from ..modules.lora import add_lora
+from ..modules import load_causal_lm, load_tokenizer
 from ..modules.models import torch_dtype
 from ..objectives import ResponseGAE, make_minibatch_buffer, make_ppo_loss
 from ..rewards import (
@@ -161,28 +151,20 @@ def autocast_dtype(cfg: DictConfig) -> torch.dtype | None:
     return torch_dtype(cfg.model.autocast) if cfg.model.autocast else None
 
 
-def low_precision(cfg: DictConfig) -> bool:
-    """bf16/fp16 computation (autocast or low-precision weights)."""
-    return bool(cfg.model.autocast) or cfg.model.dtype in ("bfloat16", "float16")
-
-
 def log_probs_from_sampling(cfg: DictConfig) -> bool:
-    """Old log-probs from sampling (transformers in fp32: they equal the training forward's) or
-    recomputed by the training forward (vLLM, bf16/fp16: other kernels round differently, so
-    PPO's first ratio would not be 1)."""
-    setting = cfg.generation.log_probs_from_sampling
-    if setting is None:
-        return not low_precision(cfg) and cfg.generation.backend == "transformers"
-    return bool(setting)
+    """Old log-probs recorded while sampling, or recomputed (:func:`rlhf_torchrl.sampling.log_probs_from_sampling`)."""
+    from ..sampling import log_probs_from_sampling as from_sampling
+
+    return from_sampling(backend=cfg.generation.backend, autocast=cfg.model.autocast,
+                         dtype=cfg.model.dtype, setting=cfg.generation.log_probs_from_sampling)
 
 
 def on_policy_tolerance(cfg: DictConfig) -> float:
-    """The on-policy check's tolerance: 1e-3 nats in fp32, 0.5 in bf16/fp16 (rounding alone gave
-    up to 0.25 on SmolLM2 with bf16 autocast on CPU; a coarser check there)."""
-    setting = cfg.generation.on_policy_tolerance
-    if setting is not None:
-        return float(setting)
-    return 0.5 if low_precision(cfg) else 1e-3
+    """The on-policy check's tolerance (:func:`rlhf_torchrl.sampling.on_policy_tolerance`)."""
+    from ..sampling import on_policy_tolerance as tolerance
+
+    return tolerance(autocast=cfg.model.autocast, dtype=cfg.model.dtype,
+                     setting=cfg.generation.on_policy_tolerance)
 
 
 def make_thread_tuner(cfg: DictConfig) -> ThreadTuner:
@@ -280,38 +262,17 @@ def make_tokenizer(cfg: DictConfig):
 
 
 def make_models(cfg: DictConfig, tokenizer, device: torch.device):
-    """Policy, frozen reference and critic (dropout off everywhere) on ``device``; the reference on
-    the CPU with ``model.offload_reference``."""
-    m = cfg.model
-    policy = load_causal_lm(m.policy, tokenizer, dtype=m.dtype, attn_implementation=m.attn_implementation)
-    if m.reference:
-        reference = load_causal_lm(m.reference, tokenizer, dtype=m.dtype,
-                                   attn_implementation=m.attn_implementation)
-    elif cfg.lora.r:
-        reference = None  # the policy with its adapters off (make_actors)
-    else:
-        reference = copy.deepcopy(policy)
-    if reference is not None:
-        reference.eval().requires_grad_(False)
-    if cfg.lora.r:
-        policy = add_lora(policy, **lora_kwargs(cfg))
-    v = cfg.value_model
-    source = v.name_or_path or (cfg.reward.model if v.init == "reward_model" else m.policy)
-    critic = make_critic(policy=policy, tokenizer=tokenizer, init=v.init, name_or_path=source,
-                         dtype=m.dtype, attn_implementation=m.attn_implementation,
-                         autocast_dtype=autocast_dtype(cfg),
-                         lora=lora_kwargs(cfg) if cfg.lora.critic else None)
-    if m.gradient_checkpointing:
-        # non-reentrant: works with frozen inputs and keyword arguments; active in train() only
-        kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-        policy.gradient_checkpointing_enable(**kwargs)
-        if not critic.shares_trunk:
-            critic.backbone.gradient_checkpointing_enable(**kwargs)
-    policy.to(device)
-    critic.to(device)
-    if reference is not None:
-        reference.to("cpu" if m.offload_reference else device)
-    return policy, reference, critic
+    """Policy, frozen reference and critic (:func:`rlhf_torchrl.modules.assembly.make_models`)."""
+    from ..modules.assembly import make_models as assemble
+
+    m, v = cfg.model, cfg.value_model
+    return assemble(
+        m.policy, tokenizer, reference=m.reference, dtype=m.dtype,
+        attn_implementation=m.attn_implementation, lora=lora_kwargs(cfg) if cfg.lora.r else None,
+        lora_critic=cfg.lora.critic, value_model=v.init,
+        value_model_path=v.name_or_path or (cfg.reward.model if v.init == "reward_model" else None),
+        autocast_dtype=autocast_dtype(cfg), gradient_checkpointing=m.gradient_checkpointing,
+        device=device, offload_reference=m.offload_reference)
 
 
 def lora_kwargs(cfg: DictConfig) -> dict:
@@ -331,127 +292,25 @@ def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
     return ids
 
 
-def make_collector(cfg: DictConfig, prompts, tokenizer, policy, stop_ids, device,
-                   parallel: DataParallel, start_batch: int = 0, pending=()):
-    """This process's share of every global batch, each row sampled from its own stream.
-
-    A sampler with weights of its own (vLLM, Ray workers, a copy) gets the trainer's through the
-    collector's ``update_weights(version)`` (:class:`SyncedCollector`). With
-    ``collection.overlap`` set the collector runs in a background thread (:class:`AsyncCollector`),
-    and the transformers backend then samples with a copy of the policy.
-
-    A resumed run starts at batch ``start_batch`` (= iterations done), after the ``pending``
-    batches its asynchronous collector had sampled ahead (saved in the checkpoint).
-    """
-    g, overlap = cfg.generation, cfg.collection.overlap
-    first = start_batch + len(pending)  # the first batch this collector samples
-
-    def in_background(collector, sync):
-        if overlap is None:
-            return collector if sync is None else SyncedCollector(collector, sync)
-        return AsyncCollector(collector, sync, overlap=overlap, start_version=start_batch,
-                              pending=pending)
-
-    if cfg.collection.ray_workers:
-        collector = make_ray_collector(cfg, tokenizer, device, start_batch=first)
-        sync = WeightSync(policy, collector)
-        log.info("%d Ray workers loaded the policy's weights in %.2f s", cfg.collection.ray_workers,
-                 sync(0))
-        return in_background(collector, sync)
-    batch, world, rank = cfg.ppo.batch_size, parallel.world_size, parallel.rank
-    env = make_generation_env(prompts, tokenizer, batch_size=batch, seed=cfg.seed, rank=rank,
-                              world_size=world, start_batch=first)
-    if g.top_k or g.top_p < 1:
-        log.warning("generation.top_k=%s / top_p=%s: responses come from a truncated distribution "
-                    "while PPO's ratio and KL use the full one (off-policy; the on-policy check "
-                    "compares full-distribution log-probs and cannot see it).", g.top_k, g.top_p)
-    sync = None
-    if g.backend == "vllm":
-        gen_policy = make_vllm_policy(cfg, policy, tokenizer, stop_ids, device)
-        sync = WeightSync(policy, gen_policy.model)
-        log.info("vLLM engine loaded the policy's weights in %.2f s", sync(0))
-    else:
-        sampling_model = policy
-        if overlap:  # the trainer updates the policy while the copy samples
-            copy_ = ModelCopy(policy)
-            sync, sampling_model = WeightSync(policy, copy_), copy_.model
-        gen_policy = make_generation_policy(
-            sampling_model, tokenizer, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-            top_k=g.top_k, top_p=g.top_p, stop_token_ids=stop_ids,
-            # always recorded: the old log-probs (unless recomputed) and the on-policy check's reference
-            record_log_probs=True,
-            record_entropy=log_probs_from_sampling(cfg) and cfg.logging.exact_entropy,
-            device=device, autocast_dtype=autocast_dtype(cfg),
-        )
-        gen_policy.generate_kwargs.update(parallel.generate_kwargs())
-    local = batch // world
-    collector = RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=local,
-                                 stop_token_ids=stop_ids, seed=cfg.seed, row_offset=rank * local,
-                                 device=device, start_batch=first)
-    return in_background(collector, sync)
-
-
-def make_ray_collector(cfg: DictConfig, tokenizer, device: torch.device,
-                       start_batch: int = 0) -> RayCollector:
-    """``collection.ray_workers`` Ray actors (:func:`ray_worker`), on the cluster at
-    ``collection.ray_address`` or a local one started here."""
-    import ray
-
-    c = cfg.collection
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address=c.ray_address, include_dashboard=False, log_to_driver=False)
-    settings = OmegaConf.to_container(cfg, resolve=True)
-    return RayCollector(functools.partial(ray_worker, settings, start_batch=start_batch), c.ray_workers,
-                        pad_token_id=tokenizer.pad_token_id, num_cpus=c.ray_cpus_per_worker,
-                        num_gpus=c.ray_gpus_per_worker, device=device, shutdown_ray=started)
-
-
-def ray_worker(settings: dict, rank: int, world_size: int, start_batch: int = 0):
-    """Runs in Ray worker ``rank``: its own tokenizer, prompts and policy (or vLLM engine), and the
-    collector of its rows of every global batch from ``start_batch`` on; returns
-    ``(collector, weights target)``."""
-    cfg = OmegaConf.create(settings)
-    cfg.collection.ray_workers, cfg.collection.overlap = 0, None
-    device = resolve_device("cuda" if cfg.collection.ray_gpus_per_worker else "cpu")
-    tokenizer = make_tokenizer(cfg)
-    prompts, _ = split_eval_prompts(cfg, make_prompts(cfg, tokenizer))  # the learner's training set
-    stop_ids = stop_token_ids(cfg, tokenizer)
-    model = load_causal_lm(cfg.model.policy, tokenizer, dtype=cfg.model.dtype,
-                           attn_implementation=cfg.model.attn_implementation).to(device)
-    # the worker's model is only sampled from; weights arrive merged (LoRA) from the trainer
-    target = ModelCopy(model, copy_model=False)
-    place = DataParallel(rank=rank, world_size=world_size)
-    collector = make_collector(cfg, prompts, tokenizer, target.model, stop_ids, device, place,
-                               start_batch=start_batch)
-    if isinstance(collector, SyncedCollector):  # vLLM: the engine loads the pushed weights
-        return collector.collector, collector.weight_sync.target
-    return collector, target
-
-
-def make_vllm_policy(cfg: DictConfig, policy, tokenizer, stop_ids, device: torch.device):
-    """A vLLM engine with the policy's architecture, behind TorchRL's generation wrapper; its
-    weights are pushed by the collector's weight sync (:func:`make_collector`)."""
-    from ..collectors.vllm import (
-        VLLMGenerator,
-        make_vllm_engine,
-        make_vllm_generation_policy,
+def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
+    """How the run samples (:class:`~rlhf_torchrl.collectors.factory.CollectorSpec`)."""
+    g, c, v = cfg.generation, cfg.collection, cfg.vllm
+    return CollectorSpec(
+        batch_size=cfg.ppo.batch_size, max_new_tokens=g.max_new_tokens,
+        stop_token_ids=tuple(stop_ids), temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+        seed=cfg.seed, backend=g.backend, overlap=c.overlap,
+        record_entropy=log_probs_from_sampling(cfg) and cfg.logging.exact_entropy,
+        autocast_dtype=cfg.model.autocast, policy=cfg.model.policy, dtype=cfg.model.dtype,
+        attn_implementation=cfg.model.attn_implementation, ray_workers=c.ray_workers,
+        ray_address=c.ray_address, ray_cpus_per_worker=c.ray_cpus_per_worker,
+        ray_gpus_per_worker=c.ray_gpus_per_worker,
+        vllm=VLLMSpec(
+            max_model_len=v.max_model_len or cfg.data.max_prompt_length + g.max_new_tokens,
+            dtype=v.dtype or cfg.model.dtype, gpu_memory_utilization=v.gpu_memory_utilization,
+            kv_cache_gb=v.kv_cache_gb, enforce_eager=v.enforce_eager, sleep=v.sleep,
+            tensor_parallel_size=v.tensor_parallel_size,
+            workdir=os.path.join(cfg.output_dir, "vllm_engine")) if g.backend == "vllm" else None,
     )
-
-    v, g = cfg.vllm, cfg.generation
-    sleep = device.type == "cuda" if v.sleep is None else bool(v.sleep)
-    engine = make_vllm_engine(
-        policy, tokenizer, dtype=v.dtype or cfg.model.dtype, seed=cfg.seed, device=device,
-        max_model_len=v.max_model_len or cfg.data.max_prompt_length + g.max_new_tokens,
-        gpu_memory_utilization=v.gpu_memory_utilization, kv_cache_gb=v.kv_cache_gb,
-        enforce_eager=v.enforce_eager, sleep_mode=sleep,
-        tensor_parallel_size=v.tensor_parallel_size,
-        workdir=os.path.join(cfg.output_dir, "vllm_engine"),
-    )
-    generator = VLLMGenerator(engine, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                              sleep_between_batches=sleep)
-    return make_vllm_generation_policy(generator, tokenizer, max_new_tokens=g.max_new_tokens,
-                                       stop_token_ids=stop_ids)
 
 
 def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids):
@@ -481,15 +340,10 @@ def make_shaper(cfg: DictConfig) -> KLRewardShaper:
 
 
 def make_actors(cfg: DictConfig, policy, reference, critic):
-    """Policy and reference actors; a shared-trunk critic gets its hidden states from the policy."""
-    t, dtype = cfg.generation.temperature, autocast_dtype(cfg)
-    actor = TokenLevelActor(policy, temperature=t, autocast_dtype=dtype,
-                            trunk_critic=critic if critic.shares_trunk else None)
-    # LoRA without a reference of its own: the policy with its adapters off (no second copy)
-    ref = TokenLevelActor(reference if reference is not None else policy, temperature=t,
-                          out_key=("ref_log_probs", "response"), autocast_dtype=dtype,
-                          adapters_off=reference is None)
-    return actor, ref
+    from ..modules.assembly import make_actors as actors
+
+    return actors(policy, reference, critic, temperature=cfg.generation.temperature,
+                  autocast_dtype=autocast_dtype(cfg))
 
 
 def make_advantage(cfg: DictConfig) -> ResponseGAE:
@@ -745,8 +599,8 @@ def build_trainer(cfg: DictConfig):
     p, g, c = cfg.ppo, cfg.generation, cfg.collection
     trainer = PPOTrainer(
         # built when the run starts, at the batch the checkpoint stopped at
-        collector=functools.partial(_collector_factory, cfg, prompts, tokenizer, policy, stop_ids,
-                                    device, parallel),
+        collector=functools.partial(_collector_factory, collector_spec(cfg, stop_ids), prompts,
+                                    tokenizer, policy, device, parallel),
         scorer=scorer, actor=actor, reference=ref_actor, critic=critic, shaper=make_shaper(cfg),
         advantage=make_advantage(cfg), loss_module=loss_module, optimizer=optimizer,
         scheduler=scheduler, grad_scaler=make_grad_scaler(cfg, device),
@@ -760,7 +614,7 @@ def build_trainer(cfg: DictConfig):
         recompute_log_probs=not log_probs_from_sampling(cfg) or (parallel.fsdp and critic.shares_trunk),
         keep_sampler_log_probs=not log_probs_from_sampling(cfg),
         offload_reference=cfg.model.offload_reference, critic_warmup=cfg.optim.critic_warmup,
-        non_finite=NonFiniteAction(cfg.output_dir, cfg.guards.non_finite, is_main=parallel.is_main),
+        on_non_finite=NonFiniteAction(cfg.output_dir, cfg.guards.non_finite, is_main=parallel.is_main),
     )
     trainer.register_hook("threads", ThreadTuning(threads))
     if g.check_on_policy:
@@ -796,9 +650,9 @@ def build_trainer(cfg: DictConfig):
     return trainer
 
 
-def _collector_factory(cfg, prompts, tokenizer, policy, stop_ids, device, parallel,
-                       start_batch: int, pending):
-    return make_collector(cfg, prompts, tokenizer, policy, stop_ids, device, parallel,
+def _collector_factory(spec, prompts, tokenizer, policy, device, parallel, start_batch: int,
+                       pending):
+    return make_collector(spec, prompts, tokenizer, policy, device=device, parallel=parallel,
                           start_batch=start_batch, pending=pending)
 
 

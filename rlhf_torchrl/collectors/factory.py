@@ -1,0 +1,194 @@
+"""The collector of a run from one picklable spec: backend x overlap x Ray.
+
+:class:`CollectorSpec` says how rollouts are sampled (sizes, sampling settings, the backend, the
+vLLM engine, asynchronous overlap, Ray workers); :func:`make_collector` builds this process's
+collector from it. A Ray worker gets the spec and the prompts and builds its own share
+(:func:`ray_worker`): it imports this package only, no recipe or config.
+
+Example:
+    >>> spec = CollectorSpec(policy="smollm2-135m-instruct", batch_size=32, max_new_tokens=64,
+    ...                      temperature=0.7, stop_token_ids=(tok.eos_token_id,), overlap=1)
+    >>> collector = make_collector(spec, prompts, tok, policy)  # AsyncCollector over a copy
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..distributed import DataParallel
+from ..runtime import resolve_device
+from .asynchronous import AsyncCollector, ModelCopy
+from .base import RolloutCollector, make_generation_env, make_generation_policy
+from .weight_sync import SyncedCollector, WeightSync
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VLLMSpec:
+    """The vLLM engine of ``backend="vllm"`` (:func:`~rlhf_torchrl.collectors.vllm.make_vllm_engine`)."""
+
+    max_model_len: int
+    dtype: str = "float32"
+    gpu_memory_utilization: float = 0.3
+    kv_cache_gb: float = 1.0
+    enforce_eager: bool = True
+    sleep: bool | None = None  # None: on with CUDA
+    tensor_parallel_size: int = 1
+    workdir: str | None = None  # the engine's config and tokenizer files (None: a temporary one)
+
+
+@dataclass(frozen=True)
+class CollectorSpec:
+    """How a run samples its rollouts; plain values only, so Ray can ship it to its workers.
+
+    ``batch_size`` is the global batch (over all processes or workers); rows are sampled from
+    streams keyed by ``(seed, batch, row)``. ``backend``: ``transformers`` (the trained model, or
+    with ``overlap`` a copy of it, samples) or ``vllm`` (an engine given ``vllm``'s settings).
+    ``overlap``: None, synchronous; N >= 0, a background thread N updates ahead. ``ray_workers``:
+    N > 0 Ray actors each sample their share with a policy of their own, loaded from ``policy``
+    (``dtype``, ``attn_implementation``). ``record_entropy``: the sampler records exact entropies
+    (log-probs are always recorded). ``autocast_dtype``: ``bfloat16``/``float16`` generation.
+    """
+
+    batch_size: int
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    backend: str = "transformers"
+    vllm: VLLMSpec | None = None
+    overlap: int | None = None
+    record_entropy: bool = False
+    autocast_dtype: str | None = None
+    policy: str | None = None
+    dtype: str = "float32"
+    attn_implementation: str | None = None
+    ray_workers: int = 0
+    ray_address: str | None = None
+    ray_cpus_per_worker: float = 1
+    ray_gpus_per_worker: float = 0
+
+
+def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=None,
+                   parallel: DataParallel | None = None, start_batch: int = 0, pending=()):
+    """This process's share of every global batch, each row sampled from its own stream.
+
+    A sampler with weights of its own (vLLM, Ray workers, a copy) gets the trainer's through the
+    collector's ``update_weights(version)`` (:class:`SyncedCollector`, :class:`AsyncCollector`).
+    A resumed run starts at batch ``start_batch`` (= iterations done), after the ``pending``
+    batches its asynchronous collector had sampled ahead (saved in the checkpoint).
+    """
+    parallel = parallel or DataParallel()
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    first = start_batch + len(pending)  # the first batch this collector samples
+
+    def in_background(collector, sync):
+        if spec.overlap is None:
+            return collector if sync is None else SyncedCollector(collector, sync)
+        return AsyncCollector(collector, sync, overlap=spec.overlap, start_version=start_batch,
+                              pending=pending)
+
+    if spec.ray_workers:
+        collector = make_ray_collector(spec, prompts, tokenizer, device=device, start_batch=first)
+        sync = WeightSync(policy, collector)
+        log.info("%d Ray workers loaded the policy's weights in %.2f s", spec.ray_workers, sync(0))
+        return in_background(collector, sync)
+    world, rank = parallel.world_size, parallel.rank
+    env = make_generation_env(prompts, tokenizer, batch_size=spec.batch_size, seed=spec.seed,
+                              rank=rank, world_size=world, start_batch=first)
+    if spec.top_k or spec.top_p < 1:
+        log.warning("generation.top_k=%s / top_p=%s: responses come from a truncated distribution "
+                    "while PPO's ratio and KL use the full one (off-policy; the on-policy check "
+                    "compares full-distribution log-probs and cannot see it).", spec.top_k, spec.top_p)
+    sync = None
+    if spec.backend == "vllm":
+        gen_policy = make_vllm_policy(spec, policy, tokenizer, device)
+        sync = WeightSync(policy, gen_policy.model)
+        log.info("vLLM engine loaded the policy's weights in %.2f s", sync(0))
+    else:
+        from ..modules.models import torch_dtype
+
+        sampling_model = policy
+        if spec.overlap:  # the trainer updates the policy while the copy samples
+            copy_ = ModelCopy(policy)
+            sync, sampling_model = WeightSync(policy, copy_), copy_.model
+        gen_policy = make_generation_policy(
+            sampling_model, tokenizer, max_new_tokens=spec.max_new_tokens,
+            temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p,
+            stop_token_ids=list(spec.stop_token_ids),
+            # always recorded: the old log-probs (unless recomputed) and the on-policy check's reference
+            record_log_probs=True, record_entropy=spec.record_entropy, device=device,
+            autocast_dtype=torch_dtype(spec.autocast_dtype) if spec.autocast_dtype else None,
+        )
+        gen_policy.generate_kwargs.update(parallel.generate_kwargs())
+    local = spec.batch_size // world
+    collector = RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=local,
+                                 stop_token_ids=list(spec.stop_token_ids), seed=spec.seed,
+                                 row_offset=rank * local, device=device, start_batch=first)
+    return in_background(collector, sync)
+
+
+def make_vllm_policy(spec: CollectorSpec, policy, tokenizer, device: torch.device):
+    """A vLLM engine with the policy's architecture, behind TorchRL's generation wrapper; its
+    weights are pushed by the collector's weight sync (:func:`make_collector`)."""
+    from .vllm import VLLMGenerator, make_vllm_engine, make_vllm_generation_policy
+
+    v = spec.vllm
+    sleep = device.type == "cuda" if v.sleep is None else bool(v.sleep)
+    engine = make_vllm_engine(
+        policy, tokenizer, dtype=v.dtype, seed=spec.seed, device=device,
+        max_model_len=v.max_model_len, gpu_memory_utilization=v.gpu_memory_utilization,
+        kv_cache_gb=v.kv_cache_gb, enforce_eager=v.enforce_eager, sleep_mode=sleep,
+        tensor_parallel_size=v.tensor_parallel_size, workdir=v.workdir,
+    )
+    generator = VLLMGenerator(engine, temperature=spec.temperature, top_k=spec.top_k,
+                              top_p=spec.top_p, sleep_between_batches=sleep)
+    return make_vllm_generation_policy(generator, tokenizer, max_new_tokens=spec.max_new_tokens,
+                                       stop_token_ids=list(spec.stop_token_ids))
+
+
+def make_ray_collector(spec: CollectorSpec, prompts: Sequence, tokenizer, *, device=None,
+                       start_batch: int = 0):
+    """``spec.ray_workers`` Ray actors (:func:`ray_worker`), on the cluster at
+    ``spec.ray_address`` or a local one started here."""
+    import ray
+
+    from .ray import RayCollector
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=spec.ray_address, include_dashboard=False, log_to_driver=False)
+    factory = functools.partial(ray_worker, spec, list(prompts), start_batch=start_batch)
+    return RayCollector(factory, spec.ray_workers, pad_token_id=tokenizer.pad_token_id,
+                        num_cpus=spec.ray_cpus_per_worker, num_gpus=spec.ray_gpus_per_worker,
+                        device=device, shutdown_ray=started)
+
+
+def ray_worker(spec: CollectorSpec, prompts: list, rank: int, world_size: int,
+               start_batch: int = 0):
+    """Runs in Ray worker ``rank``: its own tokenizer and policy (or vLLM engine), and the collector
+    of its rows of every global batch from ``start_batch`` on; returns ``(collector, weights
+    target)``."""
+    from ..modules import load_causal_lm, load_tokenizer
+
+    spec = replace(spec, ray_workers=0, overlap=None)
+    device = resolve_device("cuda" if spec.ray_gpus_per_worker else "cpu")
+    tokenizer = load_tokenizer(spec.policy)
+    model = load_causal_lm(spec.policy, tokenizer, dtype=spec.dtype,
+                           attn_implementation=spec.attn_implementation).to(device)
+    # the worker's model is only sampled from; weights arrive merged (LoRA) from the trainer
+    target = ModelCopy(model, copy_model=False)
+    place = DataParallel(rank=rank, world_size=world_size)
+    collector = make_collector(spec, prompts, tokenizer, target.model, device=device,
+                               parallel=place, start_batch=start_batch)
+    if isinstance(collector, SyncedCollector):  # vLLM: the engine loads the pushed weights
+        return collector.collector, collector.weight_sync.target
+    return collector, target

@@ -1,0 +1,74 @@
+"""The models of a PPO run, assembled: policy, frozen reference, critic, and their actors.
+
+Example:
+    >>> policy, reference, critic = make_models("smollm2-135m-instruct", tok, value_model="shared")
+    >>> actor, ref_actor = make_actors(policy, reference, critic, temperature=0.7)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .actor_critic import TokenLevelActor, make_critic
+from .lora import add_lora
+from .models import load_causal_lm
+
+
+def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: str = "float32",
+                attn_implementation: str | None = None, lora: dict | None = None,
+                lora_critic: bool = False, value_model: str = "shared",
+                value_model_path: str | None = None, autocast_dtype: torch.dtype | None = None,
+                gradient_checkpointing: bool = False, device: torch.device | str = "cpu",
+                offload_reference: bool = False):
+    """``(policy, reference, critic)``, dropout off everywhere, on ``device``.
+
+    ``reference``: a model of its own (the policy's vocabulary), or None: a frozen copy of the
+    policy, or with ``lora`` (PEFT settings: ``r``, ``alpha``, ``dropout``, ``target_modules``)
+    None, the policy with its adapters off (no second copy). ``value_model``: ``shared`` (a value
+    head on the policy's trunk), ``policy`` (a copy), ``reward_model`` or ``model`` (loaded from
+    ``value_model_path``), see :func:`~rlhf_torchrl.modules.make_critic`; ``lora_critic`` puts
+    adapters on a separate critic's trunk too. ``offload_reference``: the reference lives on the
+    CPU between its forwards.
+    """
+    model = load_causal_lm(policy, tokenizer, dtype=dtype, attn_implementation=attn_implementation)
+    if reference:
+        frozen = load_causal_lm(reference, tokenizer, dtype=dtype,
+                                attn_implementation=attn_implementation)
+    elif lora:
+        frozen = None  # the policy with its adapters off (make_actors)
+    else:
+        frozen = copy.deepcopy(model)
+    if frozen is not None:
+        frozen.eval().requires_grad_(False)
+    if lora:
+        model = add_lora(model, **lora)
+    critic = make_critic(policy=model, tokenizer=tokenizer, init=value_model,
+                         name_or_path=value_model_path or policy, dtype=dtype,
+                         attn_implementation=attn_implementation, autocast_dtype=autocast_dtype,
+                         lora=lora if lora_critic else None)
+    if gradient_checkpointing:
+        # non-reentrant: works with frozen inputs and keyword arguments; active in train() only
+        kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+        model.gradient_checkpointing_enable(**kwargs)
+        if not critic.shares_trunk:
+            critic.backbone.gradient_checkpointing_enable(**kwargs)
+    model.to(device)
+    critic.to(device)
+    if frozen is not None:
+        frozen.to("cpu" if offload_reference else device)
+    return model, frozen, critic
+
+
+def make_actors(policy, reference, critic, *, temperature: float,
+                autocast_dtype: torch.dtype | None = None):
+    """The policy's and the reference's :class:`TokenLevelActor` at the sampling ``temperature``;
+    a shared-trunk critic gets its hidden states from the policy's forward. ``reference=None``
+    (LoRA): the policy with its adapters off."""
+    actor = TokenLevelActor(policy, temperature=temperature, autocast_dtype=autocast_dtype,
+                            trunk_critic=critic if critic.shares_trunk else None)
+    ref = TokenLevelActor(reference if reference is not None else policy, temperature=temperature,
+                          out_key=("ref_log_probs", "response"), autocast_dtype=autocast_dtype,
+                          adapters_off=reference is None)
+    return actor, ref
