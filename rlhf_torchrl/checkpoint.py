@@ -99,15 +99,21 @@ def is_checkpoint(path: str) -> bool:
 
 def latest_checkpoint(output_dir: str, verify: bool = False) -> str | None:
     """The newest complete checkpoint of ``output_dir`` (None: none). With ``verify``, the newest
-    that :func:`verify_checkpoint` accepts: a torn one is named in a warning and skipped."""
-    for _, path in reversed(list_checkpoints(output_dir)):
-        if not verify:
-            return path
+    that :func:`verify_checkpoint` accepts: a torn one is named in a warning and skipped; when
+    none can be read, :class:`CheckpointError` (a run never starts over silently)."""
+    found = list_checkpoints(output_dir)
+    if not verify:
+        return found[-1][1] if found else None
+    for _, path in reversed(found):
         try:
             verify_checkpoint(path)
             return path
         except CheckpointError as error:
             log.warning("%s; resuming from the checkpoint before it.", error)
+    if found:
+        raise CheckpointError(
+            f"No checkpoint in {output_dir} can be read (torn, or written by another version of "
+            "rlhf_torchrl): resume=never starts over, deleting them.")
     return None
 
 

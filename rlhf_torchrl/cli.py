@@ -93,7 +93,12 @@ def _ppo_help(overrides: list[str]) -> str:
     from .config import compose, setting_docs, tasks
 
     overrides = [o for o in overrides if "=" in o and not o.startswith(("hydra.", "output_dir="))]
-    cfg = compose([*overrides, "output_dir=outputs/ppo/TASK/DATE"])
+    try:
+        cfg = compose([*overrides, "output_dir=outputs/ppo/TASK/DATE"])
+    except Exception as error:  # noqa: BLE001 - Hydra's own: a bad override
+        lines = [str(e).strip().splitlines()[0] for e in (error, error.__cause__) if e is not None]
+        print(f"Error: {' '.join(lines)}", file=sys.stderr)
+        sys.exit(1)
     task = next((o.split("=", 1)[1] for o in overrides if o.startswith("task=")), "sentiment")
     docs = setting_docs()
     lines = ["usage: rlhf-torchrl ppo [KEY=VALUE ...] [--cfg job] [--multirun]", "",
@@ -140,7 +145,7 @@ def _evaluate(args: list[str]) -> None:
 def _report(args: list[str]) -> None:
     from .report import main
 
-    main(args)
+    run(main, args)  # not a run directory: one line
 
 
 BENCHMARKS = ("ppo_iteration", "collectors", "backends", "scaling", "vs_trl")

@@ -55,7 +55,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     sq = masked_mean((x - mean) ** 2, mask)
     if unbiased:
         if n < 2:
-            raise ConfigError(
+            raise ValueError(
                 f"masked_var(unbiased=True) needs at least 2 valid elements, got {int(n)}."
             )
         sq = sq * n / (n - 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -234,11 +235,13 @@ class RunLog(TrainerHookBase):
         self.first_samples = self.last_samples = None
         self.history: list[dict] = []
         self.report: dict = {}
+        self._checkpointed_row = None  # the row of the iteration a loaded checkpoint closed
 
     def register(self, trainer, name: str = "run_log") -> None:
         self.trainer = trainer
         trainer.register_op("setup", self.setup)
         trainer.register_op("batch_process", self.keep_rollout)
+        trainer.register_op("post_steps_log", self.keep_samples)  # before the checkpoint
         trainer.register_op("log", self.log)
         trainer.register_op("shutdown", self.close)
 
@@ -247,9 +250,15 @@ class RunLog(TrainerHookBase):
 
         t = self.trainer
         self.writer = MetricsWriter(self.output_dir, logger=self.logger, start=t.first_iteration)
+        earlier = read_metrics(self.output_dir, before=t.first_iteration)
+        row, last = self._checkpointed_row, t.first_iteration - 1
+        # killed after the checkpoint, before its row was written: the checkpoint's copy (in this
+        # run's own directory: a run resumed elsewhere from a checkpoint path starts its log there)
+        if row is not None and (earlier or last == 0) and all(r["iteration"] != last for r in earlier):
+            self.writer.log(last, row)
+            earlier.append({"iteration": last, **row})
         # the earlier iterations of a resumed run (skipped ones have no statistics)
-        self.history = [r for r in read_metrics(self.output_dir, before=t.first_iteration)
-                        if "objective/scores" in r]
+        self.history = [r for r in earlier if "objective/scores" in r]
         self.bar = tqdm(total=t.num_iterations, initial=t.first_iteration, desc="PPO",
                         disable=not self.progress_bar)
 
@@ -257,16 +266,18 @@ class RunLog(TrainerHookBase):
         self._rollout = rollout  # this process's rows, with their texts
         return rollout
 
+    def keep_samples(self, batch) -> None:
+        if "objective/scores" in self.trainer.metrics:  # (not a skipped iteration)
+            self.last_samples = rollout_samples(self._rollout, self.num_samples)
+            if self.first_samples is None:
+                self.first_samples = self.last_samples
+
     def log(self, metrics: dict) -> None:
-        t = self.trainer
-        self.writer.log(t.iteration - 1, metrics)
+        self.writer.log(self.trainer.iteration - 1, metrics)
         self.bar.update(1)
         if "objective/scores" not in metrics:  # a skipped iteration
             return
         self.history.append(metrics)
-        self.last_samples = rollout_samples(self._rollout, self.num_samples)
-        if self.first_samples is None:
-            self.first_samples = self.last_samples
         self.bar.set_postfix(score=f"{metrics['objective/scores']:.3f}",
                              kl=f"{metrics['objective/kl']:.3f}")
 
@@ -286,11 +297,15 @@ class RunLog(TrainerHookBase):
         log.info("Run report: %s", write_report(self.output_dir))
 
     def state_dict(self) -> dict:
-        return {"first_samples": self.first_samples, "last_samples": self.last_samples}
+        # the row of the iteration being checkpointed (all but time/checkpoint and time/total):
+        # written by a resumed run if the process died before it wrote the row itself
+        row = {k: v for k, v in self.trainer.metrics.items() if isinstance(v, (int, float))}
+        return {"first_samples": self.first_samples, "last_samples": self.last_samples, "row": row}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.first_samples = state_dict["first_samples"]
         self.last_samples = state_dict["last_samples"]
+        self._checkpointed_row = state_dict.get("row")
 
 
 def summary(history: list[dict], before: list[dict], after: list[dict], quiet: bool = False) -> dict:
@@ -304,7 +319,9 @@ def summary(history: list[dict], before: list[dict], after: list[dict], quiet: b
         "score_trend": call,
         "initial_kl": kl_first,
         "final_kl": kl_last,
-        "seconds_per_iteration": sum(r["time/total"] for r in history) / len(history),
+        # (a row restored from a checkpoint has no time/total)
+        "seconds_per_iteration": statistics.fmean(
+            [r["time/total"] for r in history if "time/total" in r] or [0.0]),
         "iterations": len(history),
         "samples_before": before,
         "samples_after": after,

@@ -90,7 +90,8 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float | None) -> 
 
     Groups at learning rate 0 (the policy during the critic warm-up) are left out of that norm:
     gradients that move nothing must not throttle those that do (the value head). They are
-    clipped by their own norm, since AdamW still gathers them into its moments.
+    clipped by their own norm, since AdamW still gathers them into its moments; a non-finite norm
+    there is returned instead, so that the caller's guard sees it before any step.
     """
     limit = max_norm if max_norm else float("inf")
     moving, still = [], []
@@ -100,5 +101,7 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float | None) -> 
         moving, still = still, []
     norm = torch.nn.utils.clip_grad_norm_(moving, limit)
     if still:
-        torch.nn.utils.clip_grad_norm_(still, limit)
+        still_norm = torch.nn.utils.clip_grad_norm_(still, limit)
+        if not torch.isfinite(still_norm):
+            return still_norm
     return norm

@@ -148,7 +148,7 @@ class InverseCDFSampler:
         if self._stream_seeds is None:
             return None
         if len(self._stream_seeds) != n_rows:
-            raise ConfigError(f"The sampler has {len(self._stream_seeds)} row streams for a batch "
+            raise ValueError(f"The sampler has {len(self._stream_seeds)} row streams for a batch "
                              f"of {n_rows} rows: call set_streams with one seed per row.")
         if self._streams is None or self._streams[0].device != device:
             self._streams = [torch.Generator(device).manual_seed(s) for s in self._stream_seeds]

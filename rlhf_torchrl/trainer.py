@@ -8,7 +8,7 @@ or registers a hook::
 
     trainer = PPOTrainer(collector=..., scorer=..., actor=..., reference=..., critic=...,
                          shaper=..., advantage=..., loss_module=..., optimizer=...,
-                         replay_buffer=..., num_iterations=100)
+                         num_iterations=100, pad_token_id=tokenizer.pad_token_id)
     trainer.register_op("post_steps_log", lambda batch: {"my/len": float(batch["masks", "response"].sum())})
     trainer.fit()
 
@@ -46,7 +46,8 @@ STAGES = {
     "batch_process": "the rollout, just sampled: op(rollout) -> rollout or None",
     "post_steps": "after the update (a skipped one too): op() -> metrics or None",
     "post_steps_log": "the iteration's global batch, updated on: op(batch) -> metrics or None",
-    "checkpoint": "after the metrics are complete, before they are written: op() -> metrics or None",
+    "checkpoint": "after the update's metrics and the log hooks, before the row is written: "
+                  "op() -> metrics or None",
     "log": "the iteration's finished metrics row: op(metrics) -> None",
     "shutdown": "once, after the last iteration: op() -> None",
 }
@@ -73,10 +74,10 @@ class PPOTrainer:
     the iteration before any optimiser step; checkpoints are sharded
     (:mod:`rlhf_torchrl.checkpoint`). The stage names are TorchRL's where they fit (:data:`STAGES`).
 
-    ``state_dict()`` holds everything an exact resume needs besides the weights and the optimiser
-    (which :meth:`load_checkpoint` restores too): iterations done, scheduler, gradient scaler, KL
-    coefficient, minibatch shuffle, RNG states, rollouts sampled ahead, and each registered hook's
-    state.
+    ``state_dict()`` holds everything an exact resume needs besides the weights, the optimiser and
+    the rollouts sampled ahead (which :meth:`load_checkpoint` restores too, each process its own):
+    iterations done, scheduler, gradient scaler, KL coefficient, minibatch shuffle, RNG states, and
+    each registered hook's state.
     """
 
     def __init__(
@@ -142,7 +143,7 @@ class PPOTrainer:
         """Call ``op`` at stage ``dest`` (:data:`STAGES`) of every iteration, after the ops
         registered there before it. Ops that return a dict add it to the iteration's metrics."""
         if dest not in self._ops:
-            raise ConfigError(f"Unknown stage {dest!r}: choose one of {', '.join(STAGES)}.")
+            raise ValueError(f"Unknown stage {dest!r}: choose one of {', '.join(STAGES)}.")
         self._ops[dest].append(op)
 
     def register_hook(self, name: str, hook) -> None:
@@ -150,7 +151,7 @@ class PPOTrainer:
         picks its stages (``hook.register(trainer, name)``) and its ``state_dict()`` is saved with
         the trainer's."""
         if name in self.hooks:
-            raise ConfigError(f"A hook named {name!r} is registered already.")
+            raise ValueError(f"A hook named {name!r} is registered already.")
         self.hooks[name] = hook
         hook.register(self, name)
 
@@ -182,7 +183,11 @@ class PPOTrainer:
         report (:attr:`report`)."""
         if callable(self.collector) and not hasattr(self.collector, "__iter__"):
             self.collector = self.collector(self.iteration, self.pending)
-        elif self.iteration and not self.pending:
+        elif self.pending:
+            raise ConfigError(f"The checkpoint holds {len(self.pending)} batches sampled ahead, "
+                              "which a collector built in advance cannot serve: pass a collector "
+                              "factory (start_batch, pending) -> collector.")
+        elif self.iteration:
             log.warning("Resumed at iteration %d with a collector built in advance: it must start "
                         "at that batch (pass a collector factory to be sure).", self.iteration)
         if hasattr(self.collector, "update_weights") and "weight_push" not in self.hooks:
@@ -270,9 +275,6 @@ class PPOTrainer:
             metrics.update(sampler_metrics(batch, version=iteration))
             self.update_kl_coef(batch, iteration)
             metrics.update(stats)
-        self._run("post_steps_log", batch)  # evaluation, the KL ceiling
-        self._run("checkpoint")
-        metrics["time/total"] = time.perf_counter() - start
         # response tokens per second of sampling: under overlap the sampler's own clock (the
         # trainer waited only for part of it); several processes sample in parallel, so the slowest
         n_tokens = float(batch.get(K.RESPONSE_MASK).sum())
@@ -282,6 +284,9 @@ class PPOTrainer:
         metrics["time/tokens_per_second"] = n_tokens / max(sampling, 1e-9)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["episode"] = self.iteration * batch.shape[0]
+        self._run("post_steps_log", batch)  # evaluation, the KL ceiling, the report's samples
+        self._run("checkpoint")  # (timed: in time/total)
+        metrics["time/total"] = time.perf_counter() - start
         self._run("log", metrics)
         if self.stop_error is not None:
             raise self.stop_error
@@ -318,7 +323,7 @@ class PPOTrainer:
             "iteration": self.iteration,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "kl_coef": self.shaper.kl_coef,
+            "kl_coef": getattr(self.shaper, "kl_coef", None),
             # the minibatch shuffle's own generator (None: torch's global one, in "rng")
             "minibatch_rng": (self.replay_buffer._rng.get_state()
                               if getattr(self.replay_buffer, "_rng", None) is not None else None),
@@ -334,8 +339,9 @@ class PPOTrainer:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.grad_scaler is not None and state["grad_scaler"] is not None:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
-        self.shaper.kl_controller.coef = state["kl_coef"]
-        if state["minibatch_rng"] is not None:
+        if getattr(self.shaper, "kl_controller", None) is not None:
+            self.shaper.kl_controller.coef = state["kl_coef"]
+        if state["minibatch_rng"] is not None and getattr(self.replay_buffer, "_rng", None) is not None:
             self.replay_buffer._rng.set_state(state["minibatch_rng"])
         set_rng_state(state["rng"])
         for name, hook_state in state["hooks"].items():

@@ -323,3 +323,22 @@ def test_checkpoint_time_is_logged_and_counted(tmp_path, tiny_llama_dir):
         phases = sum(v for k, v in row.items() if k.startswith("time/") and k not in (
             "time/total", "time/tokens_per_second"))
         assert row["time/checkpoint"] > 0 and row["time/total"] >= phases
+
+
+def test_a_row_lost_after_its_checkpoint_comes_back(tmp_path, tiny_llama_dir):
+    """Killed after checkpoint 2 was written but before iteration 1's row was: the resumed run
+    writes that row from the checkpoint, so every iteration appears once, and the report's
+    samples are those of the uninterrupted run."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    expected = ppo.train(_cfg(whole, tiny_llama_dir, *EXACT, "ppo.num_iterations=3"))
+    ppo.train(_cfg(cut, tiny_llama_dir, *EXACT, "ppo.num_iterations=3"))
+    _stop_at(cut, 2)
+    lines = (cut / "metrics.jsonl").read_text().splitlines()
+    (cut / "metrics.jsonl").write_text(lines[0] + "\n")  # rows 1 and 2 never written
+    (cut / "report.json").unlink()
+    report = ppo.train(_cfg(cut, tiny_llama_dir, *EXACT, "ppo.num_iterations=3"))
+    rows = _rows(cut)
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert rows == _rows(whole)
+    assert report["samples_before"] == expected["samples_before"]
+    assert report["samples_after"] == expected["samples_after"]

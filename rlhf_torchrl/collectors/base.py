@@ -369,7 +369,7 @@ def probe_rollout(
     stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
     stopped = [i % 2 == 0 for i in range(len(rows))] if stopped is None else stopped
     if any(not text and not s for text, s in zip(responses, stopped)):
-        raise ConfigError("An empty response must end with the stop token (stopped=True).")
+        raise ValueError("An empty response must end with the stop token (stopped=True).")
     prompt = tokenizer.pad({"input_ids": [prompt_token_ids(tokenizer, r) for r in rows]},
                            padding_side="left", return_tensors="pt")
     response = tokenizer.pad({"input_ids": [

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..distributed import DataParallel
+from ..errors import ConfigError
 from ..runtime import resolve_device
 from .asynchronous import AsyncCollector, ModelCopy
 from .base import RolloutCollector, make_generation_env, make_generation_policy
@@ -86,6 +87,9 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
     A resumed run starts at batch ``start_batch`` (= iterations done), after the ``pending``
     batches its asynchronous collector had sampled ahead (saved in the checkpoint).
     """
+    if pending and spec.overlap is None:
+        raise ConfigError(f"The checkpoint holds {len(pending)} batches sampled ahead "
+                          "(collection.overlap was set): resume with the same collection.overlap.")
     parallel = parallel or DataParallel()
     device = torch.device(device) if device is not None else torch.device("cpu")
     first = start_batch + len(pending)  # the first batch this collector samples

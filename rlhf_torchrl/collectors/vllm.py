@@ -187,7 +187,7 @@ class VLLMGenerator:
         n = input_ids.shape[0]
         seeds = self._seeds if self._seeds is not None else [None] * n
         if len(seeds) != n:
-            raise ConfigError(f"VLLMGenerator has {len(seeds)} row streams for a batch of {n} rows: "
+            raise ValueError(f"VLLMGenerator has {len(seeds)} row streams for a batch of {n} rows: "
                              "call set_streams with one seed per row.")
         self.wake_up()
         prompts = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())

@@ -39,8 +39,6 @@ from . import schema
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("transformers", "vllm")
-
 
 @dataclass(frozen=True)
 class Sizes:
@@ -383,8 +381,6 @@ def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):
 
 
 # ---- checkpoints and resume ------------------------------------------------------------------
-RESUME = ("auto", "never")
-
 
 def resume_path(cfg: DictConfig) -> str | None:
     """The checkpoint this run continues from (None: a fresh run), decided before anything loads.
@@ -459,16 +455,16 @@ def finished_run(cfg: DictConfig) -> dict | None:
     path = os.path.join(cfg.output_dir, "report.json")
     if str(cfg.resume) != "auto" or not os.path.isfile(path):
         return None
+    total = cfg.ppo.num_iterations
     try:
         with open(path, encoding="utf-8") as f:
             report = json.load(f)
         then = OmegaConf.create(report["config"])
-    except (OSError, ValueError, KeyError):
-        return None  # not a report of ours: the usual checks decide
+        same = then.ppo.num_iterations == total and run_identity(then) == run_identity(cfg)
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None  # not a PPO report of ours: the usual checks decide
     done = [n for n, _ in list_checkpoints(cfg.output_dir)]
-    total = cfg.ppo.num_iterations
-    if (then.ppo.num_iterations != total or (done and done[-1] != total)
-            or run_identity(then) != run_identity(cfg)):
+    if not same or (done and done[-1] != total):
         return None
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"output_dir={cfg.output_dir} holds this run, finished ({total} iterations): its "
@@ -565,7 +561,6 @@ def build_trainer(cfg: DictConfig):
         RunLog,
         SavePolicy,
         ThreadTuning,
-        WeightPush,
     )
     from ..runtime import reuse_freed_memory
     from ..trainer import PPOTrainer
@@ -622,7 +617,6 @@ def build_trainer(cfg: DictConfig):
         trainer.register_hook("on_policy_check", OnPolicyCheck(
             num_rows=g.on_policy_rows, atol=on_policy_tolerance(cfg),
             recheck_after_push=separate and not c.overlap))
-    trainer.register_hook("weight_push", WeightPush())
     evaluator = make_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device, parallel)
     evaluation = None
     if evaluator is not None:
@@ -635,14 +629,14 @@ def build_trainer(cfg: DictConfig):
         trainer.register_hook("checkpoint", Checkpointer(
             cfg.output_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
             config_yaml=OmegaConf.to_yaml(cfg, resolve=True)))
+    if cfg.logging.save_model:  # before the report: report.json marks a finished run
+        trainer.register_hook("save_policy", SavePolicy(cfg.output_dir, tokenizer,
+                                                        save_merged=cfg.lora.r and cfg.lora.save_merged))
     if parallel.is_main:
         trainer.register_hook("run_log", RunLog(
             cfg.output_dir, logger=cfg.logging.logger, num_samples=cfg.logging.num_samples,
             progress_bar=cfg.logging.progress_bar, evaluation=evaluation,
             config=OmegaConf.to_container(cfg, resolve=True)))
-    if cfg.logging.save_model:
-        trainer.register_hook("save_policy", SavePolicy(cfg.output_dir, tokenizer,
-                                                        save_merged=cfg.lora.r and cfg.lora.save_merged))
     if resume_from:
         trainer.load_checkpoint(resume_from)
     log.info("Output directory: %s (device %s, %d process%s)", cfg.output_dir, device,
