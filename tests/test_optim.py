@@ -35,6 +35,8 @@ def test_frozen_groups_do_not_throttle_the_moving_ones():
     assert float(norm) == pytest.approx(0.5)  # the head's own norm, under the limit: untouched
     assert head.grad.tolist() == pytest.approx([0.3, 0.4])
     assert float(policy.grad.norm()) == pytest.approx(1.0)  # clipped by its own norm
+    policy.grad = torch.tensor([float("nan"), 0.0, 0.0])  # a NaN where nothing moves still stops it
+    assert not torch.isfinite(clip_grad_norm(optimizer, max_norm=1.0))
     optimizer.param_groups[0]["lr"] = 1e-5  # the policy trains: one global norm
     policy.grad, head.grad = torch.tensor([3.0, 4.0, 0.0]), torch.tensor([0.0, 0.0])
     assert float(clip_grad_norm(optimizer, max_norm=1.0)) == pytest.approx(5.0)
