@@ -279,3 +279,63 @@ def gae(
     )
     adv = torch.where(mask, adv.squeeze(-1), torch.zeros_like(values))
     return adv, torch.where(mask, adv + values, torch.zeros_like(values))
+
+
+def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Discounted sum of the rewards from each response token to the end of its response.
+
+    ``G_t = sum_{s >= t} gamma^(s - t) r_s`` over the valid tokens of the row (the episode ends
+    at its last valid token); ``G_0`` is the row's whole return. A thin layer over TorchRL's
+    ``reward2go``.
+
+    Shapes: ``rewards``, ``mask`` (B, R). Returns (B, R), zero outside the mask.
+
+    Example:
+        >>> returns_to_go(torch.tensor([[0.1, 0.2, 1.0, 9.0]]), torch.tensor([[1, 1, 1, 0]]))
+        tensor([[1.3000, 1.2000, 1.0000, 0.0000]])
+    """
+    from torchrl.objectives.value.functional import reward2go
+
+    mask = mask.bool()
+    rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
+    done = last_token_mask(mask) | ~mask
+    out = reward2go(rewards.unsqueeze(-1), done.unsqueeze(-1), gamma, time_dim=-2).reshape(mask.shape)
+    return torch.where(mask, out, torch.zeros_like(out))
+
+
+def group_index(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(index, sizes)``: each row's group as ``0..G-1`` (in order of first appearance in
+    sorted group ids) and the number of rows of each group. ``groups`` (B,) holds any integer
+    ids; rows sharing an id answer the same prompt."""
+    _, index, sizes = torch.unique(groups, return_inverse=True, return_counts=True)
+    return index, sizes
+
+
+def group_mean(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` (B,) over each row's group, per row (B,)."""
+    index, sizes = group_index(groups)
+    sums = torch.zeros(len(sizes), dtype=values.dtype, device=values.device).index_add_(0, index, values)
+    return (sums / sizes.to(values.dtype))[index]
+
+
+def group_std(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Standard deviation of ``values`` (B,) over each row's group (Bessel-corrected, as GRPO
+    uses it), per row (B,). Groups of one row have none: ``ValueError``."""
+    index, sizes = group_index(groups)
+    if bool((sizes < 2).any()):
+        raise ValueError("A group standard deviation needs at least 2 rows per group; some group "
+                         "has 1 (generation.samples_per_prompt >= 2).")
+    centred = values - group_mean(values, groups)
+    sq = torch.zeros(len(sizes), dtype=values.dtype, device=values.device).index_add_(0, index, centred**2)
+    return (sq / (sizes - 1).to(values.dtype)).sqrt()[index]
+
+
+def leave_one_out_mean(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """For each row, the mean of ``values`` (B,) over the *other* rows of its group (RLOO's
+    baseline): ``(sum_group - v_i) / (n - 1)``. Groups of one row have none: ``ValueError``."""
+    index, sizes = group_index(groups)
+    if bool((sizes < 2).any()):
+        raise ValueError("A leave-one-out baseline needs at least 2 rows per group; some group "
+                         "has 1 (generation.samples_per_prompt >= 2).")
+    sums = torch.zeros(len(sizes), dtype=values.dtype, device=values.device).index_add_(0, index, values)
+    return (sums[index] - values) / (sizes[index] - 1).to(values.dtype)

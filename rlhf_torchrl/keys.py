@@ -28,6 +28,9 @@ RESPONSE_TEXT = ("text", "response")
 # The conversation each prompt renders: a list of {"role", "content"} dicts per row (non-tensor),
 # ending with the user turn the response answers.
 PROMPT_MESSAGES = ("messages", "prompt")
+# (B,) int64: the group of each row: rows with the same id are responses to the same prompt in
+# the same batch (generation.samples_per_prompt). Group baselines (GRPO, RLOO) compare within it.
+GROUP = "group"
 # Dataset fields that travel with each prompt: ("data", <column>), one value per row (non-tensor).
 DATA = "data"
 

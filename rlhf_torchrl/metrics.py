@@ -32,9 +32,10 @@ def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
         "objective/kl_coef": kl_coef,
         "val/num_eos_tokens": float(td.get(K.HAS_STOP).sum()),
         "val/sequence_lengths": float(mask.sum(-1).float().mean()),
-        "val/value_mean": float(F.masked_mean(td.get(K.VALUE).squeeze(-1), mask)),
     }
     keys = td.keys(True)
+    if K.VALUE in keys:  # (a critic-free run has none)
+        out["val/value_mean"] = float(F.masked_mean(td.get(K.VALUE).squeeze(-1), mask))
     if K.RAW_SCORE in keys:  # a Scorer's score before the missing-EOS penalty
         out["objective/raw_scores"] = float(td.get(K.RAW_SCORE).mean())
     if K.ENTROPY in keys:

@@ -1,10 +1,8 @@
-"""Advantages, the PPO loss and the PPO update over a rollout.
+"""The PPO loss and the PPO update over a rollout (the advantage estimators: :mod:`.advantages`).
 
-- :class:`ResponseGAE`: TorchRL's GAE over response tokens (``done`` at the last one), returns =
-  advantages + values, advantages whitened over valid tokens.
 - :class:`TokenPPOLoss` / :func:`make_ppo_loss`: TorchRL's ``ClipPPOLoss`` on the token-level
-  actor and critic, token-mean over valid response tokens (``loss_mask_key``), with TRL's
-  diagnostics added.
+  actor and critic (or no critic), token-mean over valid response tokens (``loss_mask_key``), with
+  TRL's diagnostics added and an optional KL-to-reference term (GRPO's k3).
 - :func:`ppo_update`: ``num_ppo_epochs`` passes, each a shuffle into minibatches served by a
   TorchRL replay buffer, with gradient accumulation over equal or token-budget micro-batches that
   keeps the minibatch's token-mean, gradient-norm clipping, and data parallelism.
@@ -13,42 +11,16 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModuleBase
 from torchrl.objectives import ClipPPOLoss
 
 from . import functional as F
 from . import keys as K
+from .advantages import ResponseGAE  # noqa: F401 - its home before the estimators had their own
 from .errors import ConfigError
-
-
-class ResponseGAE(TensorDictModuleBase):
-    """GAE over response tokens; writes ``"advantage"`` and ``"value_target"`` (B, R, 1).
-
-    ``A = GAE(r, V; gamma, lmbda)`` with the episode ending at the last response token
-    (:func:`rlhf_torchrl.functional.gae`, TorchRL's ``generalized_advantage_estimate``);
-    ``value_target = A + V`` (before whitening); ``A`` whitened over valid tokens when
-    ``whiten_advantages`` (N+ details: advantage whitening).
-    """
-
-    def __init__(self, *, gamma: float = 1.0, lmbda: float = 0.95, whiten_advantages: bool = True):
-        super().__init__()
-        self.gamma, self.lmbda, self.whiten_advantages = gamma, lmbda, whiten_advantages
-        self.in_keys = [K.REWARD, K.VALUE, K.RESPONSE_MASK]
-        self.out_keys = [K.ADVANTAGE, K.VALUE_TARGET]
-
-    def forward(self, td: TensorDictBase) -> TensorDictBase:
-        mask = td.get(K.RESPONSE_MASK)
-        adv, returns = F.gae(
-            td.get(K.REWARD).squeeze(-1), td.get(K.VALUE).squeeze(-1), mask, self.gamma, self.lmbda
-        )
-        if self.whiten_advantages and mask.sum() > 1:
-            adv = F.masked_whiten(adv, mask)
-        td.set(K.ADVANTAGE, adv.unsqueeze(-1))
-        td.set(K.VALUE_TARGET, returns.unsqueeze(-1))
-        return td
 
 
 class TokenPPOLoss(ClipPPOLoss):
@@ -71,21 +43,36 @@ class TokenPPOLoss(ClipPPOLoss):
     (``_log_weight`` and ``loss_critic``), so no forward pass is added.
     """
 
-    def __init__(self, *args, tis_cap: float | None = None, **kwargs):
+    def __init__(self, *args, tis_cap: float | None = None, kl_loss_coef: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.tis_cap = tis_cap
+        self.kl_loss_coef = kl_loss_coef
         self._seen: dict[str, torch.Tensor] = {}  # per-token quantities of the current call
 
     def forward(self, tensordict):
         self._seen = {}
         out = super().forward(tensordict)
+        if self.kl_loss_coef:
+            out.update(self._kl_to_reference(tensordict, self._seen["log_weight"]))
         out.update(self._diagnostics(tensordict, self._seen))
         self._seen = {}
         return out
 
+    def _kl_to_reference(self, td, log_weight) -> dict[str, torch.Tensor]:
+        """``loss_kl = kl_loss_coef * mean_t k3(pi, pi_ref)`` over valid response tokens, with the
+        gradient of the new log-probs (``old + log_weight``); k3 = ``(r - 1) - log r``, ``r =
+        pi_ref / pi``, as GRPO puts it in the loss."""
+        mask = td.get(K.RESPONSE_MASK)
+        new = td.get(self.tensor_keys.sample_log_prob) + log_weight.squeeze(-1)
+        kl = F.kl_estimate(new, td.get(K.REF_LOG_PROB), "k3")
+        return {"loss_kl": self.kl_loss_coef * F.masked_mean(kl, mask),
+                "kl_to_ref": F.masked_mean(kl.detach(), mask)}
+
     def _log_weight(self, tensordict, adv_shape):
         log_weight, dist, kl_approx, log_is_weight = super()._log_weight(tensordict, adv_shape)
         self._seen["log_ratio"] = log_weight.detach().squeeze(-1)  # (B, R)
+        if self.kl_loss_coef:
+            self._seen["log_weight"] = log_weight  # with its gradient: the KL term's new log-probs
         if self.tis_cap is not None and K.BEHAVIOUR_LOG_PROB in tensordict.keys(True):
             # truncated importance sampling: the sampled tokens came from the behaviour policy, the
             # ratio is taken against the recomputed old policy; ClipPPOLoss weights both surrogate
@@ -130,21 +117,28 @@ class TokenPPOLoss(ClipPPOLoss):
 
 def make_ppo_loss(
     actor,
-    critic,
+    critic=None,
     *,
     clip_epsilon: float = 0.2,
     clip_value: float | None = 0.2,
     vf_coef: float = 0.1,
     entropy_coef: float = 0.0,
     tis_cap: float | None = None,
+    kl_loss_coef: float = 0.0,
 ):
     """TorchRL's ``ClipPPOLoss`` for token-level PPO (a :class:`TokenPPOLoss`).
 
     ``loss_objective = -mean_t min(ratio_t A_t, clip(ratio_t, 1 - eps, 1 + eps) A_t)``;
     ``loss_critic = vf_coef * mean_t 0.5 * max((V - R)^2, (clip(V, V_old +- clip_value) - R)^2)``
     (TorchRL's ``l2`` distance has no 1/2, so ``critic_coeff = vf_coef / 2``);
-    ``loss_entropy = -entropy_coef * mean_t H_t`` when ``entropy_coef > 0``. Means are over valid
-    response tokens (``loss_mask_key = ("masks", "response")``).
+    ``loss_entropy = -entropy_coef * mean_t H_t`` when ``entropy_coef > 0``;
+    ``loss_kl = kl_loss_coef * mean_t k3(pi, pi_ref)`` when ``kl_loss_coef > 0`` (the KL penalty in
+    the loss, as GRPO has it, rather than, or beside, the per-token reward's; reads
+    ``("ref_log_probs", "response")``). Means are over valid response tokens
+    (``loss_mask_key = ("masks", "response")``).
+
+    ``critic=None``: a critic-free loss (GRPO, RLOO, REINFORCE++ advantages): no value term, and
+    ``clip_value``/``vf_coef`` are ignored.
 
     ``tis_cap``: truncated importance sampling (verl's and OpenRLHF's TIS) where the old log-probs
     were recomputed by the trainer and the sampler's are kept as ``("log_probs", "behaviour")``:
@@ -153,28 +147,27 @@ def make_ppo_loss(
     """
     if tis_cap is not None and tis_cap <= 0:
         raise ConfigError(f"tis_cap must be > 0 (or None), got {tis_cap}.")
+    if kl_loss_coef < 0:
+        raise ConfigError(f"kl_loss_coef must be >= 0, got {kl_loss_coef}.")
     loss = TokenPPOLoss(
         actor,
         critic,
         clip_epsilon=clip_epsilon,
         entropy_bonus=entropy_coef > 0,
         entropy_coeff=entropy_coef if entropy_coef > 0 else None,
-        critic_coeff=0.5 * vf_coef,
+        critic_coeff=0.5 * vf_coef if critic is not None else None,
         loss_critic_type="l2",
-        normalize_advantage=False,  # whitened once per rollout by ResponseGAE
-        clip_value=clip_value,
+        normalize_advantage=False,  # each advantage estimator normalises as its method says
+        clip_value=clip_value if critic is not None else None,
         functional=False,
         log_explained_variance=False,
         reduction="mean",
         tis_cap=tis_cap,
+        kl_loss_coef=kl_loss_coef,
     )
-    loss.set_keys(
-        action=K.RESPONSE_TOKENS,
-        sample_log_prob=K.LOG_PROB,
-        value=K.VALUE,
-        advantage=K.ADVANTAGE,
-        value_target=K.VALUE_TARGET,
-    )
+    keys = {"value": K.VALUE, "value_target": K.VALUE_TARGET} if critic is not None else {}
+    loss.set_keys(action=K.RESPONSE_TOKENS, sample_log_prob=K.LOG_PROB, advantage=K.ADVANTAGE,
+                  **keys)
     loss.loss_mask_key = K.RESPONSE_MASK
     return loss
 
@@ -265,7 +258,15 @@ def token_budget_split(mask_prompt: torch.Tensor, mask_response: torch.Tensor, m
 
 _STATS = ("policy/clipfrac_avg", "policy/approxkl_avg", "loss/policy_avg", "loss/value_avg",
           "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "policy/tis_weight_avg",
-          "policy/tis_capped_frac")
+          "policy/tis_capped_frac", "policy/kl_to_ref_avg")
+#: metric <- the first of these a loss returns: :class:`TokenPPOLoss`'s TRL-style diagnostic, then
+#: plain ``ClipPPOLoss``'s own (which averages over every position, pads included)
+_DIAGNOSTICS = {"policy/clipfrac_avg": ("pg_clipfrac", "clip_fraction"),
+                "policy/approxkl_avg": ("approxkl", "kl_approx"),
+                "val/ratio": ("ratio", "mean_ratio"),
+                "val/clipfrac_avg": ("vf_clipfrac", "value_clip_fraction"),
+                "policy/tis_weight_avg": ("tis_weight",), "policy/tis_capped_frac": ("tis_capped",),
+                "policy/kl_to_ref_avg": ("kl_to_ref",)}
 
 
 def ppo_update(
@@ -287,7 +288,7 @@ def ppo_update(
 
     Each epoch the rollout is served by a TorchRL ``ReplayBuffer`` (``LazyStackStorage`` and
     ``SamplerWithoutReplacement``) in ``num_mini_batches`` shuffled minibatches, one optimiser step
-    each. A minibatch is split into micro-batches whose gradients add up before the step: either
+    each (sizes as equal as the row count allows: a filtered batch need not divide evenly). A minibatch is split into micro-batches whose gradients add up before the step: either
     ``gradient_accumulation_steps`` equal row slices, or, with ``micro_batch_tokens``, groups of
     rows of similar length holding at most that many padded tokens (:func:`token_budget_split`).
     Each micro-batch is cut to its own prompt and response widths (:func:`trim_padding`). The loss
@@ -299,7 +300,12 @@ def ppo_update(
     the global batch on every process (the same minibatches are drawn everywhere); process ``r``
     runs the ``r``-th of ``world_size`` equal slices of each minibatch, its losses go through the
     DDP wrapper (or FSDP2-sharded modules) and the gradients are averaged across processes once
-    per minibatch. The result equals the single-process update up to float rounding.
+    per minibatch. The result equals the single-process update up to float rounding. (Slices
+    differ by at most a row where a minibatch does not divide evenly: the token weights keep the
+    gradient exact.)
+
+    ``loss_module``: :func:`make_ppo_loss`'s, or any TorchRL ``ClipPPOLoss`` set up for this
+    layout (its own ``clip_fraction``/``kl_approx``/``mean_ratio`` are then reported).
 
     ``grad_scaler`` (a ``torch.amp.GradScaler``) scales the loss for fp16 autocast.
 
@@ -320,17 +326,17 @@ def ppo_update(
     parallel = parallel or DataParallel()
     world, rank = parallel.world_size, parallel.rank
     n = rollout.shape[0]
-    mini = n // num_mini_batches
-    if mini % world:
-        raise ConfigError(f"A minibatch of {mini} rows does not split over {world} processes.")
-    local = mini // world
+    if n == 0:
+        raise ValueError("ppo_update got a rollout of 0 rows.")
+    n_minibatches = min(num_mini_batches, n)
+    sizes = [len(part) for part in torch.arange(n).tensor_split(n_minibatches)]
     if replay_buffer is None:
-        replay_buffer = make_minibatch_buffer(n, mini)
+        replay_buffer = make_minibatch_buffer(n, sizes[0])
     replay_buffer.empty()
     replay_buffer.extend(_tensors_only(rollout))
     critic_coeff = getattr(loss_module, "critic_coeff", None)
     vf_coef = 2 * float(critic_coeff) if critic_coeff is not None else 0.0
-    steps = num_ppo_epochs * num_mini_batches
+    steps = num_ppo_epochs * n_minibatches
     device = rollout.get(K.RESPONSE_MASK).device
     # token-weighted sums of each diagnostic per minibatch, summed over processes at the end
     sums = torch.zeros(steps, len(_STATS), dtype=torch.float64, device=device)
@@ -338,9 +344,15 @@ def ppo_update(
     grad_norms = torch.zeros(steps, dtype=torch.float64, device=device)
     loss_module.train()
     for step in range(steps):
-        minibatch = replay_buffer.sample().contiguous()  # lazy stack -> dense (mini, ...)
+        size = sizes[step % n_minibatches]
+        with warnings.catch_warnings():  # a size other than the buffer's is on purpose here
+            warnings.filterwarnings("ignore", "Got conflicting batch_sizes")
+            minibatch = replay_buffer.sample(None if size == replay_buffer.batch_size else size)
+        minibatch = minibatch.contiguous()  # lazy stack -> dense (size, ...)
         n_tokens = minibatch.get(K.RESPONSE_MASK).sum().clamp_min(1)  # the whole minibatch's
-        mine = minibatch[rank * local : (rank + 1) * local]
+        shares = [size // world + (r < size % world) for r in range(world)]
+        start = sum(shares[:rank])
+        mine = minibatch[start : start + shares[rank]]  # this process's slice (maybe no rows)
         if micro_batch_tokens:
             masks = mine.get(K.PROMPT_MASK), mine.get(K.RESPONSE_MASK)
             parts = token_budget_split(*masks, micro_batch_tokens)
@@ -348,13 +360,15 @@ def ppo_update(
             if busiest > len(parts):
                 parts = token_budget_split(*masks, micro_batch_tokens, min_parts=busiest)
         else:
-            parts = list(torch.arange(local).split(local // gradient_accumulation_steps))
+            parts = list(torch.arange(len(mine)).tensor_split(gradient_accumulation_steps))
         optimizer.zero_grad(set_to_none=True)
         for j, rows in enumerate(parts):
             weight = world / n_tokens  # DDP/FSDP average over processes: scale back up to a sum
+            source = mine
             if rows.numel() == 0:  # keeps the collectives in step; contributes nothing
                 rows, weight = torch.zeros(1, dtype=torch.long), 0.0
-            micro_batch = trim_padding(mine[rows.to(mine.device)])
+                source = mine if len(mine) else minibatch
+            micro_batch = trim_padding(source[rows.to(source.device)])
             n_micro = micro_batch.get(K.RESPONSE_MASK).sum()
             with parallel.accumulate(last=j == len(parts) - 1):
                 out = parallel.loss(loss_module, micro_batch)
@@ -364,17 +378,15 @@ def ppo_update(
                 (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
             if weight:
                 out = out.detach()
-                values = {"policy/clipfrac_avg": out["pg_clipfrac"],
-                          "policy/approxkl_avg": out["approxkl"],
-                          "loss/policy_avg": out["loss_objective"], "val/ratio": out["ratio"]}
-                if vf_coef > 0:
+                keys = set(out.keys())
+                values = {"loss/policy_avg": out["loss_objective"]}
+                for name, candidates in _DIAGNOSTICS.items():
+                    found = next((k for k in candidates if k in keys), None)
+                    if found is not None:
+                        values[name] = out[found]
+                if vf_coef > 0 and "loss_critic" in keys:
                     values["loss/value_avg"] = out["loss_critic"] / vf_coef
-                if "vf_clipfrac" in out.keys():
-                    values["val/clipfrac_avg"] = out["vf_clipfrac"]
-                if "tis_weight" in out.keys():
-                    values["policy/tis_weight_avg"] = out["tis_weight"]
-                    values["policy/tis_capped_frac"] = out["tis_capped"]
-                if "entropy" in out.keys():
+                if "entropy" in keys:
                     # ClipPPOLoss averages the entropy over every position (0 on pads)
                     mask = micro_batch.get(K.RESPONSE_MASK)
                     values["policy/entropy_avg"] = out["entropy"] * mask.numel() / n_micro.clamp_min(1)
@@ -405,7 +417,8 @@ def ppo_update(
     loss_module.eval()
     per_minibatch = parallel.all_reduce(sums).cpu()  # one collective for the whole update
     metrics = {name: float(per_minibatch[:, i].mean()) for i, name in enumerate(_STATS) if seen[i]}
-    ratios = per_minibatch[:, _STATS.index("val/ratio")]
-    metrics["val/ratio_var"] = float(ratios.var()) if ratios.numel() > 1 else 0.0
+    if "val/ratio" in metrics:
+        ratios = per_minibatch[:, _STATS.index("val/ratio")]
+        metrics["val/ratio_var"] = float(ratios.var()) if ratios.numel() > 1 else 0.0
     metrics["grad_norm"] = float(grad_norms.mean())
     return metrics

@@ -15,15 +15,17 @@ from .errors import ConfigError
 SCHEDULES = ("linear", "constant")
 
 
-def parameter_groups(policy: nn.Module, critic: nn.Module, *, lr: float,
+def parameter_groups(policy: nn.Module, critic: nn.Module | None, *, lr: float,
                      critic_lr: float | None = None, value_head_lr: float | None = None) -> list[dict]:
     """AdamW groups: the policy (``lr``), the value head (``value_head_lr``, else ``critic_lr``,
     else ``lr``) and, for a separate critic, its trunk (``critic_lr``, else ``lr``).
 
     Shared parameters are counted once (a shared-trunk critic adds only its head); frozen ones
-    (a LoRA base model) are left out.
+    (a LoRA base model) are left out. ``critic=None`` (critic-free): the policy's group alone.
     """
     policy_params = [p for p in policy.parameters() if p.requires_grad]
+    if critic is None:
+        return [{"params": policy_params, "lr": lr}]
     head = list(critic.head.parameters())
     seen = {id(p) for p in policy_params} | {id(p) for p in head}
     trunk_params = [p for p in critic.parameters() if p.requires_grad and id(p) not in seen]
@@ -59,7 +61,7 @@ def schedule_multiplier(step: int, *, total_steps: int, schedule: str = "linear"
     return 1.0 - (step - start) / (total_steps - start) if schedule == "linear" else 1.0
 
 
-def make_optimizer(policy: nn.Module, critic: nn.Module, *, lr: float, total_steps: int,
+def make_optimizer(policy: nn.Module, critic: nn.Module | None, *, lr: float, total_steps: int,
                    critic_lr: float | None = None, value_head_lr: float | None = None,
                    weight_decay: float = 0.0, eps: float = 1e-5, schedule: str = "linear",
                    warmup_steps: int = 0, critic_warmup_steps: int = 0):
@@ -67,7 +69,11 @@ def make_optimizer(policy: nn.Module, critic: nn.Module, *, lr: float, total_ste
 
     ``critic_warmup_steps``: the first optimiser steps train the critic alone
     (:func:`policy_lr_multiplier`); the critic's groups follow ``schedule`` from step 0.
+    ``critic=None``: the policy alone (critic-free estimators).
     """
+    if critic is None and critic_warmup_steps:
+        raise ConfigError("A critic warm-up needs a critic: set optim.critic_warmup=0 with a "
+                          "critic-free advantage estimator.")
     groups = parameter_groups(policy, critic, lr=lr, critic_lr=critic_lr, value_head_lr=value_head_lr)
     # fused: one kernel per step for all parameters (on CPU too), instead of a loop over tensors
     optimizer = torch.optim.AdamW(groups, weight_decay=weight_decay, eps=eps, fused=True)

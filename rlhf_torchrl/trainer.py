@@ -27,6 +27,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from . import keys as K
+from .advantages import group_metrics, informative_groups
 from .checkpoint import load_checkpoint, load_rollouts, rng_state, set_rng_state
 from .distributed import DataParallel
 from .errors import ConfigError
@@ -54,15 +55,19 @@ STAGES = {
 
 
 class PPOTrainer:
-    """PPO with a token-level critic over a rollout TensorDict, one method per phase.
+    """PPO over a rollout TensorDict, one method per phase; with a token-level critic (GAE) or
+    a critic-free advantage estimator (GRPO, RLOO, REINFORCE++).
 
     Components (each swappable): ``collector`` (an iterable of rollouts, or a callable
     ``(start_batch, pending) -> collector`` that :meth:`fit` calls, so that a resumed run's
     collector starts where the checkpoint stopped); ``scorer`` (writes ``"score"``); ``actor``,
     ``reference`` (:class:`~rlhf_torchrl.modules.TokenLevelActor`) and ``critic``
-    (:class:`~rlhf_torchrl.modules.TokenCritic`); ``shaper`` (per-token KL rewards, owns the KL
-    coefficient); ``advantage`` (a TensorDict module writing ``"advantage"`` and
-    ``"value_target"``); ``loss_module`` (``ClipPPOLoss``); ``optimizer`` and ``scheduler``;
+    (:class:`~rlhf_torchrl.modules.TokenCritic`, or None with a critic-free estimator); ``shaper``
+    (per-token KL rewards, owns the KL coefficient); ``advantage`` (a TensorDict module writing
+    ``"advantage"``, and ``"value_target"`` for a critic: :mod:`~rlhf_torchrl.advantages`);
+    ``loss_module`` (``ClipPPOLoss``); ``filter_groups``: drop the groups of responses whose
+    scores are all equal before the update (DAPO's dynamic filtering; logged as
+    ``group/filtered_frac``); ``optimizer`` and ``scheduler``;
     ``replay_buffer`` (the minibatch sampler, :func:`~rlhf_torchrl.objectives.make_minibatch_buffer`
     with a seed of its own; None: one per update, shuffled by torch's global generator); ``parallel`` (this process's place in a torchrun
     job; None: one process).
@@ -87,7 +92,7 @@ class PPOTrainer:
         scorer: nn.Module,
         actor: nn.Module,
         reference: nn.Module,
-        critic: nn.Module,
+        critic: nn.Module | None,
         shaper: nn.Module,
         advantage: nn.Module,
         loss_module: nn.Module,
@@ -110,6 +115,7 @@ class PPOTrainer:
         offload_reference: bool = False,
         critic_warmup: int = 0,
         on_non_finite: Callable | None = None,
+        filter_groups: bool = False,
     ):
         self.collector = collector
         self.scorer, self.actor, self.reference, self.critic = scorer, actor, reference, critic
@@ -129,6 +135,7 @@ class PPOTrainer:
         # what a NaN/inf does: on_non_finite(error, iteration, batch) raises (stop) or returns
         # (skip: no further optimiser step this iteration); None: the NonFiniteError propagates
         self.on_non_finite = on_non_finite
+        self.filter_groups = filter_groups
         self.iteration = 0  # iterations done
         self.first_iteration = 0  # where this process started (a resumed run: the checkpoint's)
         self.pending: list = []  # rollouts sampled ahead, restored from a checkpoint
@@ -239,7 +246,8 @@ class PPOTrainer:
         """Phases 4-6 on the global batch (every process's rows): KL-shaped rewards, advantages
         (whitened over the whole batch), PPO epochs (each process runs its slice of each
         minibatch). A NaN/inf is caught where it appears (the same decision on every process);
-        returns the batch and the update's statistics (None: a skipped iteration)."""
+        returns the batch and the update's statistics (None: a skipped iteration; empty: every
+        group filtered out, no update)."""
         batch = stats = None
         try:
             with self.timed("advantages"):
@@ -249,9 +257,12 @@ class PPOTrainer:
                 self.shaper(batch)
                 self.advantage(batch)
                 check_finite(batch, ("rewards", "advantages", "returns"))
+                train_batch = self.informative_rows(batch) if self.filter_groups else batch
+            if train_batch.shape[0] == 0:
+                return batch, {}  # no group has a signal: no update
             with self.timed("update"):
                 stats = ppo_update(
-                    batch, self.loss_module, self.optimizer, num_ppo_epochs=self.num_ppo_epochs,
+                    train_batch, self.loss_module, self.optimizer, num_ppo_epochs=self.num_ppo_epochs,
                     num_mini_batches=self.num_mini_batches,
                     gradient_accumulation_steps=self.gradient_accumulation_steps,
                     micro_batch_tokens=self.micro_batch_tokens, max_grad_norm=self.max_grad_norm,
@@ -264,6 +275,13 @@ class PPOTrainer:
             self.on_non_finite(error, iteration, batch)  # raises to stop; returns to skip
         return batch, stats
 
+    def informative_rows(self, batch: TensorDictBase) -> TensorDictBase:
+        """The rows of ``batch`` whose group's scores are not all equal (DAPO's dynamic
+        filtering); the share of rows dropped goes to ``group/filtered_frac``."""
+        keep = informative_groups(batch)
+        self.metrics["group/filtered_frac"] = 1.0 - float(keep.float().mean())
+        return batch[keep]
+
     def log_iteration(self, batch: TensorDictBase, stats: dict | None, iteration: int,
                       start: float) -> None:
         """Phase 7: the iteration's metrics row, the KL coefficient's update, the log hooks."""
@@ -272,6 +290,7 @@ class PPOTrainer:
             metrics["guard/skipped"] = 1.0
         else:
             metrics.update(rollout_metrics(batch, kl_coef=self.shaper.kl_coef))
+            metrics.update(group_metrics(batch))
             metrics.update(sampler_metrics(batch, version=iteration))
             self.update_kl_coef(batch, iteration)
             metrics.update(stats)
@@ -304,7 +323,9 @@ class PPOTrainer:
     @property
     def trained_modules(self) -> dict[str, nn.Module]:
         """The modules whose parameters the optimiser updates, each once: the policy, the value
-        head and a separate critic's trunk (a shared trunk is the policy's)."""
+        head and a separate critic's trunk (a shared trunk is the policy's; no critic: the policy)."""
+        if self.critic is None:
+            return {"policy": self.actor.model}
         modules = {"policy": self.actor.model, "value_head": self.critic.head}
         if not self.critic.shares_trunk:
             modules["critic_trunk"] = self.critic.backbone

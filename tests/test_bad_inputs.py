@@ -58,6 +58,13 @@ CASES = {
     "autocast-bf16-weights": (["model.autocast=bfloat16", "model.dtype=bfloat16"], r"master weights"),
     "critic-from-missing-rm": (["value_model.init=reward_model"], r"needs reward.model"),
     "tis-with-sampled-log-probs": (["ppo.tis_cap=2"], r"generation.log_probs_from_sampling=false"),
+    "estimator": (["advantage.estimator=ppo"], r"advantage.estimator='ppo' .*gae, grpo, rloo, reinforce_pp"),
+    "samples-per-prompt-0": (["generation.samples_per_prompt=0"], r"generation.samples_per_prompt=0 is out of range"),
+    "kl-loss-negative": (["ppo.kl_loss_coef=-0.1"], r"ppo.kl_loss_coef=-0.1 is out of range"),
+    "grpo-one-sample": (["advantage.estimator=grpo"], r"advantage.estimator=grpo compares responses .*samples_per_prompt >= 2"),
+    "rloo-one-sample": (["advantage.estimator=rloo"], r"samples_per_prompt >= 2"),
+    "filter-one-sample": (["advantage.filter_groups=true"], r"advantage.filter_groups .*samples_per_prompt >= 2"),
+    "batch-not-whole-groups": (["generation.samples_per_prompt=3"], r"ppo.batch_size=4 responses do not make whole groups of generation.samples_per_prompt=3"),
     "ray-workers-split": (["collection.ray_workers=3"], r"collection.ray_workers=3: .*divisor"),
     "device": (["device=abacus"], r"not a device"),
     # rewards

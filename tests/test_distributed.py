@@ -65,6 +65,12 @@ CASES = {
     # gradients kept local until the last micro-batch of a minibatch
     "fsdp2-shared-accumulation": ["distributed.strategy=fsdp2", "value_model.init=shared",
                                   "ppo.gradient_accumulation_steps=2"],
+    # groups of 2 responses stay on one process; the groups with equal scores are dropped after the
+    # gather (half of them here), so 4 minibatches of 1 row each go to one process, the other
+    # runs an empty slice
+    "ddp-rloo-groups-filtered": ["distributed.strategy=ddp", "advantage.estimator=rloo",
+                                 "generation.samples_per_prompt=2", "ppo.kl_loss_coef=0.01",
+                                 "advantage.filter_groups=true", "ppo.num_mini_batches=4"],
 }
 
 
@@ -86,6 +92,8 @@ def test_two_processes_match_one(tmp_path, tiny_llama_dir, overrides):
             assert b[key] == pytest.approx(value, rel=1e-4, abs=tolerance), (a["iteration"], key)
             compared += 1
     assert compared > 2 * 20
+    if "advantage.filter_groups=true" in overrides:  # groups were dropped: uneven slices ran
+        assert any(m["group/filtered_frac"] > 0 for m in one)
     # the run learned something (the comparison is not between two untouched models)
     assert one[-1]["objective/kl"] != 0.0 and one[-1]["loss/policy_avg"] != 0.0
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")

@@ -1,5 +1,7 @@
 """GAE module, ClipPPOLoss on the token-level actor/critic, and the PPO update."""
 
+import math
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -164,7 +166,8 @@ def test_ppo_update_steps_and_reports(tiny_llama_dir, tokenizer):
 
 # micro-batch splits: equal row slices (gradient_accumulation_steps) or token budgets
 SPLITS = {"rows=1": {}, "rows=2": {"gradient_accumulation_steps": 2},
-          "rows=4": {"gradient_accumulation_steps": 4}, "tokens=40": {"micro_batch_tokens": 40},
+          "rows=4": {"gradient_accumulation_steps": 4},
+          "rows=3 (uneven)": {"gradient_accumulation_steps": 3}, "tokens=40": {"micro_batch_tokens": 40},
           "tokens=24": {"micro_batch_tokens": 24}, "tokens=1": {"micro_batch_tokens": 1}}
 
 
@@ -198,6 +201,81 @@ def test_micro_batches_keep_the_token_mean(critic_init, tiny_llama_dir, tokenize
         for key, value in stats["rows=1"].items():
             if key != "val/ratio_var":
                 assert stats[name][key] == pytest.approx(value, rel=1e-9, abs=1e-12), (name, key)
+
+
+def test_ppo_update_takes_a_plain_clip_ppo_loss(tiny_llama_dir, tokenizer):
+    """Any TorchRL ClipPPOLoss set up for the rollout layout runs (its own diagnostics reported),
+    on a batch that does not split into equal minibatches (7 rows, 2 minibatches)."""
+    from torchrl.objectives import ClipPPOLoss
+
+    policy, _, critic, td = _prepared(tiny_llama_dir, tokenizer, critic_init="policy")
+    td = td[:7]
+    actor = TokenLevelActor(policy, temperature=0.7)
+    loss = ClipPPOLoss(actor, critic, critic_coeff=0.05, loss_critic_type="l2", functional=False,
+                       entropy_bonus=False)
+    loss.set_keys(action=K.RESPONSE_TOKENS, sample_log_prob=K.LOG_PROB, value=K.VALUE,
+                  advantage=K.ADVANTAGE, value_target=K.VALUE_TARGET)
+    loss.loss_mask_key = K.RESPONSE_MASK
+    before = [p.detach().clone() for p in policy.parameters()]
+    opt = torch.optim.AdamW([p for p in loss.parameters() if p.requires_grad], lr=1e-3)
+    stats = ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=2)
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+    for key in ("loss/policy_avg", "loss/value_avg", "policy/clipfrac_avg", "policy/approxkl_avg",
+                "val/ratio", "grad_norm"):
+        assert math.isfinite(stats[key]), key
+
+
+def _grpo_batch(tiny_llama_dir, tokenizer, **loss_kwargs):
+    """A rollout in groups of 2 with GRPO advantages, a policy and its critic-free loss."""
+    from rlhf_torchrl.advantages import GRPOAdvantage
+
+    torch.manual_seed(0)
+    policy = load_causal_lm(tiny_llama_dir, tokenizer)
+    reference = load_causal_lm(tiny_llama_dir, tokenizer).requires_grad_(False)
+    with torch.no_grad():  # a reference unlike the policy: the KL term is not 0
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    actor = TokenLevelActor(policy, temperature=0.7)
+    ref = TokenLevelActor(reference, temperature=0.7, out_key=K.REF_LOG_PROB)
+    td = _rollout(tokenizer)
+    td.set(K.GROUP, torch.arange(8) // 2)
+    evaluate_rollout(td, actor=actor, reference=ref, chunk_size=4)
+    assert K.VALUE not in td.keys()
+    KLRewardShaper(make_kl_controller(0.0))(td)
+    GRPOAdvantage()(td)
+    return policy, actor, make_ppo_loss(actor, **loss_kwargs), td
+
+
+def test_critic_free_loss_has_no_value_term(tiny_llama_dir, tokenizer):
+    policy, _, loss, td = _grpo_batch(tiny_llama_dir, tokenizer, vf_coef=0.5, clip_value=0.2)
+    out = loss(td)
+    assert "loss_critic" not in out.keys() and "loss_objective" in out.keys()
+    opt = torch.optim.AdamW([p for p in loss.parameters() if p.requires_grad], lr=1e-3)
+    before = [p.detach().clone() for p in policy.parameters()]
+    stats = ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=2)
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+    assert "loss/value_avg" not in stats and "val/clipfrac_avg" not in stats
+    assert math.isfinite(stats["loss/policy_avg"])
+
+
+def test_kl_loss_term_matches_hand_formula(tiny_llama_dir, tokenizer):
+    """loss_kl = coef * token-mean of k3(pi, pi_ref), and its gradient is that of the formula."""
+    policy, actor, loss, td = _grpo_batch(tiny_llama_dir, tokenizer, kl_loss_coef=0.3)
+    out = loss(td)
+    mask = td.get(K.RESPONSE_MASK)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    got = torch.autograd.grad(out["loss_kl"], params)
+    new = actor.get_dist(td).log_prob(td.get(K.RESPONSE_TOKENS))
+    log_r = td.get(K.REF_LOG_PROB) - new
+    kl = ((log_r.exp() - 1) - log_r)[mask].mean()
+    torch.testing.assert_close(out["loss_kl"], 0.3 * kl.detach())
+    torch.testing.assert_close(out["kl_to_ref"], kl.detach())
+    assert float(kl) > 1e-4
+    for a, b in zip(got, torch.autograd.grad(0.3 * kl, params)):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-4)
+    opt = torch.optim.SGD(params, lr=0.0)
+    stats = ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=1)
+    assert stats["policy/kl_to_ref_avg"] == pytest.approx(float(kl), rel=1e-4)
 
 
 def test_token_budget_split_packs_similar_lengths():

@@ -56,6 +56,39 @@ def test_recipe_runs_and_trains(tmp_path, tiny_llama_dir, overrides):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("overrides", [
+    ["advantage.estimator=rloo", "ppo.kl_coef=0", "ppo.kl_loss_coef=0.01",
+     "advantage.filter_groups=true"],
+    ["advantage.estimator=grpo", "advantage.scale_by_std=false"],
+    ["advantage.estimator=reinforce_pp", "ppo.num_mini_batches=4"],
+], ids=["rloo-kl-in-loss-filtered", "dr-grpo", "reinforce-pp"])
+def test_critic_free_estimators_train_without_a_value_model(tmp_path, tiny_llama_dir, overrides):
+    """Groups of 2 responses per prompt, a critic-free estimator: no value model is built (the
+    optimiser and the checkpoint hold the policy alone), no value loss, group statistics logged;
+    the run resumes from its checkpoint."""
+    overrides = ["ppo.batch_size=8", "generation.samples_per_prompt=2", "checkpoint.every=1",
+                 *overrides]
+    trainer = builders.build_trainer(_cfg(tmp_path, tiny_llama_dir, *overrides))
+    assert trainer.critic is None and list(trainer.trained_modules) == ["policy"]
+    assert len(trainer.optimizer.param_groups) == 1
+    trainer.fit()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["group/size"] == 2 and 0 <= row["group/equal_score_frac"] <= 1
+        assert "loss/value_avg" not in row and "val/value_mean" not in row
+        assert row["episode"] == 8 * (row["iteration"] + 1)
+    if "advantage.filter_groups=true" in overrides:
+        assert all("group/filtered_frac" in row for row in rows)
+    updated = [r for r in rows if "loss/policy_avg" in r]
+    assert updated and all(math.isfinite(r["loss/policy_avg"]) for r in updated)
+    if "ppo.kl_loss_coef=0.01" in overrides:
+        assert all(r["policy/kl_to_ref_avg"] >= 0 for r in updated)
+    resumed = builders.build_trainer(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=3",
+                                          *overrides))
+    assert resumed.iteration == 2 and resumed.critic is None
+
+
 def test_recipe_cli(tmp_path, tiny_gpt2_dir):
     """The command line a user types, on a GPT-2 with an adaptive KL and a missing-EOS penalty."""
     cmd = [sys.executable, str(RECIPES / "ppo.py"), f"model.policy={tiny_gpt2_dir}",

@@ -201,31 +201,39 @@ def test_on_policy_check_stops_on_a_mismatch(tiny_llama_dir, tokenizer):
         check_on_policy(rollout.exclude(K.LOG_PROB), TokenLevelActor(model), atol=1e-3)
 
 
-def _shard_rollouts(model, tokenizer, prompts, *, batch_size, world_size, batches=2):
+def _shard_rollouts(model, tokenizer, prompts, *, batch_size, world_size, batches=2, group=1):
     """The rollouts ``world_size`` processes would collect, rank by rank, as lists of batches."""
     out = []
     for rank in range(world_size):
         local = batch_size // world_size
         env = make_generation_env(prompts, tokenizer, batch_size=batch_size, seed=3, rank=rank,
-                                  world_size=world_size)
+                                  world_size=world_size, samples_per_prompt=group)
         gen = make_generation_policy(model, tokenizer, max_new_tokens=8, temperature=1.0,
                                      record_log_probs=True)
         collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=local, seed=7,
-                                     row_offset=rank * local, total_batches=batches)
+                                     row_offset=rank * local, total_batches=batches,
+                                     samples_per_prompt=group)
         out.append(list(collector))
         collector.shutdown()
     return out
 
 
-def test_row_streams_make_collection_world_size_invariant(tiny_llama_dir, tokenizer):
+@pytest.mark.parametrize("group", [1, 2])
+def test_row_streams_make_collection_world_size_invariant(tiny_llama_dir, tokenizer, group):
     """One process collecting a global batch of 4 and two collecting 2 rows each (their shards of
-    the same global batches) draw the same response for every row, with the same log-probs."""
+    the same global batches) draw the same response for every row, with the same log-probs. In
+    groups of 2 responses per prompt each process gets whole groups, each response its own stream."""
     model = load_causal_lm(tiny_llama_dir, tokenizer)
     prompts = [f"Prompt {i} " + "word " * (i % 5) for i in range(12)]
-    (single,) = _shard_rollouts(model, tokenizer, prompts, batch_size=4, world_size=1)
-    shards = _shard_rollouts(model, tokenizer, prompts, batch_size=4, world_size=2)
+    (single,) = _shard_rollouts(model, tokenizer, prompts, batch_size=4, world_size=1, group=group)
+    shards = _shard_rollouts(model, tokenizer, prompts, batch_size=4, world_size=2, group=group)
     for k, whole in enumerate(single):
         parts = [shards[0][k], shards[1][k]]
+        assert whole.get(K.GROUP).tolist() == [i // group for i in range(4)]
+        assert torch.cat([p.get(K.GROUP) for p in parts]).tolist() == whole.get(K.GROUP).tolist()
+        texts = whole.get(K.PROMPT_TEXT).tolist()
+        assert all(texts[i] == texts[i - i % group] for i in range(4))  # a group: one prompt
+        assert len(set(texts)) == 4 // group
         assert whole.get(K.PROMPT_TEXT).tolist() == sum((p.get(K.PROMPT_TEXT).tolist() for p in parts), [])
         assert whole.get(K.RESPONSE_TEXT).tolist() == sum((p.get(K.RESPONSE_TEXT).tolist() for p in parts), [])
         for i, part in enumerate(parts):

@@ -35,6 +35,7 @@ def make_generation_env(
     rank: int = 0,
     world_size: int = 1,
     start_batch: int = 0,
+    samples_per_prompt: int = 1,
 ):
     """A TorchRL ``ChatEnv`` that yields prompts from global batches of ``batch_size``, cycling forever.
 
@@ -51,22 +52,28 @@ def make_generation_env(
 
     ``start_batch``: begin with global batch ``start_batch`` of that order (a resumed run), the
     earlier ones skipped without being served.
+
+    ``samples_per_prompt`` (N): a global batch holds ``batch_size / N`` prompts, each served N
+    times in a row (a group of responses to one prompt); a group is never split over processes,
+    so ``batch_size / N`` must be a multiple of ``world_size``.
     """
     from torchrl.envs import InitTracker, StepCounter
     from torchrl.envs.llm import ChatEnv
 
-    if len(prompts) < batch_size:
+    check_group_sizes(batch_size, samples_per_prompt, world_size)
+    n_prompts = batch_size // samples_per_prompt
+    if len(prompts) < n_prompts:
         raise ConfigError(
             f"The prompt set has {len(prompts)} prompts, fewer than one batch "
-            f"(batch_size={batch_size}): add prompts or lower the batch size."
+            f"({n_prompts} prompts): add prompts or lower the batch size."
         )
-    if batch_size % world_size or not 0 <= rank < world_size:
-        raise ConfigError(f"A global batch of {batch_size} rows does not split over {world_size} "
-                         f"processes (rank {rank}): make the batch size a multiple of the world size.")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is not one of the {world_size} processes.")
     rows = [to_prompt(p, system_prompt) for p in prompts]
     local = batch_size // world_size
-    batches = ShardedBatchSampler(len(rows), batch_size, rank=rank, world_size=world_size,
-                                  shuffle=shuffle, seed=seed, skip=start_batch)
+    batches = ShardedBatchSampler(len(rows), n_prompts, rank=rank, world_size=world_size,
+                                  shuffle=shuffle, seed=seed, skip=start_batch,
+                                  repeats=samples_per_prompt)
     loader = DataLoader(rows, batch_sampler=batches, collate_fn=_collate_prompts)
     env = ChatEnv.from_dataloader(
         loader,
@@ -82,15 +89,31 @@ def make_generation_env(
     return env.append_transform(StepCounter(max_steps=1)).append_transform(InitTracker())
 
 
+def check_group_sizes(batch_size: int, samples_per_prompt: int, world_size: int = 1) -> None:
+    """A batch of ``batch_size`` responses holds whole groups of ``samples_per_prompt``, and its
+    groups split evenly over ``world_size`` processes (a group is never split)."""
+    if samples_per_prompt < 1 or batch_size % samples_per_prompt:
+        raise ConfigError(
+            f"ppo.batch_size={batch_size} responses do not make whole groups of "
+            f"generation.samples_per_prompt={samples_per_prompt}: use a multiple of it.")
+    if (batch_size // samples_per_prompt) % world_size:
+        raise ConfigError(
+            f"The {batch_size // samples_per_prompt} prompts of a batch (ppo.batch_size={batch_size} "
+            f"/ generation.samples_per_prompt={samples_per_prompt}) do not split over {world_size} "
+            "processes (a group of responses stays on one process): make the number of prompts a "
+            "multiple of the number of processes.")
+
+
 class ShardedBatchSampler(torch.utils.data.Sampler):
     """Global batches of ``batch_size`` row indices (shuffled with ``seed``, a new order every epoch,
     incomplete last batch dropped); yields this ``rank``'s contiguous ``batch_size / world_size``
-    slice of each. Every process draws the same global order. The first ``skip`` global batches
-    (over epochs) are drawn but not served: a resumed run continues the order where it stopped."""
+    slice of each, every index ``repeats`` times in a row (a group of responses to one prompt).
+    Every process draws the same global order. The first ``skip`` global batches (over epochs)
+    are drawn but not served: a resumed run continues the order where it stopped."""
 
     def __init__(self, n: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, seed: int = 0, skip: int = 0):
-        self.n, self.batch_size, self.shuffle = n, batch_size, shuffle
+                 shuffle: bool = True, seed: int = 0, skip: int = 0, repeats: int = 1):
+        self.n, self.batch_size, self.shuffle, self.repeats = n, batch_size, shuffle, repeats
         self.local = batch_size // world_size
         self.start = rank * self.local
         self.generator = torch.Generator().manual_seed(seed)
@@ -106,7 +129,7 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
                 self._skip -= 1
                 continue
             batch = order[i * self.batch_size : (i + 1) * self.batch_size]
-            yield batch[self.start : self.start + self.local].tolist()
+            yield batch[self.start : self.start + self.local].repeat_interleave(self.repeats).tolist()
 
 
 def _collate_prompts(rows: list[Prompt]) -> TensorDict:
@@ -287,6 +310,7 @@ def build_rollout(
             K.RESPONSE_TOKENS: response,
             K.RESPONSE_MASK: response_mask,
             K.HAS_STOP: has_stop,
+            K.GROUP: torch.arange(prompt.shape[0]),  # one response per prompt (a collector of groups sets its own)
         },
         batch_size=[prompt.shape[0]],
     )
@@ -408,6 +432,10 @@ class RolloutCollector:
     of the first batch (a resumed run; its env starts at the same batch, see
     :func:`make_generation_env`).
 
+    Each rollout carries ``"group"`` (B,) int64: ``(row_offset + i) // samples_per_prompt``, the
+    same for the ``samples_per_prompt`` consecutive rows that answer one prompt (the env serves
+    them so, :func:`make_generation_env`) and unique over the processes of a global batch.
+
     Example:
         >>> collector = RolloutCollector(env, policy, tokenizer=tok, batch_size=16)
         >>> rollout = next(iter(collector))
@@ -427,6 +455,7 @@ class RolloutCollector:
         row_offset: int = 0,
         device: torch.device | str | None = None,
         start_batch: int = 0,
+        samples_per_prompt: int = 1,
     ):
         from torchrl.collectors.llm import LLMCollector
 
@@ -434,6 +463,10 @@ class RolloutCollector:
         self.start_batch = start_batch
         self.batch_size = batch_size
         self.seed, self.row_offset, self.device = seed, row_offset, device
+        if batch_size % samples_per_prompt or row_offset % samples_per_prompt:
+            raise ConfigError(f"RolloutCollector: a batch of {batch_size} rows from row {row_offset} "
+                             f"does not hold whole groups of {samples_per_prompt}.")
+        self.samples_per_prompt = samples_per_prompt
         self.sampler = sampler_of(policy)  # draws the tokens (and records their log-probs)
         if seed is not None and self.sampler is None:
             raise ConfigError("RolloutCollector(seed=...) needs a policy from make_generation_policy "
@@ -464,6 +497,8 @@ class RolloutCollector:
                 stop_token_ids=self.stop_token_ids,
                 tokenizer=self.tokenizer,
             )
+            group_rows = torch.arange(self.row_offset, self.row_offset + rollout.shape[0])
+            rollout.set(K.GROUP, group_rows // self.samples_per_prompt)
             if self.records:
                 self._add_sampling_record(rollout, batch)
             yield rollout if self.device is None else rollout.to(self.device)

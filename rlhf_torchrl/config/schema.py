@@ -95,6 +95,7 @@ class Generation:
     temperature: float = MISSING
     top_k: int = MISSING
     top_p: float = MISSING
+    samples_per_prompt: int = MISSING
     stop_token: str | None = MISSING
     log_probs_from_sampling: bool | None = MISSING
     check_on_policy: bool = MISSING
@@ -143,6 +144,14 @@ class PPO:
     vf_coef: float = MISSING
     entropy_coef: float = MISSING
     tis_cap: float | None = MISSING
+    kl_loss_coef: float = MISSING
+
+
+@dataclass
+class Advantage:
+    estimator: str = MISSING
+    scale_by_std: bool = MISSING
+    filter_groups: bool = MISSING
 
 
 @dataclass
@@ -202,6 +211,7 @@ class PPOConfig:
     collection: Collection = field(default_factory=Collection)
     vllm: VLLM = field(default_factory=VLLM)
     ppo: PPO = field(default_factory=PPO)
+    advantage: Advantage = field(default_factory=Advantage)
     optim: Optim = field(default_factory=Optim)
     eval: Eval = field(default_factory=Eval)
     guards: Guards = field(default_factory=Guards)
@@ -223,6 +233,7 @@ CHOICES = {
     "generation.backend": ("transformers", "vllm"),
     "vllm.dtype": (None, *DTYPES),
     "ppo.kl_estimator": ("k1", "k2", "k3"),
+    "advantage.estimator": ("gae", "grpo", "rloo", "reinforce_pp"),
     "optim.lr_schedule": ("linear", "constant"),
     "guards.non_finite": ("stop", "skip"),
     "logging.logger": (None, "csv", "tensorboard", "wandb", "mlflow"),
@@ -249,6 +260,7 @@ RANGES = {
     "generation.temperature": (0, _INF, False, True),
     "generation.top_k": (0, _INF, True, True),
     "generation.top_p": (0, 1, False, True),
+    "generation.samples_per_prompt": (1, _INF, True, True),
     "generation.on_policy_rows": (1, _INF, True, True),
     "generation.on_policy_tolerance": (0, _INF, True, True),
     "collection.overlap": (0, _INF, True, True),
@@ -276,6 +288,7 @@ RANGES = {
     "ppo.vf_coef": (0, _INF, True, True),
     "ppo.entropy_coef": (0, _INF, True, True),
     "ppo.tis_cap": (0, _INF, False, True),
+    "ppo.kl_loss_coef": (0, _INF, True, True),
     "optim.lr": (0, _INF, False, True),
     "optim.critic_lr": (0, _INF, False, True),
     "optim.value_head_lr": (0, _INF, False, True),

@@ -347,8 +347,8 @@ def evaluate_rollout(
     *,
     actor: TokenLevelActor,
     reference: TokenLevelActor,
-    critic: TokenCritic,
-    chunk_size: int,
+    critic: TokenCritic | None = None,
+    chunk_size: int = 16,
     exact_entropy: bool = True,
     recompute_log_probs: bool = False,
 ) -> TensorDictBase:
@@ -356,7 +356,7 @@ def evaluate_rollout(
 
     Runs in chunks of ``chunk_size`` rows; writes ``("log_probs", "response")``,
     ``("entropy", "response")``, ``("ref_log_probs", "response")`` (B, R) and ``"state_value"``
-    (B, R, 1), all fp32 and 0 on pads. The entropy is exact (a softmax over the vocabulary) or,
+    (B, R, 1) (none without a ``critic``: the critic-free estimators), all fp32 and 0 on pads. The entropy is exact (a softmax over the vocabulary) or,
     with ``exact_entropy=False``, the one-sample estimate ``-log p(y_t)`` (unbiased, since ``y_t`` was
     drawn from that same distribution; what TRL logs), which costs nothing.
 
@@ -368,7 +368,9 @@ def evaluate_rollout(
     """
     keys = rollout.keys(True)
     run_actor = recompute_log_probs or K.LOG_PROB not in keys
-    outputs: dict = {K.REF_LOG_PROB: [], K.VALUE: []}
+    outputs: dict = {K.REF_LOG_PROB: []}
+    if critic is not None:
+        outputs[K.VALUE] = []
     if run_actor:
         outputs.update({K.LOG_PROB: [], K.ENTROPY: []})
     for chunk in rollout.select(*_IN_KEYS).split(chunk_size):
@@ -378,7 +380,8 @@ def evaluate_rollout(
             outputs[K.LOG_PROB].append(log_prob)
             outputs[K.ENTROPY].append(dist.entropy() if exact_entropy else -log_prob)
             del dist  # free the (b, R, V) logits before the next forward
-        outputs[K.VALUE].append(critic(chunk).get(K.VALUE))  # takes a shared trunk's hidden states
+        if critic is not None:  # takes a shared trunk's hidden states
+            outputs[K.VALUE].append(critic(chunk).get(K.VALUE))
         outputs[K.REF_LOG_PROB].append(reference(chunk.clone(False)).get(reference.out_keys[0]))
     for key, parts in outputs.items():
         rollout.set(key, torch.cat(parts))

@@ -18,7 +18,7 @@ from .models import load_causal_lm
 
 def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: str = "float32",
                 attn_implementation: str | None = None, lora: dict | None = None,
-                lora_critic: bool = False, value_model: str = "shared",
+                lora_critic: bool = False, value_model: str | None = "shared",
                 value_model_path: str | None = None, autocast_dtype: torch.dtype | None = None,
                 gradient_checkpointing: bool = False, device: torch.device | str = "cpu",
                 offload_reference: bool = False):
@@ -28,7 +28,8 @@ def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: 
     policy, or with ``lora`` (PEFT settings: ``r``, ``alpha``, ``dropout``, ``target_modules``)
     None, the policy with its adapters off (no second copy). ``value_model``: ``shared`` (a value
     head on the policy's trunk), ``policy`` (a copy), ``reward_model`` or ``model`` (loaded from
-    ``value_model_path``), see :func:`~rlhf_torchrl.modules.make_critic`; ``lora_critic`` puts
+    ``value_model_path``), see :func:`~rlhf_torchrl.modules.make_critic`, or None: no critic (the
+    critic-free advantage estimators; ``critic`` is None); ``lora_critic`` puts
     adapters on a separate critic's trunk too. ``offload_reference``: the reference lives on the
     CPU between its forwards.
     """
@@ -44,18 +45,21 @@ def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: 
         frozen.eval().requires_grad_(False)
     if lora:
         model = add_lora(model, **lora)
-    critic = make_critic(policy=model, tokenizer=tokenizer, init=value_model,
-                         name_or_path=value_model_path or policy, dtype=dtype,
-                         attn_implementation=attn_implementation, autocast_dtype=autocast_dtype,
-                         lora=lora if lora_critic else None)
+    critic = None
+    if value_model is not None:
+        critic = make_critic(policy=model, tokenizer=tokenizer, init=value_model,
+                             name_or_path=value_model_path or policy, dtype=dtype,
+                             attn_implementation=attn_implementation,
+                             autocast_dtype=autocast_dtype, lora=lora if lora_critic else None)
     if gradient_checkpointing:
         # non-reentrant: works with frozen inputs and keyword arguments; active in train() only
         kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
         model.gradient_checkpointing_enable(**kwargs)
-        if not critic.shares_trunk:
+        if critic is not None and not critic.shares_trunk:
             critic.backbone.gradient_checkpointing_enable(**kwargs)
     model.to(device)
-    critic.to(device)
+    if critic is not None:
+        critic.to(device)
     if frozen is not None:
         frozen.to("cpu" if offload_reference else device)
     return model, frozen, critic
@@ -64,10 +68,11 @@ def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: 
 def make_actors(policy, reference, critic, *, temperature: float,
                 autocast_dtype: torch.dtype | None = None):
     """The policy's and the reference's :class:`TokenLevelActor` at the sampling ``temperature``;
-    a shared-trunk critic gets its hidden states from the policy's forward. ``reference=None``
-    (LoRA): the policy with its adapters off."""
+    a shared-trunk critic gets its hidden states from the policy's forward (``critic=None``: no
+    critic). ``reference=None`` (LoRA): the policy with its adapters off."""
+    shared = critic is not None and critic.shares_trunk
     actor = TokenLevelActor(policy, temperature=temperature, autocast_dtype=autocast_dtype,
-                            trunk_critic=critic if critic.shares_trunk else None)
+                            trunk_critic=critic if shared else None)
     ref = TokenLevelActor(reference if reference is not None else policy, temperature=temperature,
                           out_key=("ref_log_probs", "response"), autocast_dtype=autocast_dtype,
                           adapters_off=reference is None)

@@ -1,0 +1,200 @@
+"""Advantage estimators: TensorDict modules over one rollout layout, each writing ``"advantage"``.
+
+Every estimator reads the per-token rewards the shaper wrote (``("next", "reward")``: the score at
+the last response token, plus ``-kl_coef * KL`` on every token when the KL penalty sits in the
+reward) and the response mask, and writes ``"advantage"`` (B, R, 1), 0 on pads:
+
+================  ===========================================================  =================
+estimator         advantage of token t of response i                           reads besides
+================  ===========================================================  =================
+``gae``           GAE over the response tokens, whitened over the batch         ``state_value``
+``grpo``          ``(G_it - mean_g R) / (std_g R + eps)`` (Dr. GRPO: no ``/``)  ``group``
+``rloo``          ``G_it - mean_{j != i in g} R_j``                             ``group``
+``reinforce_pp``  ``G_it``, whitened over the batch's valid tokens              -
+================  ===========================================================  =================
+
+``G_it`` is the return-to-go from token t (:func:`~rlhf_torchrl.functional.returns_to_go`),
+``R_i = G_i0`` the response's whole return, and ``g`` the group of responses to the same prompt
+(``"group"``, written by the collector with ``samples_per_prompt``). With the KL penalty in the
+loss instead (``kl_coef=0``), ``G_it = R_i`` = the score, and GRPO and RLOO give every token of
+a response the same advantage, as in their papers. The critic-free estimators need no value
+model and write no ``"value_target"``: the loss then has no value term.
+
+A new estimator is any module with this contract (``examples/custom_advantage.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+
+from . import functional as F
+from . import keys as K
+from .errors import ConfigError
+
+#: the estimators of ``advantage.estimator``; all but ``gae`` are critic-free
+ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
+#: the estimators that compare responses to the same prompt (``samples_per_prompt >= 2``)
+GROUP_ESTIMATORS = ("grpo", "rloo")
+
+
+class ResponseGAE(TensorDictModuleBase):
+    """GAE over response tokens; writes ``"advantage"`` and ``"value_target"`` (B, R, 1).
+
+    ``A = GAE(r, V; gamma, lmbda)`` with the episode ending at the last response token
+    (:func:`rlhf_torchrl.functional.gae`, TorchRL's ``generalized_advantage_estimate``);
+    ``value_target = A + V`` (before whitening); ``A`` whitened over valid tokens when
+    ``whiten_advantages`` (N+ details: advantage whitening).
+    """
+
+    needs_critic = True
+
+    def __init__(self, *, gamma: float = 1.0, lmbda: float = 0.95, whiten_advantages: bool = True):
+        super().__init__()
+        self.gamma, self.lmbda, self.whiten_advantages = gamma, lmbda, whiten_advantages
+        self.in_keys = [K.REWARD, K.VALUE, K.RESPONSE_MASK]
+        self.out_keys = [K.ADVANTAGE, K.VALUE_TARGET]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        mask = td.get(K.RESPONSE_MASK)
+        adv, returns = F.gae(
+            td.get(K.REWARD).squeeze(-1), td.get(K.VALUE).squeeze(-1), mask, self.gamma, self.lmbda
+        )
+        if self.whiten_advantages and mask.sum() > 1:
+            adv = F.masked_whiten(adv, mask)
+        td.set(K.ADVANTAGE, adv.unsqueeze(-1))
+        td.set(K.VALUE_TARGET, returns.unsqueeze(-1))
+        return td
+
+
+class _CriticFree(TensorDictModuleBase):
+    needs_critic = False
+
+    def __init__(self):
+        super().__init__()
+        self.in_keys = [K.REWARD, K.RESPONSE_MASK]
+        self.out_keys = [K.ADVANTAGE]
+
+    def _returns(self, td: TensorDictBase, gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = td.get(K.RESPONSE_MASK)
+        return F.returns_to_go(td.get(K.REWARD).squeeze(-1), mask, gamma), mask
+
+    @staticmethod
+    def _write(td: TensorDictBase, adv: torch.Tensor, mask: torch.Tensor) -> TensorDictBase:
+        td.set(K.ADVANTAGE, torch.where(mask, adv, torch.zeros_like(adv)).unsqueeze(-1))
+        return td
+
+
+class GRPOAdvantage(_CriticFree):
+    """GRPO's group-relative advantage (Shao et al. 2024), or Dr. GRPO's (Liu et al. 2025).
+
+    ``A_it = (G_it - mean_g(R)) / (std_g(R) + eps)`` over the responses ``g`` to the same prompt
+    (``"group"``); ``scale_by_std=False`` drops the division (Dr. GRPO: the standard deviation
+    weights easy and hard prompts unequally). ``std`` is Bessel-corrected; a group whose returns
+    are all equal gets advantage 0. Reads ``("next", "reward")``, ``("masks", "response")``,
+    ``"group"``; writes ``"advantage"`` (B, R, 1).
+    """
+
+    def __init__(self, *, scale_by_std: bool = True, eps: float = 1e-6):
+        super().__init__()
+        self.scale_by_std, self.eps = scale_by_std, eps
+        self.in_keys = [*self.in_keys, K.GROUP]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        returns, mask = self._returns(td)
+        total, groups = returns[:, 0], td.get(K.GROUP)
+        adv = returns - F.group_mean(total, groups).unsqueeze(-1)
+        if self.scale_by_std:
+            adv = adv / (F.group_std(total, groups) + self.eps).unsqueeze(-1)
+        return self._write(td, adv, mask)
+
+
+class RLOOAdvantage(_CriticFree):
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024).
+
+    ``A_it = G_it - mean_{j != i}(R_j)`` over the other responses to the same prompt: a baseline
+    that does not depend on response ``i``, so the estimate stays unbiased. Reads
+    ``("next", "reward")``, ``("masks", "response")``, ``"group"``; writes ``"advantage"``.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.in_keys = [*self.in_keys, K.GROUP]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        returns, mask = self._returns(td)
+        baseline = F.leave_one_out_mean(returns[:, 0], td.get(K.GROUP))
+        return self._write(td, returns - baseline.unsqueeze(-1), mask)
+
+
+class ReinforcePPAdvantage(_CriticFree):
+    """REINFORCE++ (Hu 2025): returns-to-go of the shaped per-token rewards, whitened over all
+    valid tokens of the batch (the batch is the baseline). Needs no groups. Reads
+    ``("next", "reward")``, ``("masks", "response")``; writes ``"advantage"``."""
+
+    def __init__(self, *, gamma: float = 1.0):
+        super().__init__()
+        self.gamma = gamma
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        returns, mask = self._returns(td, self.gamma)
+        adv = F.masked_whiten(returns, mask) if mask.sum() > 1 else returns
+        return self._write(td, adv, mask)
+
+
+def make_advantage(estimator: str = "gae", *, gamma: float = 1.0, lmbda: float = 0.95,
+                   whiten_advantages: bool = True, scale_by_std: bool = True) -> TensorDictModuleBase:
+    """The module of ``estimator`` (:data:`ESTIMATORS`). ``gamma``: GAE and REINFORCE++;
+    ``lmbda`` and ``whiten_advantages``: GAE; ``scale_by_std``: GRPO."""
+    if estimator == "gae":
+        return ResponseGAE(gamma=gamma, lmbda=lmbda, whiten_advantages=whiten_advantages)
+    if estimator == "grpo":
+        return GRPOAdvantage(scale_by_std=scale_by_std)
+    if estimator == "rloo":
+        return RLOOAdvantage()
+    if estimator == "reinforce_pp":
+        return ReinforcePPAdvantage(gamma=gamma)
+    raise ConfigError(f"Unknown advantage estimator {estimator!r}: choose one of {', '.join(ESTIMATORS)}.")
+
+
+def needs_critic(advantage) -> bool:
+    """Whether ``advantage`` reads values (``"state_value"``): a module's ``needs_critic``, else
+    whether ``"state_value"`` is one of its ``in_keys``."""
+    flag = getattr(advantage, "needs_critic", None)
+    return bool(flag) if flag is not None else K.VALUE in list(getattr(advantage, "in_keys", []))
+
+
+# ---- groups ------------------------------------------------------------------------------------
+
+def informative_groups(td: TensorDictBase) -> torch.Tensor:
+    """Bool (B,): rows whose group's scores are not all equal. Under a group baseline a group of
+    equal scores has advantage 0 everywhere (no signal) and only dilutes the token-mean loss;
+    DAPO's dynamic sampling drops such groups (Yu et al. 2025)."""
+    score, groups = td.get(K.SCORE), td.get(K.GROUP)
+    index, sizes = F.group_index(groups)
+    high = torch.full((len(sizes),), -torch.inf, dtype=score.dtype, device=score.device)
+    low = torch.full((len(sizes),), torch.inf, dtype=score.dtype, device=score.device)
+    high = high.scatter_reduce(0, index, score, "amax")
+    low = low.scatter_reduce(0, index, score, "amin")
+    return (high > low)[index]
+
+
+def group_metrics(td: TensorDictBase) -> dict[str, float]:
+    """Statistics of the groups of a scored rollout (empty without groups of 2 or more):
+    ``group/size`` (responses per prompt), ``group/score_std`` (the mean within-group standard
+    deviation of the scores: the signal a group baseline works with), ``group/equal_score_frac``
+    (groups whose scores are all equal: no signal under a group baseline)."""
+    if K.GROUP not in td.keys():
+        return {}
+    groups, score = td.get(K.GROUP), td.get(K.SCORE).double()
+    index, sizes = F.group_index(groups)
+    if int(sizes.min()) < 2:
+        return {}
+    def per_group(values: torch.Tensor) -> torch.Tensor:  # one value per group (equal in it)
+        out = torch.zeros(len(sizes), dtype=values.dtype, device=values.device)
+        return out.scatter_reduce(0, index, values, "amax", include_self=False)
+
+    return {"group/size": float(sizes.double().mean()),
+            "group/score_std": float(per_group(F.group_std(score, groups)).mean()),
+            "group/equal_score_frac": float(per_group((~informative_groups(td)).double()).mean())}

@@ -1,0 +1,155 @@
+"""The advantage estimators and group statistics against plain Python loops."""
+
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rlhf_torchrl import functional as F
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.advantages import (
+    GRPOAdvantage,
+    ReinforcePPAdvantage,
+    ResponseGAE,
+    RLOOAdvantage,
+    group_metrics,
+    informative_groups,
+    make_advantage,
+    needs_critic,
+)
+from rlhf_torchrl.errors import ConfigError
+
+
+def _batch(seed=0, groups=(5, 5, 2, 9, 2, 9, 5, 9, 2), width=6, with_kl=True):
+    """Rows of ragged lengths in interleaved groups; per-token rewards = -0.1 * KL + score at the end."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(groups)
+    lengths = torch.randint(1, width + 1, (n,), generator=g)
+    mask = torch.arange(width) < lengths.unsqueeze(-1)
+    score = torch.randn(n, generator=g, dtype=torch.float64)
+    kl = torch.rand(n, width, generator=g, dtype=torch.float64) if with_kl else torch.zeros(n, width, dtype=torch.float64)
+    reward, _ = F.per_token_rewards(score, kl, mask, kl_coef=0.1)
+    return TensorDict({K.REWARD: reward.unsqueeze(-1), K.RESPONSE_MASK: mask, K.SCORE: score,
+                       K.GROUP: torch.tensor(groups)}, [n])
+
+
+def _rows(td):
+    mask = td.get(K.RESPONSE_MASK)
+    rewards = td.get(K.REWARD).squeeze(-1)
+    return [[float(rewards[i, t]) for t in range(mask.shape[1]) if mask[i, t]] for i in range(len(mask))]
+
+
+def _to_go(rewards, gamma=1.0):
+    out, acc = [], 0.0
+    for r in reversed(rewards):
+        acc = r + gamma * acc
+        out.append(acc)
+    return out[::-1]
+
+
+def _check(td, expected):
+    adv = td.get(K.ADVANTAGE).squeeze(-1)
+    mask = td.get(K.RESPONSE_MASK)
+    for i, row in enumerate(expected):
+        assert adv[i, : len(row)].tolist() == pytest.approx(row, abs=1e-9)
+        assert (adv[i, len(row):] == 0).all() and mask[i].sum() == len(row)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_returns_to_go_match_a_loop(gamma):
+    td = _batch()
+    got = F.returns_to_go(td.get(K.REWARD).squeeze(-1), td.get(K.RESPONSE_MASK), gamma)
+    for i, row in enumerate(_rows(td)):
+        assert got[i, : len(row)].tolist() == pytest.approx(_to_go(row, gamma), abs=1e-12)
+        assert (got[i, len(row):] == 0).all()
+
+
+def test_group_reductions_match_a_loop():
+    values = torch.tensor([1.0, 4.0, -2.0, 0.5, 3.0, 7.0], dtype=torch.float64)
+    groups = torch.tensor([3, 1, 3, 1, 3, 8])[:5]
+    values = values[:5]
+    members = {int(k): [float(v) for v, h in zip(values, groups) if h == k] for k in groups}
+    for i, k in enumerate(groups.tolist()):
+        same = members[k]
+        mean = sum(same) / len(same)
+        std = math.sqrt(sum((v - mean) ** 2 for v in same) / (len(same) - 1))
+        others = list(same)
+        others.remove(float(values[i]))
+        assert float(F.group_mean(values, groups)[i]) == pytest.approx(mean)
+        assert float(F.group_std(values, groups)[i]) == pytest.approx(std)
+        assert float(F.leave_one_out_mean(values, groups)[i]) == pytest.approx(sum(others) / len(others))
+    with pytest.raises(ValueError, match="at least 2 rows per group"):
+        F.leave_one_out_mean(values, torch.tensor([0, 0, 1, 1, 2]))
+    with pytest.raises(ValueError, match="at least 2 rows per group"):
+        F.group_std(values, torch.tensor([0, 0, 1, 1, 2]))
+
+
+@pytest.mark.parametrize("scale_by_std", [True, False])
+def test_grpo_matches_a_loop(scale_by_std):
+    td = _batch()
+    rows, groups = _rows(td), td.get(K.GROUP).tolist()
+    totals = [sum(r) for r in rows]
+    expected = []
+    for i, row in enumerate(rows):
+        same = [totals[j] for j in range(len(rows)) if groups[j] == groups[i]]
+        mean = sum(same) / len(same)
+        std = math.sqrt(sum((v - mean) ** 2 for v in same) / (len(same) - 1))
+        scale = std + 1e-6 if scale_by_std else 1.0
+        expected.append([(g - mean) / scale for g in _to_go(row)])
+    _check(GRPOAdvantage(scale_by_std=scale_by_std)(td), expected)
+
+
+def test_rloo_matches_a_loop():
+    td = _batch(seed=1)
+    rows, groups = _rows(td), td.get(K.GROUP).tolist()
+    totals = [sum(r) for r in rows]
+    expected = []
+    for i, row in enumerate(rows):
+        others = [totals[j] for j in range(len(rows)) if groups[j] == groups[i] and j != i]
+        expected.append([g - sum(others) / len(others) for g in _to_go(row)])
+    _check(RLOOAdvantage()(td), expected)
+
+
+def test_score_only_rewards_give_every_token_the_same_advantage():
+    """With the KL in the loss (none in the reward) a response's advantage is one number: its score
+    against the group's, as GRPO and RLOO define it."""
+    td = _batch(seed=2, with_kl=False)
+    score, groups = td.get(K.SCORE), td.get(K.GROUP)
+    adv = RLOOAdvantage()(td.clone()).get(K.ADVANTAGE).squeeze(-1)
+    mask = td.get(K.RESPONSE_MASK)
+    expected = (score - F.leave_one_out_mean(score, groups)).unsqueeze(-1).expand_as(adv)
+    torch.testing.assert_close(adv[mask], expected[mask])
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.95])
+def test_reinforce_pp_matches_a_loop(gamma):
+    td = _batch(seed=3)
+    per_row = [_to_go(r, gamma) for r in _rows(td)]
+    flat = [g for row in per_row for g in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((g - mean) ** 2 for g in flat) / (len(flat) - 1) + 1e-8)
+    _check(ReinforcePPAdvantage(gamma=gamma)(td), [[(g - mean) / std for g in row] for row in per_row])
+
+
+def test_group_statistics_and_dynamic_filter():
+    td = TensorDict({K.SCORE: torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]),
+                     K.GROUP: torch.tensor([4, 4, 7, 7, 9, 9])}, [6])
+    assert informative_groups(td).tolist() == [False, False, True, True, False, False]
+    stats = group_metrics(td)
+    assert stats["group/size"] == 2
+    assert stats["group/equal_score_frac"] == pytest.approx(2 / 3)
+    assert stats["group/score_std"] == pytest.approx(math.sqrt(0.5) / 3)
+    # one response per prompt: no group statistics
+    assert group_metrics(TensorDict({K.SCORE: torch.ones(3), K.GROUP: torch.arange(3)}, [3])) == {}
+
+
+def test_estimator_registry():
+    assert isinstance(make_advantage("gae"), ResponseGAE) and needs_critic(make_advantage("gae"))
+    for name, cls in (("grpo", GRPOAdvantage), ("rloo", RLOOAdvantage),
+                      ("reinforce_pp", ReinforcePPAdvantage)):
+        module = make_advantage(name)
+        assert isinstance(module, cls) and not needs_critic(module)
+    assert not make_advantage("grpo", scale_by_std=False).scale_by_std
+    with pytest.raises(ConfigError, match="grpo, rloo"):
+        make_advantage("ppo")
