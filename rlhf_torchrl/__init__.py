@@ -1,6 +1,7 @@
 """PPO-based RLHF for language models as a composable TorchRL pipeline."""
 
 from . import functional, keys
+from .advantages import GRPOAdvantage, ReinforcePPAdvantage, RLOOAdvantage, make_advantage
 from .collectors import RolloutCollector, make_generation_env, make_generation_policy, to_rollout
 from .modules import TokenCritic, TokenLevelActor, evaluate_rollout, make_critic
 from .objectives import ResponseGAE, make_ppo_loss, ppo_update
@@ -10,6 +11,9 @@ from .trainer import PPOTrainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "GRPOAdvantage",
+    "RLOOAdvantage",
+    "ReinforcePPAdvantage",
     "KLRewardShaper",
     "PPOTrainer",
     "ResponseGAE",
@@ -22,6 +26,7 @@ __all__ = [
     "functional",
     "keys",
     "load_reward_function",
+    "make_advantage",
     "make_critic",
     "make_generation_env",
     "make_generation_policy",

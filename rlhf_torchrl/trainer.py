@@ -67,7 +67,9 @@ class PPOTrainer:
     ``"advantage"``, and ``"value_target"`` for a critic: :mod:`~rlhf_torchrl.advantages`);
     ``loss_module`` (``ClipPPOLoss``); ``filter_groups``: drop the groups of responses whose
     scores are all equal before the update (DAPO's dynamic filtering; logged as
-    ``group/filtered_frac``); ``optimizer`` and ``scheduler``;
+    ``group/filtered_frac``); ``reward_transform``: applied to each scored rollout before the old
+    quantities (a TorchRL ``Transform`` or any TensorDict -> TensorDict callable that reshapes
+    ``"score"``: a length penalty, a format bonus; ``examples/reward_transform.py``); ``optimizer`` and ``scheduler``;
     ``replay_buffer`` (the minibatch sampler, :func:`~rlhf_torchrl.objectives.make_minibatch_buffer`
     with a seed of its own; None: one per update, shuffled by torch's global generator); ``parallel`` (this process's place in a torchrun
     job; None: one process).
@@ -116,6 +118,7 @@ class PPOTrainer:
         critic_warmup: int = 0,
         on_non_finite: Callable | None = None,
         filter_groups: bool = False,
+        reward_transform: Callable | None = None,
     ):
         self.collector = collector
         self.scorer, self.actor, self.reference, self.critic = scorer, actor, reference, critic
@@ -136,6 +139,7 @@ class PPOTrainer:
         # (skip: no further optimiser step this iteration); None: the NonFiniteError propagates
         self.on_non_finite = on_non_finite
         self.filter_groups = filter_groups
+        self.reward_transform = reward_transform
         self.iteration = 0  # iterations done
         self.first_iteration = 0  # where this process started (a resumed run: the checkpoint's)
         self.pending: list = []  # rollouts sampled ahead, restored from a checkpoint
@@ -214,6 +218,8 @@ class PPOTrainer:
             # 2. Score: one scalar per response (reward model / functions, missing-EOS penalty).
             with self.timed("scoring"):
                 self.scorer(rollout)
+                if self.reward_transform is not None:  # e.g. a TorchRL Transform on "score"
+                    rollout = self.reward_transform(rollout)
             # 3. Old quantities, no grad: policy and reference log-probs (fp32, temperature), values.
             with self.timed("evaluation"):
                 self.old_quantities(rollout)

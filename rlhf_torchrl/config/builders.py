@@ -154,11 +154,6 @@ def critic_free(cfg: DictConfig) -> bool:
     return cfg.advantage.estimator != "gae"
 
 
-def critic_warmup(cfg: DictConfig) -> int:
-    """``optim.critic_warmup``, or 0 without a critic (a task preset's warm-up does not apply)."""
-    return 0 if critic_free(cfg) else cfg.optim.critic_warmup
-
-
 def make_device(cfg: DictConfig) -> torch.device:
     device = resolve_device(cfg.device)
     if cfg.generation.backend == "vllm" and cfg.vllm.sleep and device.type != "cuda":
@@ -288,15 +283,17 @@ def make_tokenizer(cfg: DictConfig):
                          f"({str(e).strip().splitlines()[0]}).") from None
 
 
-def make_models(cfg: DictConfig, tokenizer, device: torch.device):
-    """Policy, frozen reference and critic (:func:`rlhf_torchrl.modules.assembly.make_models`)."""
+def make_models(cfg: DictConfig, tokenizer, device: torch.device, critic: bool | None = None):
+    """Policy, frozen reference and critic (:func:`rlhf_torchrl.modules.assembly.make_models`);
+    the critic is None when ``critic`` is false (default: when the estimator needs none)."""
+    critic = not critic_free(cfg) if critic is None else critic
     from ..modules.assembly import make_models as assemble
 
     m, v = cfg.model, cfg.value_model
     return assemble(
         m.policy, tokenizer, reference=m.reference, dtype=m.dtype,
         attn_implementation=m.attn_implementation, lora=lora_kwargs(cfg) if cfg.lora.r else None,
-        lora_critic=cfg.lora.critic, value_model=None if critic_free(cfg) else v.init,
+        lora_critic=cfg.lora.critic, value_model=v.init if critic else None,
         value_model_path=v.name_or_path or (cfg.reward.model if v.init == "reward_model" else None),
         autocast_dtype=autocast_dtype(cfg), gradient_checkpointing=m.gradient_checkpointing,
         device=device, offload_reference=m.offload_reference)
@@ -410,7 +407,8 @@ def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):
         weight_decay=o.weight_decay, eps=o.eps, schedule=o.lr_schedule,
         warmup_steps=o.warmup_steps, total_steps=sizes.optimizer_steps,
         # the critic's steps alone
-        critic_warmup_steps=critic_warmup(cfg) * sizes.optimizer_steps // cfg.ppo.num_iterations)
+        critic_warmup_steps=(o.critic_warmup if critic is not None else 0)
+        * sizes.optimizer_steps // cfg.ppo.num_iterations)
 
 
 # ---- checkpoints and resume ------------------------------------------------------------------
@@ -584,10 +582,17 @@ def check_models(cfg: DictConfig) -> None:
 
 
 # ---- the trainer ----------------------------------------------------------------------------------
-def build_trainer(cfg: DictConfig):
+def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     """The :class:`~rlhf_torchrl.trainer.PPOTrainer` of ``cfg`` with its hooks, resumed from the
     checkpoint ``resume`` names; everything cheap is checked before any model is loaded.
+
+    ``advantage``: an advantage module of your own in place of ``advantage.estimator``'s (a critic
+    is built if it reads ``"state_value"``, :func:`~rlhf_torchrl.advantages.needs_critic`);
+    ``reward_transform``: a TorchRL ``Transform`` (or TensorDict callable) applied to each scored
+    rollout (:class:`~rlhf_torchrl.trainer.PPOTrainer`). ``examples/`` shows both.
     """
+    from ..advantages import needs_critic
+
     from ..hooks import (
         Checkpointer,
         Evaluation,
@@ -619,7 +624,8 @@ def build_trainer(cfg: DictConfig):
     stop_ids = stop_token_ids(cfg, tokenizer)
     scorer = make_scorer(cfg, reward_functions, device)
     scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids))
-    policy, reference, critic = make_models(cfg, tokenizer, device)
+    advantage = advantage if advantage is not None else make_advantage(cfg)
+    policy, reference, critic = make_models(cfg, tokenizer, device, critic=needs_critic(advantage))
     # FSDP2 shards the models before the optimiser sees their parameters (no-op otherwise)
     parallel.shard(policy, reference, *(critic.modules_to_shard() if critic is not None else ()),
                    mixed_precision=autocast_dtype(cfg))
@@ -633,7 +639,7 @@ def build_trainer(cfg: DictConfig):
         collector=functools.partial(_collector_factory, collector_spec(cfg, stop_ids), prompts,
                                     tokenizer, policy, device, parallel),
         scorer=scorer, actor=actor, reference=ref_actor, critic=critic, shaper=make_shaper(cfg),
-        advantage=make_advantage(cfg), loss_module=loss_module, optimizer=optimizer,
+        advantage=advantage, reward_transform=reward_transform, loss_module=loss_module, optimizer=optimizer,
         scheduler=scheduler, grad_scaler=make_grad_scaler(cfg, device),
         replay_buffer=make_replay_buffer(cfg, sizes), parallel=parallel,
         pad_token_id=tokenizer.pad_token_id, num_iterations=p.num_iterations,
@@ -645,7 +651,8 @@ def build_trainer(cfg: DictConfig):
         recompute_log_probs=not log_probs_from_sampling(cfg) or (
             parallel.fsdp and critic is not None and critic.shares_trunk),
         keep_sampler_log_probs=not log_probs_from_sampling(cfg),
-        offload_reference=cfg.model.offload_reference, critic_warmup=critic_warmup(cfg),
+        offload_reference=cfg.model.offload_reference,
+        critic_warmup=cfg.optim.critic_warmup if critic is not None else 0,
         filter_groups=cfg.advantage.filter_groups,
         on_non_finite=NonFiniteAction(cfg.output_dir, cfg.guards.non_finite, is_main=parallel.is_main),
     )
