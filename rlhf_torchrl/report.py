@@ -25,6 +25,9 @@ from .errors import MissingFileError
 PLOTS = [
     ("score", "Score (reward model / functions)", ["objective/scores"], "mean score"),
     ("kl", "KL to the reference", ["objective/kl"], "nats per response"),
+    ("kl_loss", "KL in the loss (k3, per token)", ["policy/kl_to_ref_avg"], "nats per token"),
+    ("groups", "Groups of responses to one prompt",
+     ["group/score_std", "group/equal_score_frac", "group/filtered_frac"], "value"),
     ("rlhf_reward", "RLHF reward (score - KL penalty)", ["objective/rlhf_reward"], "mean"),
     ("losses", "Losses", ["loss/policy_avg", "loss/value_avg"], "loss"),
     ("clipfrac", "Clip fractions", ["policy/clipfrac_avg", "val/clipfrac_avg"], "share of tokens"),

@@ -83,7 +83,7 @@ CASES = {
     "empty-file": (["data.source={d}/empty.jsonl"], r"empty"),
     "not-utf8": (["data.source={d}/latin1.jsonl"], r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 .*UTF-8"),
     "missing-file": (["data.source={d}/none.jsonl"], r"none.jsonl' does not exist"),
-    "too-few-prompts": (["data.limit=2"], r"2 prompts, 4 of them held out .*fewer than ppo.batch_size=4"),
+    "too-few-prompts": (["data.limit=2"], r"2 prompts, 4 of them held out .*fewer than the 4 of a batch \(ppo.batch_size=4"),
     "over-long-prompt": (["data.source={d}/long.jsonl", "data.max_words=null", "ppo.batch_size=1",
                           "ppo.num_mini_batches=1"],
                          r"data.max_prompt_length=128.*truncate_prompts"),

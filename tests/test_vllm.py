@@ -52,15 +52,17 @@ def engine(model, tokenizer, tmp_path_factory):
 
 
 def _collector(engine, model, tokenizer, *, batch_size=4, rows=4, row_offset=0, max_new_tokens=8,
-               stop_token_ids=None):
-    generator = VLLMGenerator(engine, temperature=T)
+               stop_token_ids=None, group=1):
+    generator = VLLMGenerator(engine, temperature=T, samples_per_prompt=group)
     WeightSync(model, generator)(0)
     env = make_generation_env(PROMPTS, tokenizer, batch_size=batch_size, shuffle=False,
-                              rank=row_offset // rows, world_size=batch_size // rows)
+                              rank=row_offset // rows, world_size=batch_size // rows,
+                              samples_per_prompt=group)
     policy = make_vllm_generation_policy(generator, tokenizer, max_new_tokens=max_new_tokens,
                                          stop_token_ids=stop_token_ids)
     return RolloutCollector(env, policy, tokenizer=tokenizer, batch_size=rows, seed=0,
-                            row_offset=row_offset, stop_token_ids=stop_token_ids)
+                            row_offset=row_offset, stop_token_ids=stop_token_ids,
+                            samples_per_prompt=group)
 
 
 def test_vllm_rollouts_are_the_transformers_layout_and_on_policy(engine, model, tokenizer):
@@ -92,6 +94,21 @@ def test_vllm_rows_have_their_own_streams(engine, model, tokenizer):
     assert part.get(K.RESPONSE_TEXT).tolist() == whole.get(K.RESPONSE_TEXT).tolist()[4:]
     torch.testing.assert_close(part.get(K.LOG_PROB), whole[4:].get(K.LOG_PROB)[:, : part.get(
         K.LOG_PROB).shape[1]], rtol=0, atol=1e-6)
+
+
+def test_vllm_groups_are_one_request_with_n_samples(engine, model, tokenizer):
+    """Groups of 4 responses to one prompt: drawn as one request with n=4, each response its own
+    stream (they differ), on-policy, and the same rows whichever "process" draws the group."""
+    whole = next(iter(_collector(engine, model, tokenizer, batch_size=8, rows=8, group=4)))
+    assert whole.get(K.GROUP).tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    texts = whole.get(K.PROMPT_TEXT).tolist()
+    assert texts[:4] == [texts[0]] * 4 and texts[4:] == [texts[4]] * 4 and texts[0] != texts[4]
+    assert len(set(whole.get(K.RESPONSE_TEXT).tolist())) == 8
+    check_on_policy(whole, TokenLevelActor(model, temperature=T), num_rows=8, atol=1e-4)
+    part = next(iter(_collector(engine, model, tokenizer, batch_size=8, rows=4, row_offset=4,
+                                group=4)))
+    assert part.get(K.GROUP).tolist() == [1, 1, 1, 1]
+    assert part.get(K.RESPONSE_TEXT).tolist() == whole.get(K.RESPONSE_TEXT).tolist()[4:]
 
 
 def test_vllm_weight_push_changes_what_the_engine_samples(engine, model, tokenizer):

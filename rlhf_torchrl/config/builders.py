@@ -83,9 +83,13 @@ def check_config(cfg: DictConfig) -> Sizes:
     if a.filter_groups and g.samples_per_prompt < 2:
         raise ConfigError("advantage.filter_groups drops groups of responses with equal scores: set "
                          "generation.samples_per_prompt >= 2.")
-    check_group_sizes(p.batch_size, g.samples_per_prompt, world)
-    if cfg.collection.ray_workers:
-        check_group_sizes(p.batch_size, g.samples_per_prompt, int(cfg.collection.ray_workers))
+    # whole groups; with groups of 2 or more, whole groups on each process or Ray worker too (the
+    # row split of one response per prompt is checked with the minibatches and workers below)
+    check_group_sizes(p.batch_size, g.samples_per_prompt)
+    if g.samples_per_prompt > 1:
+        check_group_sizes(p.batch_size, g.samples_per_prompt, world)
+        if cfg.collection.ray_workers:
+            check_group_sizes(p.batch_size, g.samples_per_prompt, int(cfg.collection.ray_workers))
     m = cfg.model
     lora = cfg.lora
     if lora.r and world > 1 and cfg.distributed.strategy == "fsdp2":
@@ -234,9 +238,10 @@ def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
     if len(prompts) - held_out < per_batch:
         raise ConfigError(
             f"The prompt set has {len(prompts)} prompts, {held_out} of them held out for evaluation "
-            f"(eval.num_prompts): fewer than the {per_batch} prompts of a batch (ppo.batch_size / "
-            "generation.samples_per_prompt) are left to train on. Add prompts, lower the batch "
-            "size or eval.num_prompts, or set eval.every=0."
+            f"(eval.num_prompts): fewer than the {per_batch} of a batch (ppo.batch_size="
+            f"{cfg.ppo.batch_size} / generation.samples_per_prompt={cfg.generation.samples_per_prompt})"
+            " are left to train on. Add prompts, lower the batch size or eval.num_prompts, or set "
+            "eval.every=0."
         )
     return prompts
 
@@ -592,7 +597,6 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     rollout (:class:`~rlhf_torchrl.trainer.PPOTrainer`). ``examples/`` shows both.
     """
     from ..advantages import needs_critic
-
     from ..hooks import (
         Checkpointer,
         Evaluation,
