@@ -245,3 +245,33 @@ def test_row_streams_make_collection_world_size_invariant(tiny_llama_dir, tokeni
     # the streams differ from row to row and batch to batch: not one response repeated
     texts = [t for r in single for t in r.get(K.RESPONSE_TEXT).tolist()]
     assert len(set(texts)) == len(texts)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_gpt2_dir"])
+def test_one_prefill_per_group_samples_what_a_prefill_per_row_does(request, model_fixture,
+                                                                   tokenizer, monkeypatch):
+    """Groups of 3 responses per prompt, prompts of different lengths (left padding): prefilling
+    each prompt once and repeating its KV cache gives the tokens and recorded log-probs of a
+    prefill per row."""
+    import rlhf_torchrl.collectors.base as base
+
+    calls = []
+    original = base.generate_in_groups
+    monkeypatch.setattr(base, "generate_in_groups",
+                        lambda *a, **kw: calls.append(a[2]) or original(*a, **kw))
+    model = load_causal_lm(request.getfixturevalue(model_fixture), tokenizer)
+    prompts = [f"Prompt {i} " + "word " * i for i in range(12)]  # every prompt its own length
+    rollouts = {}
+    for shared in (True, False):
+        env = make_generation_env(prompts, tokenizer, batch_size=6, seed=3, samples_per_prompt=3)
+        gen = make_generation_policy(model, tokenizer, max_new_tokens=8, temperature=1.0,
+                                     record_log_probs=True, samples_per_prompt=3 if shared else 1)
+        collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=6, seed=7,
+                                     total_batches=2, samples_per_prompt=3)
+        rollouts[shared] = list(collector)
+        collector.shutdown()
+    assert calls == [3, 3]  # each batch went through the grouped prefill
+    for a, b in zip(rollouts[True], rollouts[False]):
+        assert a.get(K.PROMPT_MASK).sum(-1).unique().numel() > 1  # left padding in the batch
+        assert torch.equal(a.get(K.RESPONSE_TOKENS), b.get(K.RESPONSE_TOKENS))
+        torch.testing.assert_close(a.get(K.LOG_PROB), b.get(K.LOG_PROB), atol=1e-6, rtol=0)

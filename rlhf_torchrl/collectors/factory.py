@@ -135,6 +135,7 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
             # always recorded: the old log-probs (unless recomputed) and the on-policy check's reference
             record_log_probs=True, record_entropy=spec.record_entropy, device=device,
             autocast_dtype=torch_dtype(spec.autocast_dtype) if spec.autocast_dtype else None,
+            samples_per_prompt=spec.samples_per_prompt,
         )
         gen_policy.generate_kwargs.update(parallel.generate_kwargs())
     local = spec.batch_size // world
