@@ -38,6 +38,9 @@ class LengthPenalty(Transform):
 if __name__ == "__main__":
     cfg = compose(["task=sentiment", "output_dir=outputs/reward_transform", *sys.argv[1:]])
     trainer = builders.build_trainer(cfg, reward_transform=LengthPenalty(budget=16, coef=0.02))
-    trainer.register_op("post_steps_log", lambda batch: {
-        "objective/length_penalty": float((batch["score"] - batch["score_before_length_penalty"]).mean())})
+    def penalty(batch):  # logged with the iteration's metrics
+        paid = batch["score"] - batch["score_before_length_penalty"]
+        return {"objective/length_penalty": float(paid.mean())}
+
+    trainer.register_op("post_steps_log", penalty)
     trainer.fit()

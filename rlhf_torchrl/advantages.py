@@ -144,7 +144,8 @@ class ReinforcePPAdvantage(_CriticFree):
 
 
 def make_advantage(estimator: str = "gae", *, gamma: float = 1.0, lmbda: float = 0.95,
-                   whiten_advantages: bool = True, scale_by_std: bool = True) -> TensorDictModuleBase:
+                   whiten_advantages: bool = True,
+                   scale_by_std: bool = True) -> TensorDictModuleBase:
     """The module of ``estimator`` (:data:`ESTIMATORS`). ``gamma``: GAE and REINFORCE++;
     ``lmbda`` and ``whiten_advantages``: GAE; ``scale_by_std``: GRPO."""
     if estimator == "gae":
@@ -155,7 +156,8 @@ def make_advantage(estimator: str = "gae", *, gamma: float = 1.0, lmbda: float =
         return RLOOAdvantage()
     if estimator == "reinforce_pp":
         return ReinforcePPAdvantage(gamma=gamma)
-    raise ConfigError(f"Unknown advantage estimator {estimator!r}: choose one of {', '.join(ESTIMATORS)}.")
+    raise ConfigError(f"Unknown advantage estimator {estimator!r}: choose one of "
+                      f"{', '.join(ESTIMATORS)}.")
 
 
 def needs_critic(advantage) -> bool:

@@ -288,7 +288,8 @@ def ppo_update(
 
     Each epoch the rollout is served by a TorchRL ``ReplayBuffer`` (``LazyStackStorage`` and
     ``SamplerWithoutReplacement``) in ``num_mini_batches`` shuffled minibatches, one optimiser step
-    each (sizes as equal as the row count allows: a filtered batch need not divide evenly). A minibatch is split into micro-batches whose gradients add up before the step: either
+    each (sizes as equal as the row count allows: a filtered batch need not divide evenly). A
+    minibatch is split into micro-batches whose gradients add up before the step: either
     ``gradient_accumulation_steps`` equal row slices, or, with ``micro_batch_tokens``, groups of
     rows of similar length holding at most that many padded tokens (:func:`token_budget_split`).
     Each micro-batch is cut to its own prompt and response widths (:func:`trim_padding`). The loss

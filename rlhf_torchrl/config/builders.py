@@ -475,9 +475,14 @@ RUN_IDENTITY = ("model.policy", "model.reference", "lora.r", "value_model.init",
                 "seed", "ppo.batch_size", "generation.samples_per_prompt")
 
 
+_IDENTITY_DEFAULTS = {"advantage.estimator": "gae", "generation.samples_per_prompt": 1}
+
+
 def run_identity(cfg: DictConfig) -> dict:
     """The values of :data:`RUN_IDENTITY`, and the number of prompts held out of training."""
-    identity = {key: OmegaConf.select(cfg, key) for key in RUN_IDENTITY}
+    # (a checkpoint written before a setting existed had its default)
+    identity = {key: OmegaConf.select(cfg, key, default=_IDENTITY_DEFAULTS.get(key))
+                for key in RUN_IDENTITY}
     identity = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
                 for k, v in identity.items()}
     identity["held-out prompts (eval.num_prompts; 0 with eval.every=0)"] = eval_prompt_count(cfg)
