@@ -92,7 +92,8 @@ class GRPOAdvantage(_CriticFree):
     ``A_it = (G_it - mean_g(R)) / (std_g(R) + eps)`` over the responses ``g`` to the same prompt
     (``"group"``); ``scale_by_std=False`` drops the division (Dr. GRPO: the standard deviation
     weights easy and hard prompts unequally). ``std`` is Bessel-corrected; a group whose returns
-    are all equal gets advantage 0. Reads ``("next", "reward")``, ``("masks", "response")``,
+    are all equal gets advantage 0 (beyond the per-token KL credit when the KL is in the reward,
+    then only ``eps`` keeps the division finite). Reads ``("next", "reward")``, ``("masks", "response")``,
     ``"group"``; writes ``"advantage"`` (B, R, 1).
     """
 
