@@ -4,20 +4,23 @@ Every estimator reads the per-token rewards the shaper wrote (``("next", "reward
 the last response token, plus ``-kl_coef * KL`` on every token when the KL penalty sits in the
 reward) and the response mask, and writes ``"advantage"`` (B, R, 1), 0 on pads:
 
-================  ===========================================================  =================
-estimator         advantage of token t of response i                           reads besides
-================  ===========================================================  =================
-``gae``           GAE over the response tokens, whitened over the batch         ``state_value``
-``grpo``          ``(G_it - mean_g R) / (std_g R + eps)`` (Dr. GRPO: no ``/``)  ``group``
-``rloo``          ``G_it - mean_{j != i in g} R_j``                             ``group``
-``reinforce_pp``  ``G_it``, whitened over the batch's valid tokens              -
-================  ===========================================================  =================
+================  =====================================================  ===============
+estimator         advantage of token t of response i                     reads besides
+================  =====================================================  ===============
+``gae``           GAE over the response tokens, whitened over the batch  ``state_value``
+``grpo``          ``(s_i - mean_g s) / (std_g s + eps) + N_it``          ``group``
+``rloo``          ``s_i - mean_{j != i in g} s_j + N_it``                ``group``
+``reinforce_pp``  ``G_it``, whitened over the batch's valid tokens       -
+================  =====================================================  ===============
 
-``G_it`` is the return-to-go from token t (:func:`~rlhf_torchrl.functional.returns_to_go`),
-``R_i = G_i0`` the response's whole return, and ``g`` the group of responses to the same prompt
-(``"group"``, written by the collector with ``samples_per_prompt``). With the KL penalty in the
-loss instead (``kl_coef=0``), ``G_it = R_i`` = the score, and GRPO and RLOO give every token of
-a response the same advantage, as in their papers. The critic-free estimators need no value
+(Dr. GRPO: ``grpo`` with ``scale_by_std=False``, no division.) ``G_it`` is the return-to-go
+from token t (:func:`~rlhf_torchrl.functional.returns_to_go`),
+``s_i`` the response's score as shaped (its reward without the KL part), ``N_it`` the KL
+penalty's return-to-go (``("next", "non_score_reward")``) and ``g`` the group of responses to the
+same prompt (``"group"``, written by the collector with ``samples_per_prompt``). The group
+baselines compare scores only; the per-token KL credit is added as it is. With the KL penalty in
+the loss instead (``kl_coef=0``), ``N = 0``, and GRPO and RLOO give every token of a response the
+same advantage, as in their papers. The critic-free estimators need no value
 model and write no ``"value_target"``: the loss then has no value term.
 
 A new estimator is any module with this contract (``examples/custom_advantage.py``).
@@ -81,6 +84,18 @@ class _CriticFree(TensorDictModuleBase):
         return F.returns_to_go(td.get(K.REWARD).squeeze(-1), mask, gamma), mask
 
     @staticmethod
+    def _score_and_kl_to_go(td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(s, N, mask)``: each response's score as shaped (the reward minus its KL part, summed
+        over the response: (B,)), the KL penalty's return-to-go ``N_it`` (B, R; 0 without a KL
+        part ``("next", "non_score_reward")``) and the response mask."""
+        mask = td.get(K.RESPONSE_MASK)
+        reward = td.get(K.REWARD).squeeze(-1)
+        kl = (td.get(K.NON_SCORE_REWARD).squeeze(-1) if K.NON_SCORE_REWARD in td.keys(True)
+              else torch.zeros_like(reward))
+        score = torch.where(mask, reward - kl, torch.zeros_like(reward)).sum(-1)
+        return score, F.returns_to_go(kl, mask), mask
+
+    @staticmethod
     def _write(td: TensorDictBase, adv: torch.Tensor, mask: torch.Tensor) -> TensorDictBase:
         td.set(K.ADVANTAGE, torch.where(mask, adv, torch.zeros_like(adv)).unsqueeze(-1))
         return td
@@ -89,44 +104,49 @@ class _CriticFree(TensorDictModuleBase):
 class GRPOAdvantage(_CriticFree):
     """GRPO's group-relative advantage (Shao et al. 2024), or Dr. GRPO's (Liu et al. 2025).
 
-    ``A_it = (G_it - mean_g(R)) / (std_g(R) + eps)`` over the responses ``g`` to the same prompt
-    (``"group"``); ``scale_by_std=False`` drops the division (Dr. GRPO: the standard deviation
-    weights easy and hard prompts unequally). ``std`` is Bessel-corrected; a group whose returns
-    are all equal gets advantage 0 (beyond the per-token KL credit when the KL is in the reward,
-    then only ``eps`` keeps the division finite). Reads ``("next", "reward")``, ``("masks", "response")``,
+    ``A_it = (s_i - mean_g(s)) / (std_g(s) + eps) + N_it``: each response's score ``s_i`` against
+    the scores of the responses ``g`` to the same prompt (``"group"``), plus the KL penalty's
+    return-to-go ``N_it`` when the KL sits in the reward (``("next", "non_score_reward")``; 0
+    with the KL in the loss only, GRPO's way). The baseline and the scale are the scores' alone:
+    KL noise is never divided by a group's small spread. ``scale_by_std=False`` drops the division
+    (Dr. GRPO: the standard deviation weights easy and hard prompts unequally). ``std`` is
+    Bessel-corrected; a group of equal scores gets no score advantage. Reads
+    ``("next", "reward")``, ``("next", "non_score_reward")``, ``("masks", "response")``,
     ``"group"``; writes ``"advantage"`` (B, R, 1).
     """
 
     def __init__(self, *, scale_by_std: bool = True, eps: float = 1e-6):
         super().__init__()
         self.scale_by_std, self.eps = scale_by_std, eps
-        self.in_keys = [*self.in_keys, K.GROUP]
+        self.in_keys = [*self.in_keys, K.NON_SCORE_REWARD, K.GROUP]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        returns, mask = self._returns(td)
-        total, groups = returns[:, 0], td.get(K.GROUP)
-        adv = returns - F.group_mean(total, groups).unsqueeze(-1)
+        score, kl_to_go, mask = self._score_and_kl_to_go(td)
+        groups = td.get(K.GROUP)
+        relative = score - F.group_mean(score, groups)
         if self.scale_by_std:
-            adv = adv / (F.group_std(total, groups) + self.eps).unsqueeze(-1)
-        return self._write(td, adv, mask)
+            relative = relative / (F.group_std(score, groups) + self.eps)
+        return self._write(td, relative.unsqueeze(-1) + kl_to_go, mask)
 
 
 class RLOOAdvantage(_CriticFree):
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024).
 
-    ``A_it = G_it - mean_{j != i}(R_j)`` over the other responses to the same prompt: a baseline
-    that does not depend on response ``i``, so the estimate stays unbiased. Reads
-    ``("next", "reward")``, ``("masks", "response")``, ``"group"``; writes ``"advantage"``.
+    ``A_it = s_i - mean_{j != i}(s_j) + N_it``: each response's score against the mean score of
+    the other responses to the same prompt (a baseline that does not depend on response ``i``,
+    so the estimate stays unbiased), plus the KL penalty's return-to-go ``N_it`` when the KL sits
+    in the reward. Reads ``("next", "reward")``, ``("next", "non_score_reward")``,
+    ``("masks", "response")``, ``"group"``; writes ``"advantage"``.
     """
 
     def __init__(self):
         super().__init__()
-        self.in_keys = [*self.in_keys, K.GROUP]
+        self.in_keys = [*self.in_keys, K.NON_SCORE_REWARD, K.GROUP]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        returns, mask = self._returns(td)
-        baseline = F.leave_one_out_mean(returns[:, 0], td.get(K.GROUP))
-        return self._write(td, returns - baseline.unsqueeze(-1), mask)
+        score, kl_to_go, mask = self._score_and_kl_to_go(td)
+        relative = score - F.leave_one_out_mean(score, td.get(K.GROUP))
+        return self._write(td, relative.unsqueeze(-1) + kl_to_go, mask)
 
 
 class ReinforcePPAdvantage(_CriticFree):

@@ -29,9 +29,9 @@ def _batch(seed=0, groups=(5, 5, 2, 9, 2, 9, 5, 9, 2), width=6, with_kl=True):
     mask = torch.arange(width) < lengths.unsqueeze(-1)
     score = torch.randn(n, generator=g, dtype=torch.float64)
     kl = torch.rand(n, width, generator=g, dtype=torch.float64) * float(with_kl)
-    reward, _ = F.per_token_rewards(score, kl, mask, kl_coef=0.1)
-    return TensorDict({K.REWARD: reward.unsqueeze(-1), K.RESPONSE_MASK: mask, K.SCORE: score,
-                       K.GROUP: torch.tensor(groups)}, [n])
+    reward, non_score = F.per_token_rewards(score, kl, mask, kl_coef=0.1)
+    return TensorDict({K.REWARD: reward.unsqueeze(-1), K.NON_SCORE_REWARD: non_score.unsqueeze(-1),
+                       K.RESPONSE_MASK: mask, K.SCORE: score, K.GROUP: torch.tensor(groups)}, [n])
 
 
 def _rows(td):
@@ -85,30 +85,50 @@ def test_group_reductions_match_a_loop():
         F.group_std(values, torch.tensor([0, 0, 1, 1, 2]))
 
 
+def _kl_rows(td):
+    """Per row: the valid tokens' KL rewards (-0.1 * KL)."""
+    mask, kl = td.get(K.RESPONSE_MASK), td.get(K.NON_SCORE_REWARD).squeeze(-1)
+    return [[float(k) for k, m in zip(row, valid) if m] for row, valid in zip(kl, mask)]
+
+
 @pytest.mark.parametrize("scale_by_std", [True, False])
 def test_grpo_matches_a_loop(scale_by_std):
+    """The score against the group's scores (scaled by their spread), plus the KL penalty's
+    return-to-go, unscaled."""
     td = _batch()
-    rows, groups = _rows(td), td.get(K.GROUP).tolist()
-    totals = [sum(r) for r in rows]
+    groups, scores = td.get(K.GROUP).tolist(), td.get(K.SCORE).tolist()
     expected = []
-    for i, row in enumerate(rows):
-        same = [totals[j] for j in range(len(rows)) if groups[j] == groups[i]]
+    for i, kl in enumerate(_kl_rows(td)):
+        same = [scores[j] for j in range(len(scores)) if groups[j] == groups[i]]
         mean = sum(same) / len(same)
         std = math.sqrt(sum((v - mean) ** 2 for v in same) / (len(same) - 1))
         scale = std + 1e-6 if scale_by_std else 1.0
-        expected.append([(g - mean) / scale for g in _to_go(row)])
+        expected.append([(scores[i] - mean) / scale + g for g in _to_go(kl)])
     _check(GRPOAdvantage(scale_by_std=scale_by_std)(td), expected)
 
 
 def test_rloo_matches_a_loop():
     td = _batch(seed=1)
-    rows, groups = _rows(td), td.get(K.GROUP).tolist()
-    totals = [sum(r) for r in rows]
+    groups, scores = td.get(K.GROUP).tolist(), td.get(K.SCORE).tolist()
     expected = []
-    for i, row in enumerate(rows):
-        others = [totals[j] for j in range(len(rows)) if groups[j] == groups[i] and j != i]
-        expected.append([g - sum(others) / len(others) for g in _to_go(row)])
+    for i, kl in enumerate(_kl_rows(td)):
+        others = [scores[j] for j in range(len(scores)) if groups[j] == groups[i] and j != i]
+        expected.append([scores[i] - sum(others) / len(others) + g for g in _to_go(kl)])
     _check(RLOOAdvantage()(td), expected)
+
+
+def test_group_baselines_never_scale_kl_noise():
+    """A group whose scores are all equal gets no score advantage, only its KL credit, however
+    small the spread of its KL-shaped returns (GRPO's division by the scores' spread alone)."""
+    td = _batch(seed=4, groups=(0, 0, 0, 1, 1, 1))
+    td.set(K.SCORE, torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.5], dtype=torch.float64))
+    reward, non_score = F.per_token_rewards(td.get(K.SCORE), -10 * td.get(K.NON_SCORE_REWARD).squeeze(-1),
+                                            td.get(K.RESPONSE_MASK), kl_coef=0.1)
+    td.set(K.REWARD, reward.unsqueeze(-1))
+    adv = GRPOAdvantage()(td).get(K.ADVANTAGE).squeeze(-1)
+    kl_to_go = F.returns_to_go(non_score, td.get(K.RESPONSE_MASK))
+    torch.testing.assert_close(adv[:3], kl_to_go[:3])
+    assert adv.abs().max() < 5
 
 
 def test_score_only_rewards_give_every_token_the_same_advantage():
