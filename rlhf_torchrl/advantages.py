@@ -79,9 +79,18 @@ class _CriticFree(TensorDictModuleBase):
         self.in_keys = [K.REWARD, K.RESPONSE_MASK]
         self.out_keys = [K.ADVANTAGE]
 
-    def _returns(self, td: TensorDictBase, gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = td.get(K.RESPONSE_MASK)
-        return F.returns_to_go(td.get(K.REWARD).squeeze(-1), mask, gamma), mask
+    @staticmethod
+    def _write(td: TensorDictBase, adv: torch.Tensor, mask: torch.Tensor) -> TensorDictBase:
+        td.set(K.ADVANTAGE, torch.where(mask, adv, torch.zeros_like(adv)).unsqueeze(-1))
+        return td
+
+
+class _GroupBaseline(_CriticFree):
+    """A score baseline within each group of responses to one prompt, plus the KL credit."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_keys = [*self.in_keys, K.NON_SCORE_REWARD, K.GROUP]
 
     @staticmethod
     def _score_and_kl_to_go(td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,13 +104,8 @@ class _CriticFree(TensorDictModuleBase):
         score = torch.where(mask, reward - kl, torch.zeros_like(reward)).sum(-1)
         return score, F.returns_to_go(kl, mask), mask
 
-    @staticmethod
-    def _write(td: TensorDictBase, adv: torch.Tensor, mask: torch.Tensor) -> TensorDictBase:
-        td.set(K.ADVANTAGE, torch.where(mask, adv, torch.zeros_like(adv)).unsqueeze(-1))
-        return td
 
-
-class GRPOAdvantage(_CriticFree):
+class GRPOAdvantage(_GroupBaseline):
     """GRPO's group-relative advantage (Shao et al. 2024), or Dr. GRPO's (Liu et al. 2025).
 
     ``A_it = (s_i - mean_g(s)) / (std_g(s) + eps) + N_it``: each response's score ``s_i`` against
@@ -118,7 +122,6 @@ class GRPOAdvantage(_CriticFree):
     def __init__(self, *, scale_by_std: bool = True, eps: float = 1e-6):
         super().__init__()
         self.scale_by_std, self.eps = scale_by_std, eps
-        self.in_keys = [*self.in_keys, K.NON_SCORE_REWARD, K.GROUP]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         score, kl_to_go, mask = self._score_and_kl_to_go(td)
@@ -129,7 +132,7 @@ class GRPOAdvantage(_CriticFree):
         return self._write(td, relative.unsqueeze(-1) + kl_to_go, mask)
 
 
-class RLOOAdvantage(_CriticFree):
+class RLOOAdvantage(_GroupBaseline):
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024).
 
     ``A_it = s_i - mean_{j != i}(s_j) + N_it``: each response's score against the mean score of
@@ -138,10 +141,6 @@ class RLOOAdvantage(_CriticFree):
     in the reward. Reads ``("next", "reward")``, ``("next", "non_score_reward")``,
     ``("masks", "response")``, ``"group"``; writes ``"advantage"``.
     """
-
-    def __init__(self):
-        super().__init__()
-        self.in_keys = [*self.in_keys, K.NON_SCORE_REWARD, K.GROUP]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         score, kl_to_go, mask = self._score_and_kl_to_go(td)
@@ -159,7 +158,8 @@ class ReinforcePPAdvantage(_CriticFree):
         self.gamma = gamma
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
-        returns, mask = self._returns(td, self.gamma)
+        mask = td.get(K.RESPONSE_MASK)
+        returns = F.returns_to_go(td.get(K.REWARD).squeeze(-1), mask, self.gamma)
         adv = F.masked_whiten(returns, mask) if mask.sum() > 1 else returns
         return self._write(td, adv, mask)
 
