@@ -34,7 +34,7 @@ def test_help_lists_the_commands_groups_and_settings(tmp_path):
     assert ppo.returncode == 0, ppo.stderr
     assert "task=arithmetic|custom|gsm8k|hh|sentiment|tldr" in ppo.stdout
     # the default task's values, with each setting's comment from ppo.yaml
-    assert "ppo.batch_size=32" in ppo.stdout and "prompts (= responses) per rollout" in ppo.stdout
+    assert "ppo.batch_size=32" in ppo.stdout and "responses per rollout, over all processes" in ppo.stdout
     arithmetic = _run("ppo", "task=arithmetic", "--help", cwd=tmp_path)
     assert "data.source=reasoning_gym:basic_arithmetic" in arithmetic.stdout
 
