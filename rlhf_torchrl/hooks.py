@@ -48,9 +48,9 @@ class ThreadTuning(_Stateless):
 
 
 class OnPolicyCheck(_Stateless):
-    """The first batch's recorded log-probs against a training forward's
-    (:func:`~rlhf_torchrl.sampling.check_on_policy`): PPO's first ratio is 1 only if the tokens
-    came from the loss's distribution. A sampler that gets pushed weights (vLLM, a Ray worker, a
+    """The first batch's recorded log-probs (and values, where the sampling pass recorded them)
+    against a training forward's (:func:`~rlhf_torchrl.sampling.check_on_policy`): PPO's first
+    ratio is 1 only if the tokens came from the loss's distribution. A sampler that gets pushed weights (vLLM, a Ray worker, a
     copy) is checked again on the batch after its first push; a resumed run checks its first
     batch unless it was sampled before the interruption.
     """
@@ -69,9 +69,12 @@ class OnPolicyCheck(_Stateless):
         first = t.iteration == t.first_iteration and not t.pending
         recheck = self.recheck_after_push and t.iteration == t.first_iteration + 1
         if first or recheck:
-            agreement = check_on_policy(rollout, t.actor, num_rows=self.num_rows, atol=self.atol)
+            agreement = check_on_policy(rollout, t.actor, num_rows=self.num_rows, atol=self.atol,
+                                        critic=t.critic)
             log.info("On-policy check: recorded and recomputed log-probs of %d tokens agree to %.2g "
-                     "nats", agreement["tokens"], agreement["max_abs_diff"])
+                     "nats%s", agreement["tokens"], agreement["max_abs_diff"],
+                     f", values to {agreement['value_max_abs_diff']:.2g}"
+                     if "value_max_abs_diff" in agreement else "")
         return rollout
 
 

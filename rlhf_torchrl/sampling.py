@@ -8,7 +8,8 @@ everywhere but the chosen token, so greedy decoding (``do_sample=False``) emits 
 
 Because it sees the temperature-scaled logits of every step, it also records the sampled tokens'
 log-probs (and, optionally, the exact entropies): PPO's "old" log-probs come out of generation
-without another forward pass of the policy.
+without another forward pass of the policy. With a critic on the policy's own trunk,
+:class:`ValueRecorder` reads the old values off the same pass.
 
 On-policy sampling needs more than a correct sampler: ``generate`` fills every setting it is not
 given from the checkpoint's ``generation_config`` (instruct checkpoints ship repetition penalties,
@@ -20,7 +21,10 @@ settings alone, :func:`ignored_generation_settings` names what it leaves out, an
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -191,6 +195,63 @@ class InverseCDFSampler:
         return log_probs, entropies
 
 
+class ValueRecorder:
+    """A shared-trunk critic's values, read off the sampling pass.
+
+    Decoding already runs the policy's trunk on the state before every response token: the last
+    prompt token at the first step, then each sampled token. While :meth:`recording` is on, a
+    forward hook on ``trunk`` applies the value ``head`` to the hidden state of the last position
+    of each forward: ``V(s_t)`` for response token ``t``, the state
+    :class:`~rlhf_torchrl.modules.TokenCritic` reads at position ``P - 1 + t``. The old values
+    then cost one linear layer per step instead of a trunk forward over the whole batch.
+
+    The head runs outside autocast, in its own dtype, and the values are kept as fp32. Only
+    forwards of the thread that started the recording count (an evaluation that runs the same
+    model meanwhile does not). :meth:`pop` returns the values since the last call, (B, T) fp32.
+    Rows that already finished keep being recorded: the caller masks them.
+    """
+
+    def __init__(self, trunk: torch.nn.Module, head: torch.nn.Module):
+        self.trunk, self.head = trunk, head
+        self._values: list[torch.Tensor] = []
+        self._thread: int | None = None
+
+    @contextmanager
+    def recording(self):
+        """Record the values of every trunk forward this thread runs inside the block."""
+        handle = self.trunk.register_forward_hook(self._hook)
+        self._thread = threading.get_ident()
+        try:
+            yield
+        finally:
+            handle.remove()
+            self._thread = None
+
+    def wrap(self, generate):
+        """``generate``, recording while it runs."""
+
+        @functools.wraps(generate)
+        def recording_generate(*args, **kwargs):
+            with self.recording():
+                return generate(*args, **kwargs)
+
+        return recording_generate
+
+    def _hook(self, module, args, output) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        hidden = output[0][:, -1]  # (B, H): last_hidden_state (a ModelOutput or a tuple)
+        with torch.autocast(hidden.device.type, enabled=False), torch.no_grad():
+            values = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
+        self._values.append(values.float())
+
+    def pop(self) -> torch.Tensor | None:
+        """(B, T) fp32 values recorded since the last call (None if none) and clears them."""
+        values = torch.stack(self._values, 1) if self._values else None
+        self._values = []
+        return values
+
+
 def ignored_generation_settings(generation_config) -> dict:
     """The entries of a checkpoint's ``generation_config`` that would change sampling.
 
@@ -236,13 +297,16 @@ class OffPolicyError(RuntimeError):
 
 
 @torch.no_grad()
-def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3) -> dict[str, float]:
+def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3,
+                    critic=None) -> dict[str, float]:
     """Recompute a few rows' sampled-token log-probs with ``actor`` and compare with the recorded ones.
 
     The ratio ``exp(new - old)`` of PPO's first minibatch is 1 only when the recorded ``old``
     log-probs are those of the distribution the loss computes. Raises :class:`OffPolicyError` when
     ``max |recorded - recomputed|`` over the valid tokens of the first ``num_rows`` rows exceeds
-    ``atol`` (nats); returns ``{"max_abs_diff", "mean_abs_diff", "tokens"}`` otherwise.
+    ``atol`` (nats); returns ``{"max_abs_diff", "mean_abs_diff", "tokens"}`` otherwise. With a
+    ``critic`` and values recorded while sampling (``"state_value"``, :class:`ValueRecorder`),
+    those are checked against the critic's forward too (same ``atol``; ``"value_max_abs_diff"``).
 
     Shapes: reads (B, P) prompt and (B, R) response tokens/masks and (B, R) ``("log_probs",
     "response")``; ``actor`` is a :class:`~rlhf_torchrl.modules.TokenLevelActor`.
@@ -252,10 +316,13 @@ def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3) ->
             "check_on_policy needs the log-probs recorded while sampling (('log_probs', "
             "'response')): build the generation policy with record_log_probs=True."
         )
-    rows = rollout[:num_rows].select(*actor.in_keys, K.LOG_PROB).clone()
+    check_values = critic is not None and K.VALUE in rollout.keys()
+    rows = rollout[:num_rows].select(*actor.in_keys, K.LOG_PROB,
+                                     *([K.VALUE] if check_values else [])).clone()
     recorded = rows.get(K.LOG_PROB)
     recomputed = actor.get_dist(rows).log_prob(rows.get(K.RESPONSE_TOKENS))
     mask = rows.get(K.RESPONSE_MASK)
+    value_stats = _check_recorded_values(rows, critic, mask, atol) if check_values else {}
     gap = (recorded.double() - recomputed.double()).abs().masked_fill(~mask, 0.0)  # (B, R)
     n = int(mask.sum())
     stats = {"max_abs_diff": float(gap.max()), "mean_abs_diff": float(gap.sum()) / max(n, 1),
@@ -274,7 +341,25 @@ def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3) ->
             "generation.on_policy_tolerance (or set generation.check_on_policy=false) if the "
             "difference is expected."
         )
-    return stats
+    return {**stats, **value_stats}
+
+
+def _check_recorded_values(rows, critic, mask: torch.Tensor, atol: float) -> dict[str, float]:
+    """The values recorded while sampling against ``critic``'s forward on the same ``rows``."""
+    recorded = rows.get(K.VALUE).squeeze(-1)
+    recomputed = critic(rows.exclude(K.VALUE)).get(K.VALUE).squeeze(-1)
+    gap = (recorded.double() - recomputed.double()).abs().masked_fill(~mask, 0.0)
+    worst = float(gap.max())
+    if not worst <= atol:
+        row, t = divmod(int(gap.flatten().argmax()), mask.shape[1])
+        raise OffPolicyError(
+            f"The values recorded while sampling differ from the critic's forward by up to "
+            f"{worst:.3g} (row {row}, token {t}: {float(recorded[row, t]):.4f} recorded vs "
+            f"{float(recomputed[row, t]):.4f}), over the tolerance {atol:g}: the sampling pass "
+            "did not run the critic's trunk on the rollout's tokens (another model sampled, or "
+            "its numerics differ). Recompute them with generation.log_probs_from_sampling=false."
+        )
+    return {"value_max_abs_diff": worst}
 
 
 def low_precision(*, autocast: str | None = None, dtype: str = "float32") -> bool:

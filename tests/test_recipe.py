@@ -165,6 +165,7 @@ def test_recipe_on_policy_check(tmp_path, tiny_llama_dir, caplog):
     with caplog.at_level("INFO", logger="rlhf_torchrl"):
         ppo.train(_cfg(tmp_path / "c", tiny_llama_dir, "ppo.num_iterations=1"))
     assert "On-policy check: recorded and recomputed log-probs" in caplog.text
+    assert ", values to " in caplog.text  # the shared trunk's values, read off the sampling pass
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

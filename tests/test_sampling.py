@@ -275,3 +275,48 @@ def test_one_prefill_per_group_samples_what_a_prefill_per_row_does(request, mode
         assert a.get(K.PROMPT_MASK).sum(-1).unique().numel() > 1  # left padding in the batch
         assert torch.equal(a.get(K.RESPONSE_TOKENS), b.get(K.RESPONSE_TOKENS))
         torch.testing.assert_close(a.get(K.LOG_PROB), b.get(K.LOG_PROB), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("model_fixture, group", [("tiny_llama_dir", 1), ("tiny_llama_dir", 3),
+                                                  ("tiny_gpt2_dir", 2)])
+def test_values_read_off_the_sampling_pass_equal_the_critics(request, model_fixture, group,
+                                                             tokenizer):
+    """A shared-trunk critic's values recorded while sampling (KV cache, left padding, one
+    prefill per group) equal the critic's own forward, 0 on pads; the on-policy check compares
+    them and stops on a gap; evaluation keeps them unless it recomputes."""
+    from rlhf_torchrl.modules.lora import trunk
+
+    model = load_causal_lm(request.getfixturevalue(model_fixture), tokenizer)
+    critic = make_critic(policy=model, tokenizer=tokenizer, init="shared")
+    torch.manual_seed(0)
+    torch.nn.init.normal_(critic.head.weight)  # values far from 0, different at every state
+    torch.nn.init.constant_(critic.head.bias, 0.3)
+    prompts = [f"Prompt {i} " + "word " * i for i in range(12)]
+    env = make_generation_env(prompts, tokenizer, batch_size=6, seed=3, samples_per_prompt=group)
+    gen = make_generation_policy(model, tokenizer, max_new_tokens=8, temperature=1.0,
+                                 record_log_probs=True, samples_per_prompt=group,
+                                 value_head=critic.head)
+    collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=6, seed=7,
+                                 total_batches=2, samples_per_prompt=group)
+    actor = TokenLevelActor(model, temperature=1.0, trunk_critic=critic)
+    for rollout in collector:
+        mask = rollout.get(K.RESPONSE_MASK)
+        assert rollout.get(K.PROMPT_MASK).sum(-1).unique().numel() > 1
+        recorded = rollout.get(K.VALUE)
+        assert recorded.shape == (*mask.shape, 1) and recorded.dtype == torch.float32
+        assert (recorded.squeeze(-1)[~mask] == 0).all() and recorded.abs().max() > 0.1
+        fresh = critic(rollout.select(*critic.in_keys).clone()).get(K.VALUE)
+        torch.testing.assert_close(recorded, fresh, atol=1e-5, rtol=0)
+        stats = check_on_policy(rollout, actor, num_rows=6, critic=critic)
+        assert stats["value_max_abs_diff"] < 1e-5
+    collector.shutdown()
+    assert not trunk(model)._forward_hooks  # the hook lives only while generate runs
+    shifted = rollout.clone()
+    shifted.set(K.VALUE, recorded + 0.01 * mask.unsqueeze(-1))
+    with pytest.raises(OffPolicyError, match="values recorded while sampling differ"):
+        check_on_policy(shifted, actor, num_rows=6, critic=critic)
+    evaluate_rollout(shifted, actor=actor, reference=actor, critic=critic, chunk_size=6)
+    assert torch.equal(shifted.get(K.VALUE), recorded + 0.01 * mask.unsqueeze(-1))  # kept
+    evaluate_rollout(shifted, actor=actor, reference=actor, critic=critic, chunk_size=6,
+                     recompute_log_probs=True)
+    torch.testing.assert_close(shifted.get(K.VALUE), fresh, atol=1e-5, rtol=0)

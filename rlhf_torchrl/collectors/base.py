@@ -157,6 +157,7 @@ def make_generation_policy(
     device: torch.device | str | None = None,
     autocast_dtype: torch.dtype | None = None,
     samples_per_prompt: int = 1,
+    value_head: torch.nn.Module | None = None,
 ):
     """TorchRL's ``TransformersWrapper`` set up to sample responses on-policy.
 
@@ -179,12 +180,19 @@ def make_generation_policy(
     ``samples_per_prompt`` (N): batches come in groups of N consecutive rows with one prompt
     (:func:`make_generation_env`); each group's prompt is prefilled once and its KV cache repeated
     for the N rows (:func:`generate_in_groups`), the same tokens and scores as N prefills.
+
+    ``value_head``: the head of a critic on ``model``'s own trunk
+    (``make_critic(init="shared")``). A :class:`~rlhf_torchrl.sampling.ValueRecorder` then reads
+    each response token's value off the sampling forwards, and :class:`RolloutCollector` writes
+    them as ``"state_value"``: the old values need no trunk forward of their own.
     """
     from transformers import LogitsProcessorList
 
     from ..runtime import module_device
+    from ..modules.lora import trunk
     from ..sampling import (
         InverseCDFSampler,
+        ValueRecorder,
         sampling_generation_config,
         warn_ignored_generation_settings,
     )
@@ -213,6 +221,7 @@ def make_generation_policy(
     policy.generation_config = sampling_generation_config(model)
     policy.autocast_dtype = autocast_dtype
     policy.samples_per_prompt = samples_per_prompt
+    policy.value_recorder = ValueRecorder(trunk(model), value_head) if value_head is not None else None
     # TransformersWrapper drops generate_kwargs it does not know, logits_processor among them
     # (tests/test_torchrl_upstream.py): set it on the built wrapper
     policy.generate_kwargs["logits_processor"] = LogitsProcessorList([sampler])
@@ -225,12 +234,15 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
     transformers fills every generation setting it is not given from ``model.generation_config``,
     and a checkpoint's repetition penalty or suppressed tokens would bend the distribution the
     tokens are drawn from (off-policy). The model's own config is swapped out only for the call,
-    which runs under ``torch.autocast`` when ``autocast_dtype`` is set.
+    which runs under ``torch.autocast`` when ``autocast_dtype`` is set. The ``generate`` call
+    records values (``value_recorder``) and prefills each group's prompt once
+    (``samples_per_prompt``) where those are set.
     """
 
     generation_config = None
     autocast_dtype = None
     samples_per_prompt = 1  # > 1: the prompt of each group of rows is prefilled once
+    value_recorder = None  # a ValueRecorder: values read off the sampling forwards
 
     def forward(self, *args, **kwargs):
         from ..modules.lora import hf_model
@@ -241,17 +253,25 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
         own = model.generation_config
         if self.generation_config is not None:
             model.generation_config = self.generation_config
+        # TorchRL's wrapper calls self.model.generate: for this call, shadow it with one that
+        # records values (around the generate itself) and prefills each group once (before it)
+        generate = self.model.generate
+        if self.value_recorder is not None:
+            generate = self.value_recorder.wrap(generate)
         # FSDP2 (synced_gpus): every process must run the same forwards; no per-batch choice there
         grouped = self.samples_per_prompt > 1 and not self.generate_kwargs.get("synced_gpus")
-        if grouped:  # TorchRL's wrapper calls self.model.generate: this call goes through groups
-            self.model.generate = functools.partial(generate_in_groups, self.model,
-                                                    self.model.generate, self.samples_per_prompt)
+        if grouped:
+            generate = functools.partial(generate_in_groups, self.model, generate,
+                                         self.samples_per_prompt)
+        shadowed = grouped or self.value_recorder is not None
+        if shadowed:
+            self.model.generate = generate
         try:
             with autocast(self._device, self.autocast_dtype):
                 return super().forward(*args, **kwargs)
         finally:
             model.generation_config = own
-            if grouped:
+            if shadowed:
                 del self.model.generate
 
 
@@ -423,6 +443,7 @@ def probe_rollout(
     stop_token_ids: Sequence[int] | None = None,
     stopped: Sequence[bool] | None = None,
     with_log_probs: bool = False,
+    with_values: bool = False,
 ) -> TensorDict:
     """A rollout in :class:`RolloutCollector`'s layout, made without a model.
 
@@ -431,7 +452,7 @@ def probe_rollout(
     ``stopped[i]``; default: rows 0, 2, ... stopped).
     Used to call every reward on the real rollout layout before any model is loaded; with
     ``with_log_probs`` it also holds the sampler's records (zeros here), as a recording collector's
-    rollouts do.
+    rollouts do, and with ``with_values`` the values of a value recorder (zeros).
     """
     rows = [to_prompt(p) for p in prompts[: len(responses)]]
     responses = list(responses)[: len(rows)]
@@ -451,6 +472,8 @@ def probe_rollout(
     if with_log_probs:
         zeros = torch.zeros(rollout.get(K.RESPONSE_MASK).shape)
         rollout.update({K.LOG_PROB: zeros, K.ENTROPY: zeros.clone()})
+    if with_values:
+        rollout.set(K.VALUE, torch.zeros(*rollout.get(K.RESPONSE_MASK).shape, 1))
     return rollout
 
 
@@ -467,8 +490,9 @@ class RolloutCollector:
 
     Each item is a TensorDict of ``batch_size=[B]`` with the keys of :func:`to_rollout`, plus the
     sampled tokens' ``("log_probs", "response")`` (and ``("entropy", "response")``) (B, R) fp32
-    when the policy's sampler records them. The collector samples with the live policy weights
-    (the wrapped model is the trained one).
+    when the policy's sampler records them, and ``"state_value"`` (B, R, 1) fp32 when it records
+    values (``make_generation_policy(value_head=...)``). The collector samples with the live
+    policy weights (the wrapped model is the trained one).
 
     With ``seed``, row ``i`` of batch ``k`` is sampled from its own random stream, seeded by
     ``(seed, k, row_offset + i)`` (:func:`~rlhf_torchrl.sampling.row_stream_seeds`): a process that
@@ -517,6 +541,7 @@ class RolloutCollector:
             raise ConfigError("RolloutCollector(seed=...) needs a policy from make_generation_policy "
                              "(its InverseCDFSampler draws the tokens from per-row streams).")
         self.records = self.sampler is not None and self.sampler.record
+        self.value_recorder = getattr(policy, "value_recorder", None)
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         total = -1 if total_batches < 0 else total_batches * batch_size
         self.collector = LLMCollector(
@@ -528,6 +553,8 @@ class RolloutCollector:
 
         if self.records:
             self.sampler.pop()  # nothing recorded outside this loop belongs to its batches
+        if self.value_recorder is not None:
+            self.value_recorder.pop()
         batches = iter(self.collector)
         rows = range(self.row_offset, self.row_offset + self.batch_size)
         for index in itertools.count(self.start_batch):
@@ -544,27 +571,28 @@ class RolloutCollector:
             )
             group_rows = torch.arange(self.row_offset, self.row_offset + rollout.shape[0])
             rollout.set(K.GROUP, group_rows // self.samples_per_prompt)
-            if self.records:
+            if self.records or self.value_recorder is not None:
                 self._add_sampling_record(rollout, batch)
             yield rollout if self.device is None else rollout.to(self.device)
 
     def _add_sampling_record(self, rollout: TensorDict, batch: TensorDictBase) -> None:
-        """Write the sampler's per-token log-probs (and entropies) of this batch, 0 on pads."""
-        log_probs, entropies = self.sampler.pop()
-        if log_probs is None:
-            return
+        """Write what the sampling pass recorded for this batch, 0 on pads: the sampled tokens'
+        log-probs (and entropies) (B, R), and the values (B, R, 1) of a value recorder."""
+        log_probs, entropies = self.sampler.pop() if self.records else (None, None)
+        values = self.value_recorder.pop() if self.value_recorder is not None else None
         generated = batch.get(K.RESPONSE_TOKENS, as_padded_tensor=True).shape[-1]
-        if log_probs.shape != (rollout.shape[0], generated):
-            raise RuntimeError(
-                f"The sampler recorded {tuple(log_probs.shape)} log-probs for {rollout.shape[0]} "
-                f"responses of {generated} tokens: the batch was not generated in one call."
-            )
         mask = rollout.get(K.RESPONSE_MASK)
         width = mask.shape[1]
-        for key, values in ((K.LOG_PROB, log_probs), (K.ENTROPY, entropies)):
-            if values is not None:
-                values = values[:, :width]
-                rollout.set(key, torch.where(mask, values, torch.zeros_like(values)))
+        for key, recorded in ((K.LOG_PROB, log_probs), (K.ENTROPY, entropies), (K.VALUE, values)):
+            if recorded is None:
+                continue
+            if recorded.shape != (rollout.shape[0], generated):
+                raise RuntimeError(
+                    f"The sampling pass recorded {tuple(recorded.shape)} {key} for "
+                    f"{rollout.shape[0]} responses of {generated} tokens: the batch was not "
+                    "generated in one call.")
+            recorded = torch.where(mask, recorded[:, :width], 0.0)
+            rollout.set(key, recorded.unsqueeze(-1) if key == K.VALUE else recorded)
 
     def shutdown(self) -> None:
         self.collector.shutdown()

@@ -82,13 +82,19 @@ class CollectorSpec:
 
 
 def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=None,
-                   parallel: DataParallel | None = None, start_batch: int = 0, pending=()):
+                   parallel: DataParallel | None = None, start_batch: int = 0, pending=(),
+                   value_head=None):
     """This process's share of every global batch, each row sampled from its own stream.
 
     A sampler with weights of its own (vLLM, Ray workers, a copy) gets the trainer's through the
     collector's ``update_weights(version)`` (:class:`SyncedCollector`, :class:`AsyncCollector`).
     A resumed run starts at batch ``start_batch`` (= iterations done), after the ``pending``
     batches its asynchronous collector had sampled ahead (saved in the checkpoint).
+
+    ``value_head``: a shared-trunk critic's head; where ``policy`` itself samples (the
+    transformers backend without a copy: no ``overlap`` > 0, no Ray workers), the rollouts carry
+    the values read off the sampling pass (:class:`~rlhf_torchrl.sampling.ValueRecorder`).
+    Elsewhere the critic computes them (a copy or another engine holds no value head).
     """
     if pending and spec.overlap is None:
         raise ConfigError(f"The checkpoint holds {len(pending)} batches sampled ahead "
@@ -136,6 +142,7 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
             record_log_probs=True, record_entropy=spec.record_entropy, device=device,
             autocast_dtype=torch_dtype(spec.autocast_dtype) if spec.autocast_dtype else None,
             samples_per_prompt=spec.samples_per_prompt,
+            value_head=value_head if sampling_model is policy else None,
         )
         gen_policy.generate_kwargs.update(parallel.generate_kwargs())
     local = spec.batch_size // world

@@ -175,6 +175,18 @@ def autocast_dtype(cfg: DictConfig) -> torch.dtype | None:
     return torch_dtype(cfg.model.autocast) if cfg.model.autocast else None
 
 
+def values_from_sampling(cfg: DictConfig, parallel: DataParallel, *, critic: bool) -> bool:
+    """Whether a shared-trunk critic's old values are read off the sampling pass
+    (:class:`~rlhf_torchrl.sampling.ValueRecorder`): when the old log-probs are recorded while
+    sampling and the trained model itself samples (the transformers backend, no copy under
+    ``collection.overlap`` > 0, no Ray workers, no FSDP2, whose shared trunk runs inside the
+    sharded model). Elsewhere the critic computes them."""
+    c = cfg.collection
+    return (critic and cfg.value_model.init == "shared" and log_probs_from_sampling(cfg)
+            and cfg.generation.backend == "transformers" and not parallel.fsdp
+            and not c.ray_workers and not c.overlap)
+
+
 def log_probs_from_sampling(cfg: DictConfig) -> bool:
     """Old log-probs recorded while sampling, or recomputed (:func:`rlhf_torchrl.sampling.log_probs_from_sampling`)."""
     from ..sampling import log_probs_from_sampling as from_sampling
@@ -342,11 +354,12 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
     )
 
 
-def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids):
+def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids, with_values: bool = False):
     """Two rollout rows on real prompts (one response that stopped, one cut short), no model needed:
-    every reward is called on it before any model is loaded."""
+    every reward is called on it before any model is loaded. ``with_values``: the rollouts will
+    carry values read off the sampling pass (:func:`values_from_sampling`)."""
     return probe_rollout(prompts[:2], tokenizer, ["", "I really liked it."], stop_token_ids=stop_ids,
-                         with_log_probs=True)
+                         with_log_probs=True, with_values=with_values)
 
 
 def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device) -> Scorer:
@@ -631,9 +644,10 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     tokenizer = make_tokenizer(cfg)
     prompts, held_out = split_eval_prompts(cfg, make_prompts(cfg, tokenizer))
     stop_ids = stop_token_ids(cfg, tokenizer)
-    scorer = make_scorer(cfg, reward_functions, device)
-    scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids))
     advantage = advantage if advantage is not None else make_advantage(cfg)
+    values_sampled = values_from_sampling(cfg, parallel, critic=needs_critic(advantage))
+    scorer = make_scorer(cfg, reward_functions, device)
+    scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids, with_values=values_sampled))
     policy, reference, critic = make_models(cfg, tokenizer, device, critic=needs_critic(advantage))
     # FSDP2 shards the models before the optimiser sees their parameters (no-op otherwise)
     parallel.shard(policy, reference, *(critic.modules_to_shard() if critic is not None else ()),
@@ -646,7 +660,8 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     trainer = PPOTrainer(
         # built when the run starts, at the batch the checkpoint stopped at
         collector=functools.partial(_collector_factory, collector_spec(cfg, stop_ids), prompts,
-                                    tokenizer, policy, device, parallel),
+                                    tokenizer, policy, device, parallel,
+                                    critic.head if values_sampled else None),
         scorer=scorer, actor=actor, reference=ref_actor, critic=critic, shaper=make_shaper(cfg),
         advantage=advantage, reward_transform=reward_transform, loss_module=loss_module, optimizer=optimizer,
         scheduler=scheduler, grad_scaler=make_grad_scaler(cfg, device),
@@ -698,10 +713,10 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     return trainer
 
 
-def _collector_factory(spec, prompts, tokenizer, policy, device, parallel, start_batch: int,
-                       pending):
+def _collector_factory(spec, prompts, tokenizer, policy, device, parallel, value_head,
+                       start_batch: int, pending):
     return make_collector(spec, prompts, tokenizer, policy, device=device, parallel=parallel,
-                          start_batch=start_batch, pending=pending)
+                          start_batch=start_batch, pending=pending, value_head=value_head)
 
 
 def train(cfg: DictConfig) -> dict:

@@ -364,12 +364,15 @@ def evaluate_rollout(
     (:func:`~rlhf_torchrl.collectors.make_generation_policy` with ``record_log_probs``), are kept
     and the policy is not run, unless ``recompute_log_probs``: a shared-trunk critic then runs the
     trunk alone, without the LM head. Without recorded entropies the entropy is then the sample
-    estimate, whatever ``exact_entropy`` says (record them with ``record_entropy``).
+    estimate, whatever ``exact_entropy`` says (record them with ``record_entropy``). Values
+    recorded while sampling (``value_head``) are kept the same way, and then only the reference
+    runs; ``recompute_log_probs`` recomputes them too.
     """
     keys = rollout.keys(True)
     run_actor = recompute_log_probs or K.LOG_PROB not in keys
+    run_critic = critic is not None and (recompute_log_probs or K.VALUE not in keys)
     outputs: dict = {K.REF_LOG_PROB: []}
-    if critic is not None:
+    if run_critic:
         outputs[K.VALUE] = []
     if run_actor:
         outputs.update({K.LOG_PROB: [], K.ENTROPY: []})
@@ -380,7 +383,7 @@ def evaluate_rollout(
             outputs[K.LOG_PROB].append(log_prob)
             outputs[K.ENTROPY].append(dist.entropy() if exact_entropy else -log_prob)
             del dist  # free the (b, R, V) logits before the next forward
-        if critic is not None:  # takes a shared trunk's hidden states
+        if run_critic:  # takes a shared trunk's hidden states
             outputs[K.VALUE].append(critic(chunk).get(K.VALUE))
         outputs[K.REF_LOG_PROB].append(reference(chunk.clone(False)).get(reference.out_keys[0]))
     for key, parts in outputs.items():
