@@ -34,6 +34,7 @@ from .errors import ConfigError
 log = logging.getLogger(__name__)
 
 _BLOCK = 256
+_STEPS_PER_DRAW = 64  # per-row uniforms are drawn for this many steps at a time
 # generation_config entries that do not change which token is drawn
 _NEUTRAL_FIELDS = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id",
                    "transformers_version", "_from_model_config", "use_cache", "cache_implementation",
@@ -138,6 +139,8 @@ class InverseCDFSampler:
         self.generator = generator
         self._stream_seeds: list[int] | None = None
         self._streams: list[torch.Generator] | None = None
+        self._drawn: torch.Tensor | None = None  # (B, steps, 2) uniforms drawn ahead
+        self._next_step = 0
         self._log_probs: list[torch.Tensor] = []
         self._entropies: list[torch.Tensor] = []
 
@@ -145,10 +148,14 @@ class InverseCDFSampler:
         """Draw row ``i`` of the next generation from its own generator seeded with ``seeds[i]``
         (None: back to the shared ``generator``)."""
         self._stream_seeds = None if seeds is None else list(seeds)
-        self._streams = None
+        self._streams = self._drawn = None
 
     def _uniforms(self, n_rows: int, device: torch.device) -> torch.Tensor | None:
-        """(B, 2) fp64 uniforms in (0, 1], one pair per row from its stream; None without streams."""
+        """(B, 2) fp64 uniforms in (0, 1], one pair per row from its stream; None without streams.
+
+        Each row's stream is drawn ``_STEPS_PER_DRAW`` steps ahead in one call (B calls per 64
+        steps instead of B per step). A CPU generator fills a tensor serially, so the pairs are
+        those of one ``rand(2)`` per step: the same tokens either way."""
         if self._stream_seeds is None:
             return None
         if len(self._stream_seeds) != n_rows:
@@ -156,8 +163,14 @@ class InverseCDFSampler:
                              f"of {n_rows} rows: call set_streams with one seed per row.")
         if self._streams is None or self._streams[0].device != device:
             self._streams = [torch.Generator(device).manual_seed(s) for s in self._stream_seeds]
-        draws = [torch.rand(2, dtype=torch.float64, device=device, generator=g) for g in self._streams]
-        return 1.0 - torch.stack(draws)
+            self._drawn = None
+        if self._drawn is None or self._next_step == self._drawn.shape[1]:
+            self._drawn = torch.stack([
+                torch.rand(_STEPS_PER_DRAW, 2, dtype=torch.float64, device=device, generator=g)
+                for g in self._streams])
+            self._next_step = 0
+        self._next_step += 1
+        return 1.0 - self._drawn[:, self._next_step - 1]
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         logits = scores.float() / self.temperature  # (B, V)
