@@ -64,7 +64,8 @@ def make_samplers(backends, policy, tokenizer, args) -> dict:
 
         engine = make_vllm_engine(policy, tokenizer, max_model_len=args.max_prompt_tokens
                                   + max(args.lengths), kv_cache_gb=args.kv_cache_gb,
-                                  dtype=args.vllm_dtype, seed=0)
+                                  dtype=args.vllm_dtype, seed=0, device=args.device,
+                                  gpu_memory_utilization=args.gpu_memory_utilization)
         samplers["vllm"] = VLLMGenerator(engine, temperature=args.temperature)
         WeightSync(policy, samplers["vllm"])(0)
     return samplers
@@ -125,6 +126,9 @@ def main(argv=None) -> dict:
                         help="prompt room in the vLLM engine's context (max_model_len - longest response)")
     parser.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM's CPU KV cache")
     parser.add_argument("--vllm-dtype", default="float32")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                        help="vLLM's share of the GPU (CUDA)")
     add_runtime_args(parser)
     parser.add_argument("--json", default="benchmarks/results/backends.json")
     args = parser.parse_args(argv)
@@ -133,6 +137,7 @@ def main(argv=None) -> dict:
         args.backends = [b for b in args.backends if b != "vllm"]
     apply_runtime_args(args)
     tokenizer, policy, _ = build_models(args.model)
+    policy = policy.to(args.device)
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
     samplers = make_samplers(args.backends, policy, tokenizer, args)
 

@@ -14,7 +14,7 @@ import torch
 
 #: Model presets: a 2-layer 128-wide GPT-2 (the size TRL was measured at in issue 3) and the
 #: packaged SmolLM2-135M-Instruct. Both use SmolLM2's tokenizer.
-MODELS = ("tiny-gpt2", "tiny-llama", "smollm2")
+MODELS = ("tiny-gpt2", "tiny-llama", "smollm2", "qwen2-0.5b-shape")
 
 
 def build_models(name: str, seed: int = 0):
@@ -39,6 +39,15 @@ def build_models(name: str, seed: int = 0):
                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id)
         policy = disable_dropout(LlamaForCausalLM(config))
+    elif name == "qwen2-0.5b-shape":  # Qwen2.5-0.5B's shape, random weights (throughput only)
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864,
+                             num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                             max_position_embeddings=4096, tie_word_embeddings=True,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id)
+        policy = disable_dropout(Qwen2ForCausalLM(config))
     else:
         raise ValueError(f"Unknown model {name!r}: choose one of {MODELS}.")
     reference = type(policy)(policy.config)

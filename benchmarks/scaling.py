@@ -42,6 +42,9 @@ VARIANTS = {
     "vllm": ["generation.backend=vllm"],
     "async": ["collection.overlap=1"],
     "async-vllm": ["generation.backend=vllm", "collection.overlap=1"],
+    # CUDA only (benchmarks/gpu_suite.py): the engine asleep while the trainer runs, or awake
+    "vllm-sleep": ["generation.backend=vllm", "vllm.sleep=true"],
+    "async-vllm-awake": ["generation.backend=vllm", "collection.overlap=1", "vllm.sleep=false"],
     "ray-1": ["collection.ray_workers=1"],
     "ray-2": ["collection.ray_workers=2"],
 }
@@ -59,7 +62,7 @@ def run_variant(name: str, args, out_dir: str) -> dict:
                  f"ppo.num_iterations={args.iterations}", f"ppo.batch_size={args.batch_size}",
                  f"generation.max_new_tokens={args.response_length}",
                  f"output_dir={out_dir}", f"hydra.run.dir={out_dir}", "logging.progress_bar=false",
-                 "logging.logger=null", "logging.save_model=false", "device=cpu",
+                 "logging.logger=null", "logging.save_model=false", f"device={args.device}",
                  "eval.every=0", "checkpoint.every=0",  # the training phases only
                  "optim.critic_warmup=0",  # (a warm-up iteration does the same work, at lr 0)
                  *VARIANTS[name],
@@ -82,7 +85,7 @@ def run_variant(name: str, args, out_dir: str) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
     steady = rows[1:] or rows
     out = {p: statistics.median(r[f"time/{p}"] for r in steady) for p in PHASES}
-    for extra in ("weight_sync", "tokens_per_second"):
+    for extra in ("weight_sync", "tokens_per_second", "sampling"):
         if f"time/{extra}" in steady[0]:
             out[extra] = statistics.median(r[f"time/{extra}"] for r in steady if f"time/{extra}" in r)
     out["peak_rss_mb"] = peak_kb / 1024
@@ -101,6 +104,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--response-length", type=int, default=10)
     parser.add_argument("--micro-batch-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (torchrun variants: a GPU each)")
     parser.add_argument("--json", default="benchmarks/results/scaling.json")
     parser.add_argument("overrides", nargs="*", help="more recipe overrides, e.g. ppo.num_mini_batches=2")
     args = parser.parse_args(argv)

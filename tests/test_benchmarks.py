@@ -63,3 +63,16 @@ def test_scaling_benchmark(tmp_path, tiny_llama_dir):
     for name, row in variants.items():
         assert row["total"] > 0 and row["update"] > 0 and row["peak_rss_mb"] > 50, name
     assert variants["two-processes"]["command"].startswith("torchrun")
+
+
+def test_gpu_suite_says_what_it_needs_without_a_gpu(capsys):
+    """Without CUDA the GPU suite names what it needs and the command to run, and times nothing."""
+    import gpu_suite
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("a GPU is visible: `python benchmarks/gpu_suite.py` runs for real")
+    assert gpu_suite.main([]) == {"skipped": "no CUDA GPU"}
+    assert "python benchmarks/gpu_suite.py" in capsys.readouterr().out

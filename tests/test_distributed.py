@@ -19,19 +19,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["ppo.num_iterations=2", "ppo.batch_size=8", "ppo.num_mini_batches=2",
         "ppo.forward_batch_size=4", "generation.max_new_tokens=6", "logging.progress_bar=false",
-        "data.limit=32", "optim.lr=1e-3", "threads=1", "logging.logger=null", "device=cpu",
+        "data.limit=32", "optim.lr=1e-3", "threads=1", "logging.logger=null",
         "eval.every=0", "optim.critic_warmup=0"]
 IGNORED = {"threads", "iteration"}  # and every time/* entry
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
 
 
-def _run(out: Path, model_dir: str, nproc: int, *overrides: str) -> list[dict]:
+def _run(out: Path, model_dir: str, nproc: int, *overrides: str, device: str = "cpu") -> list[dict]:
     launcher = ([sys.executable, str(ROOT / "recipes" / "ppo.py")] if nproc == 1 else
                 ["torchrun", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "recipes" / "ppo.py")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.run([*launcher, f"model.policy={model_dir}", f"output_dir={out}",
-                           f"hydra.run.dir={out}", *TINY, *overrides],
+                           f"hydra.run.dir={out}", f"device={device}", *TINY, *overrides],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -188,8 +188,8 @@ def make_generation_policy(
     """
     from transformers import LogitsProcessorList
 
-    from ..runtime import module_device
     from ..modules.lora import trunk
+    from ..runtime import module_device
     from ..sampling import (
         InverseCDFSampler,
         ValueRecorder,
