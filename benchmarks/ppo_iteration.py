@@ -3,14 +3,17 @@
 Ours: the library's pieces exactly as the recipe runs them (TorchRL env + collector, scoring,
 old/ref log-probs and values, KL shaping + GAE, ClipPPOLoss update through the replay buffer).
 Floor: the same shapes as bare model calls with nothing else (one ``generate`` with the same
-sampler; no-grad forwards of the reference with the sampled tokens' log-probs and of the policy's
-trunk for the values, or of the whole policy with ``--recompute-log-probs``; forward/backward/AdamW
-step per minibatch; the LM head only on response positions and the library's log-prob function
+sampler; no-grad forwards of the reference with the sampled tokens' log-probs (the old log-probs
+and the shared trunk's values come off the sampling pass, as in the recipe), and with
+``--recompute-log-probs`` of the whole policy too; forward/backward/AdamW step per minibatch; the LM head only on response positions and the library's log-prob function
 throughout, so the ratio is what the framework around the model calls costs). Also timed: plain
 ``generate(do_sample=True)`` (HF's multinomial sampler), what generation costs without ours. The
 three are measured alternately, iteration by iteration, and reported as medians after warm-up.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/ppo_iteration.py --model tiny-gpt2 --batch-size 16
+
+``--autocast bfloat16`` runs every model call of both sides under bf16 autocast (the old log-probs
+then recomputed, as the recipe does in bf16).
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ from rlhf_torchrl.sampling import InverseCDFSampler  # noqa: E402
 PHASES = ("generation", "scoring", "evaluation", "advantages", "update")
 
 
+def _autocast(args):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bfloat16")
+
+
 def run_ours(parts, rollouts, args) -> tuple[dict, object]:
     times: dict[str, float] = {}
     parts["policy"].eval()
@@ -69,7 +76,8 @@ def run_ours(parts, rollouts, args) -> tuple[dict, object]:
     with timer(times, "evaluation"):
         evaluate_rollout(rollout, actor=parts["actor"], reference=parts["ref"],
                          critic=parts["critic"], chunk_size=args.forward_batch_size,
-                         exact_entropy=not args.sample_entropy)
+                         exact_entropy=not args.sample_entropy,
+                         recompute_log_probs=args.recompute_log_probs)
     with timer(times, "advantages"):
         parts["gae"](parts["shaper"](rollout))
     # with --micro-batch-tokens the update runs both ways on the same rollout, in alternating order
@@ -100,15 +108,15 @@ def run_floor(parts, rollout, args) -> dict:
     times: dict[str, float] = {}
     sampling = {"max_new_tokens": args.response_length, "pad_token_id": tok.pad_token_id,
                 "eos_token_id": tok.eos_token_id}
-    with timer(times, "generation"), torch.no_grad():
-        sampler = InverseCDFSampler(args.temperature, record=not args.recompute_log_probs)
+    with timer(times, "generation"), torch.no_grad(), _autocast(args):
+        sampler = InverseCDFSampler(args.temperature)  # records, as the recipe always does
         out = policy.generate(prompts, attention_mask=prompt_mask, do_sample=False,
                               logits_processor=LogitsProcessorList([sampler]), **sampling)
         sampler.pop()
     generated = out[:, prompts.shape[1]:]
     times["response_tokens"] = float((generated != tok.pad_token_id).sum())
     times["tokens_per_second"] = times["response_tokens"] / times["generation"]
-    with timer(times, "hf_generate"), torch.no_grad():
+    with timer(times, "hf_generate"), torch.no_grad(), _autocast(args):
         out = policy.generate(prompts, attention_mask=prompt_mask, do_sample=True,
                               temperature=args.temperature, top_k=None, **sampling)
     times["hf_tokens_per_second"] = float((out[:, prompts.shape[1]:] != tok.pad_token_id).sum()) \
@@ -119,25 +127,22 @@ def run_floor(parts, rollout, args) -> dict:
     # the LM head only where it is needed (response positions), as any careful implementation does
     keep = torch.arange(prompts.shape[1] - 1, ids.shape[1] - 1)
     response = rollout.get(K.RESPONSE_TOKENS)
-    head = parts["critic"].head
-    with timer(times, "evaluation"), torch.no_grad():
+    with timer(times, "evaluation"), torch.no_grad(), _autocast(args):
         for i in range(0, ids.shape[0], args.forward_batch_size):
             rows = slice(i, i + args.forward_batch_size)
-            # the required outputs: the sampled tokens' log-probs (reference, and the policy's
-            # unless recorded while sampling) and the values (head on the policy's trunk)
+            # the required outputs: the sampled tokens' log-probs under the reference, and, unless
+            # recorded while sampling, the policy's and the values (its hidden states, one pass)
             for model in (policy, reference) if args.recompute_log_probs else (reference,):
                 logits = model(ids[rows], attention_mask=mask[rows], logits_to_keep=keep).logits
                 log_probs_from_logits(logits, response[rows], args.temperature)
-            if not args.recompute_log_probs:
-                hidden = policy.base_model(ids[rows], attention_mask=mask[rows]).last_hidden_state
-                head(hidden[:, keep])
     optimizer = parts["floor_optimizer"]
     mini = ids.shape[0] // args.minibatches
     with timer(times, "update"):
         for _ in range(args.epochs):
             for i in range(0, ids.shape[0], mini):
-                logits = policy(ids[i:i + mini], attention_mask=mask[i:i + mini],
-                                logits_to_keep=keep).logits
+                with _autocast(args):
+                    logits = policy(ids[i:i + mini], attention_mask=mask[i:i + mini],
+                                    logits_to_keep=keep).logits
                 loss = -log_probs_from_logits(logits, response[i:i + mini], args.temperature).mean()
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -151,13 +156,15 @@ def build(args):
     tokenizer, policy, reference = build_models(args.model, seed=args.seed)
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}",
                            max_words=args.max_words or None)
-    critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared")
+    bf16 = torch.bfloat16 if args.autocast == "bfloat16" else None
+    critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared", autocast_dtype=bf16)
     env = make_generation_env(prompts, tokenizer, batch_size=args.batch_size, seed=args.seed)
     gen = make_generation_policy(policy, tokenizer, max_new_tokens=args.response_length,
-                                 temperature=args.temperature,
-                                 record_log_probs=not args.recompute_log_probs,
-                                 record_entropy=not args.sample_entropy)
-    actor = TokenLevelActor(policy, temperature=args.temperature,
+                                 temperature=args.temperature, record_log_probs=True,
+                                 record_entropy=not args.sample_entropy, autocast_dtype=bf16,
+                                 # the shared trunk's old values off the sampling pass (the recipe's)
+                                 value_head=None if args.recompute_log_probs else critic.head)
+    actor = TokenLevelActor(policy, temperature=args.temperature, autocast_dtype=bf16,
                             trunk_critic=None if args.no_trunk_handoff else critic)
     loss = make_ppo_loss(actor, critic)
     return {
@@ -165,7 +172,8 @@ def build(args):
         "collector": RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=args.batch_size),
         "scorer": Scorer({"vader": (vader_sentiment, 1.0)}),
         "actor": actor,
-        "ref": TokenLevelActor(reference, temperature=args.temperature, out_key=K.REF_LOG_PROB),
+        "ref": TokenLevelActor(reference, temperature=args.temperature, out_key=K.REF_LOG_PROB,
+                               autocast_dtype=bf16),
         "shaper": KLRewardShaper(make_kl_controller(0.05)), "gae": ResponseGAE(), "loss": loss,
         "optimizer": torch.optim.AdamW(loss.parameters(), lr=1e-6, fused=True),
         # lr=0: the floor pays for a full AdamW step but leaves the weights to ours
@@ -190,6 +198,8 @@ def main(argv=None) -> dict:
                         help="log the free sample estimate of the entropy instead of the exact one")
     parser.add_argument("--recompute-log-probs", action="store_true",
                         help="old log-probs from a policy forward instead of recorded while sampling")
+    parser.add_argument("--autocast", choices=["none", "bfloat16"], default="none",
+                        help="bf16 autocast for every model call (implies --recompute-log-probs)")
     parser.add_argument("--no-trunk-handoff", action="store_true",
                         help="the shared-trunk critic runs the trunk itself (no hidden-state handoff)")
     parser.add_argument("--max-words", type=int, default=8,
@@ -200,6 +210,8 @@ def main(argv=None) -> dict:
     add_runtime_args(parser)
     parser.add_argument("--json", default="benchmarks/results/ppo_iteration.json")
     args = parser.parse_args(argv)
+    # bf16 decoding and the training forward round differently: the recipe recomputes there
+    args.recompute_log_probs = args.recompute_log_probs or args.autocast == "bfloat16"
     apply_runtime_args(args)
     parts = build(args)
     rollouts = iter(parts["collector"])
@@ -226,7 +238,8 @@ def main(argv=None) -> dict:
                  f"{floor['tokens_per_second'] / ours['tokens_per_second']:.2f}x"])
     rows.append(["HF generate, multinomial", f"{ours['generation']:.3f}",
                  f"{floor['hf_generate']:.3f}", f"{ours['generation'] / floor['hf_generate']:.2f}x"])
-    print(f"\nPPO iteration, {args.model}, batch {args.batch_size}, response {args.response_length}, "
+    print(f"\nPPO iteration, {args.model} ({args.autocast if args.autocast != 'none' else 'fp32'}), "
+          f"batch {args.batch_size}, response {args.response_length}, "
           f"{args.epochs} epoch(s) x {args.minibatches} minibatch(es), {args.threads} threads, "
           f"median of {args.iterations} after {args.warmup} warm-up")
     print(table(rows, ["phase", "ours (s)", "floor (s)", "ours/floor"]))
