@@ -76,3 +76,27 @@ def test_gpu_suite_says_what_it_needs_without_a_gpu(capsys):
         pytest.skip("a GPU is visible: `python benchmarks/gpu_suite.py` runs for real")
     assert gpu_suite.main([]) == {"skipped": "no CUDA GPU"}
     assert "python benchmarks/gpu_suite.py" in capsys.readouterr().out
+
+
+def test_estimators_table_reads_the_runs(tmp_path, capsys):
+    """One row per finished run (an unfinished one is left out), the mean over seeds, the median
+    iteration and the peak RSS of `/usr/bin/time -v`."""
+    import estimators_table
+
+    for seed, (after, seconds) in enumerate([(0.5, [30.0, 31.0, 300.0]), (0.3, [32.0, 33.0, 34.0])]):
+        run = tmp_path / f"arithmetic_rloo_{seed}"
+        run.mkdir()
+        (run / "report.json").write_text(json.dumps({
+            "eval_before": {"eval/accuracy": 0.25, "eval/distinct_2": 0.4},
+            "eval_after": {"eval/accuracy": after, "eval/distinct_2": 0.5}, "final_kl": 2.0}))
+        (run / "metrics.jsonl").write_text("".join(
+            json.dumps({"objective/scores": 0.1 * i, "time/total": s, "group/equal_score_frac": 0.5})
+            + "\n" for i, s in enumerate(seconds)))
+        (tmp_path / f"arithmetic_rloo_{seed}.time").write_text(
+            "\tMaximum resident set size (kbytes): 5242880\n")
+    (tmp_path / "arithmetic_gae_0").mkdir()  # still running: no report yet
+    results = estimators_table.main(["--task", "arithmetic", "--out", str(tmp_path)])
+    assert results["gae"] == {} and sorted(results["rloo"]) == [0, 1]
+    assert results["rloo"][0]["seconds"] == 31.0 and results["rloo"][0]["peak_gib"] == 5.0
+    out = capsys.readouterr().out
+    assert "| rloo | 0 | 0.250 -> 0.500 |" in out and "**0.400** ± 0.141" in out

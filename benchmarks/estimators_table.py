@@ -1,0 +1,81 @@
+"""The table of ``benchmarks/estimators.sh``'s runs: one row per run, then the mean over seeds.
+
+Reads ``<out>/<task>_<estimator>_<seed>/`` (``report.json``, ``metrics.jsonl``) and
+``<out>/<task>_<estimator>_<seed>.time`` (``/usr/bin/time -v``'s peak RSS). The held-out figure
+is ``eval/accuracy`` on arithmetic and ``eval/score`` elsewhere; seconds per iteration are the
+median ``time/total`` (an iteration with an evaluation, or one paused, does not move it).
+
+    python benchmarks/estimators_table.py --task arithmetic --out outputs/estimators
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+
+ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
+
+
+def run_figures(path: str, held_out: str) -> dict:
+    report = json.load(open(os.path.join(path, "report.json")))
+    rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
+    peak = None
+    if os.path.exists(path + ".time"):
+        match = re.search(r"Maximum resident set size \(kbytes\): (\d+)", open(path + ".time").read())
+        peak = int(match.group(1)) / 2**20 if match else None
+    quarter = max(1, len(rows) // 4)
+    return {
+        "before": report["eval_before"][held_out], "after": report["eval_after"][held_out],
+        "train_first": statistics.fmean(r["objective/scores"] for r in rows[:quarter]),
+        "train_last": statistics.fmean(r["objective/scores"] for r in rows[-quarter:]),
+        "kl": report["final_kl"],  # over the last quarter, as the training score
+        "distinct_2": report["eval_after"]["eval/distinct_2"],
+        "seconds": statistics.median(r["time/total"] for r in rows),
+        "peak_gib": peak,
+        "equal_groups": (statistics.fmean(r["group/equal_score_frac"] for r in rows)
+                         if "group/equal_score_frac" in rows[0] else None),
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--task", default="arithmetic")
+    parser.add_argument("--out", default="outputs/estimators")
+    args = parser.parse_args(argv)
+    held_out = "eval/accuracy" if args.task == "arithmetic" else "eval/score"
+    print(f"| estimator | seed | held-out {held_out.split('/')[1]} | training score, first -> last "
+          "quarter | KL at the end | held-out distinct-2 | s/iteration (median) | peak RSS |")
+    print("|---|---|---|---|---|---|---|---|")
+    results = {}
+    for estimator in ESTIMATORS:
+        runs = []
+        for name in sorted(os.listdir(args.out)):
+            match = re.fullmatch(rf"{args.task}_{estimator}_(\d+)", name)
+            path = os.path.join(args.out, name)
+            if match and os.path.exists(os.path.join(path, "report.json")):
+                runs.append((int(match.group(1)), run_figures(path, held_out)))
+        results[estimator] = dict(runs)
+        for seed, f in runs:
+            rss = f"{f['peak_gib']:.2f} GiB" if f["peak_gib"] else "-"
+            print(f"| {estimator} | {seed} | {f['before']:.3f} -> {f['after']:.3f} | "
+                  f"{f['train_first']:.3f} -> {f['train_last']:.3f} | {f['kl']:.2f} | "
+                  f"{f['distinct_2']:.2f} | {f['seconds']:.1f} | {rss} |")
+        if len(runs) > 1:
+            def mean(key, runs=runs):
+                return statistics.fmean(f[key] for _, f in runs)
+
+            def spread(key, runs=runs):
+                return statistics.stdev(f[key] for _, f in runs)
+
+            print(f"| **{estimator}, mean of {len(runs)}** | | {mean('before'):.3f} -> "
+                  f"**{mean('after'):.3f}** ± {spread('after'):.3f} | {mean('train_first'):.3f} -> "
+                  f"{mean('train_last'):.3f} | {mean('kl'):.2f} | {mean('distinct_2'):.2f} | "
+                  f"{mean('seconds'):.1f} | |")
+    return results
+
+
+if __name__ == "__main__":
+    main()
