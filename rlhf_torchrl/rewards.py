@@ -37,24 +37,29 @@ RewardFn = Callable[..., Sequence[float]]
 
 def load_reward_function(path: str) -> RewardFn:
     """Import ``package.module.function`` (or ``package.module:function``)."""
+    return load_callable(path, what="Reward function")
+
+
+def load_callable(path: str, *, what: str = "Function") -> Callable:
+    """Import ``package.module.name`` (or ``package.module:name``); ``what`` names it in errors."""
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(
-            f"Reward function {path!r} is not a dotted path: write it as "
+            f"{what} {path!r} is not a dotted path: write it as "
             "'package.module.function' (or 'package.module:function')."
         )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise MissingDependencyError(
-            f"Reward function {path!r}: cannot import module {module_name!r} ({e}). "
+            f"{what} {path!r}: cannot import module {module_name!r} ({e}). "
             "Is the package installed and on PYTHONPATH?"
         ) from e
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
-        raise MissingDependencyError(f"Reward function {path!r}: module {module_name!r} has no callable {attr!r}.")
+        raise MissingDependencyError(f"{what} {path!r}: module {module_name!r} has no callable {attr!r}.")
     return fn
 
 

@@ -214,3 +214,15 @@ def test_llm_collector_serves_the_loaders_first_batch_first(llama, tokenizer):
     first = next(iter(collector)).reshape(-1).get(("text", "prompt")).tolist()
     collector.shutdown()
     assert "\na<" in first[0] and "\nb<" in first[1], first
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="TorchRL's PythonInterpreter runs the policy's code in a plain subprocess: "
+                   "no memory or CPU limit, network and subprocesses allowed, the caller's "
+                   "environment inherited; rlhf_torchrl.tools.python is the sandboxed replacement")
+def test_python_interpreter_sandboxes_the_policys_code():
+    from torchrl.envs.llm.transforms import PythonInterpreter
+
+    interpreter = PythonInterpreter(timeout=5.0)
+    result = interpreter._execute_python_code("import socket; socket.socket(); print('opened')", 0)
+    assert not result["success"], result
