@@ -245,6 +245,21 @@ def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = N
     return logsumexp - (torch.softmax(logits, -1) * logits).sum(-1)
 
 
+def packing_order(mask: torch.Tensor) -> torch.Tensor:
+    """(B, R) int64: per row, the positions of the valid tokens in order, then the others.
+
+    ``x.gather(1, order)`` packs each row's valid tokens to the left (a multi-turn response
+    has observation tokens between the policy's turns); :func:`unpack` puts them back. For a
+    right-padded mask the order is the identity.
+    """
+    return torch.sort((~mask.bool()).to(torch.uint8), dim=1, stable=True).indices
+
+
+def unpack(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``x_packed = x.gather(1, order)``."""
+    return torch.zeros_like(x).scatter_(1, order, x)
+
+
 def gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -258,11 +273,18 @@ def gae(
     ``A_t = delta_t + gamma * lmbda * (1 - done_t) * A_{t+1}``, with ``done`` true at the last
     valid token (the episode ends there; nothing is bootstrapped past it). Returns
     ``(advantages, returns)`` with ``returns = advantages + values``, zero outside the mask.
-    A thin layer over TorchRL's ``generalized_advantage_estimate``.
+    A thin layer over TorchRL's ``generalized_advantage_estimate``. The steps are the valid
+    tokens in order: where the mask has holes (the observation tokens of a multi-turn episode),
+    ``t + 1`` is the policy's next token, after the hole.
 
     Shapes: ``rewards``, ``values``, ``mask``: (B, R). Returns two (B, R) tensors.
     """
     mask = mask.bool()
+    order = packing_order(mask)
+    if not torch.equal(order, torch.arange(mask.shape[1], device=mask.device).expand_as(order)):
+        adv, returns = gae(rewards.gather(1, order), values.gather(1, order), mask.gather(1, order),
+                           gamma, lmbda)
+        return unpack(adv, order), unpack(returns, order)
     values = torch.where(mask, values, torch.zeros_like(values))
     rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
     done = last_token_mask(mask) | ~mask  # pads are terminal too: they never feed back into valid tokens
@@ -288,7 +310,9 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0)
     at its last valid token); ``G_0`` is the row's whole return. A thin layer over TorchRL's
     ``reward2go``.
 
-    Shapes: ``rewards``, ``mask`` (B, R). Returns (B, R), zero outside the mask.
+    Shapes: ``rewards``, ``mask`` (B, R). Returns (B, R), zero outside the mask. Holes in the
+    mask (a multi-turn episode's observation tokens) are skipped: the sum runs over the valid
+    tokens, discounted by their count.
 
     Example:
         >>> returns_to_go(torch.tensor([[0.1, 0.2, 1.0, 9.0]]), torch.tensor([[1, 1, 1, 0]]))
@@ -297,6 +321,9 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0)
     from torchrl.objectives.value.functional import reward2go
 
     mask = mask.bool()
+    order = packing_order(mask)
+    if not torch.equal(order, torch.arange(mask.shape[1], device=mask.device).expand_as(order)):
+        return unpack(returns_to_go(rewards.gather(1, order), mask.gather(1, order), gamma), order)
     rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
     done = last_token_mask(mask) | ~mask
     out = reward2go(rewards.unsqueeze(-1), done.unsqueeze(-1), gamma, time_dim=-2).reshape(mask.shape)

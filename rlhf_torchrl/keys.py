@@ -20,6 +20,11 @@ RESPONSE_TOKENS = ("tokens", "response")
 RESPONSE_MASK = ("masks", "response")
 # (B,) bool, True where the response emitted the stop token.
 HAS_STOP = ("masks", "has_stop_token")
+# (B, R) bool, multi-turn episodes: True on the response-width tokens the environment wrote (tool
+# results, the chat template's turn headers), which the policy reads but did not generate. The
+# model attends to RESPONSE_MASK | OBSERVATION_MASK; PPO's loss, the KL, the entropy and GAE use
+# RESPONSE_MASK alone. Absent (or all False) in single-response episodes.
+OBSERVATION_MASK = ("masks", "observation")
 
 # Decoded text, one string per row (non-tensor data). The prompt as the policy read it (chat
 # template applied); the response without special tokens.
@@ -51,6 +56,9 @@ KL = ("kl", "response")
 # (B, R) float32: exact entropy of the sampling distribution at each response token.
 ENTROPY = ("entropy", "response")
 
+# (B, R) float32, multi-turn episodes: rewards the tools gave (a tool's outcome), each at the last
+# token of the assistant turn that made the call; added to the per-token reward.
+TURN_REWARD = "turn_reward"
 # (B,) float32: combined sequence-level score (reward model and/or reward functions, EOS penalty).
 SCORE = "score"
 # (B,) float32: score before the missing-EOS penalty and any whitening/clipping.

@@ -200,7 +200,9 @@ def trim_padding(td: TensorDictBase) -> TensorDictBase:
     padding only shifts nothing (position ids count from the first real token) and right padding
     is never attended to, so a trimmed batch gives the same log-probs and values on its tokens.
     """
-    prompt_mask, response_mask = td.get(K.PROMPT_MASK), td.get(K.RESPONSE_MASK)
+    from .modules.actor_critic import response_attention
+
+    prompt_mask, response_mask = td.get(K.PROMPT_MASK), response_attention(td)
     p_width, r_width = prompt_mask.shape[1], response_mask.shape[1]
     # at least one column each (a prompt predicts the first response token)
     p_keep = max(p_width - int(prompt_mask.any(0).long().argmax()), 1)  # from the first real column
@@ -322,6 +324,7 @@ def ppo_update(
     """
     from .distributed import DataParallel
     from .guards import NonFiniteError
+    from .modules.actor_critic import response_attention
     from .optim import clip_grad_norm
 
     parallel = parallel or DataParallel()
@@ -355,7 +358,7 @@ def ppo_update(
         start = sum(shares[:rank])
         mine = minibatch[start : start + shares[rank]]  # this process's slice (maybe no rows)
         if micro_batch_tokens:
-            masks = mine.get(K.PROMPT_MASK), mine.get(K.RESPONSE_MASK)
+            masks = mine.get(K.PROMPT_MASK), response_attention(mine)  # every attended token
             parts = token_budget_split(*masks, micro_batch_tokens)
             busiest = parallel.max_int(len(parts))  # every process runs as many micro-batches
             if busiest > len(parts):

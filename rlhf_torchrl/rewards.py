@@ -346,7 +346,9 @@ class KLRewardShaper(TensorDictModuleBase):
     ``r[t] = -kl_coef * KL[t] + score * [t == last]``. Optionally whitens (``whiten_scores``, mean
     kept) and clips (``score_clip``) the scores first. Writes ``("kl", "response")`` (B, R),
     ``("next", "reward")``, ``("next", "non_score_reward")``, ``("next", "done")``,
-    ``("next", "terminated")`` (B, R, 1), ready for GAE.
+    ``("next", "terminated")`` (B, R, 1), ready for GAE. A multi-turn rollout's
+    ``"turn_reward"`` (B, R) (the tools' rewards, each at the last token of its turn) is added to
+    the reward.
 
     Unlike TorchRL's ``KLRewardTransform``, the score enters once, at the last response token, and
     nothing is put on prompt tokens.
@@ -381,6 +383,9 @@ class KLRewardShaper(TensorDictModuleBase):
             score = score.clamp(-self.score_clip, self.score_clip)
         kl = F.kl_estimate(td.get(K.LOG_PROB), td.get(K.REF_LOG_PROB), self.kl_estimator) * mask
         reward, non_score = F.per_token_rewards(score, kl, mask, self.kl_coef)
+        turn_reward = td.get(K.TURN_REWARD, None)
+        if turn_reward is not None:  # a multi-turn episode: the tools' rewards, turn by turn
+            reward = reward + torch.where(mask, turn_reward, torch.zeros_like(turn_reward))
         done = F.last_token_mask(mask).unsqueeze(-1)
         td.set(K.KL, kl)
         td.set(K.REWARD, reward.unsqueeze(-1))

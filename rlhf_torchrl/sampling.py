@@ -330,7 +330,9 @@ def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3,
             "'response')): build the generation policy with record_log_probs=True."
         )
     check_values = critic is not None and K.VALUE in rollout.keys()
-    rows = rollout[:num_rows].select(*actor.in_keys, K.LOG_PROB,
+    from .modules.actor_critic import model_input_keys
+
+    rows = rollout[:num_rows].select(*model_input_keys(rollout), K.LOG_PROB,
                                      *([K.VALUE] if check_values else [])).clone()
     recorded = rows.get(K.LOG_PROB)
     recomputed = actor.get_dist(rows).log_prob(rows.get(K.RESPONSE_TOKENS))

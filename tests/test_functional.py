@@ -176,3 +176,29 @@ def test_log_probs_are_exact_fp32_from_bf16_logits():
     (want * weights).sum().backward()
     assert logits.grad.dtype == torch.bfloat16
     torch.testing.assert_close(logits.grad.float(), upcast.grad.bfloat16().float(), atol=1e-6, rtol=0)
+
+
+def test_gae_and_returns_to_go_skip_the_holes_of_a_multi_turn_mask():
+    """Observation tokens between two turns are not steps: GAE and returns-to-go over a mask with
+    holes equal those over the same valid tokens packed together, and are 0 in the holes."""
+    from rlhf_torchrl.functional import gae, packing_order, returns_to_go, unpack
+
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 1, 0, 0], [1, 1, 1, 0, 0, 0, 0]]).bool()
+    rewards, values = torch.randn(3, 7), torch.randn(3, 7)
+    order = packing_order(mask)
+    packed = mask.gather(1, order)
+    assert packed.tolist() == [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0]]
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lmbda=0.8)
+    adv_p, ret_p = gae(rewards.gather(1, order), values.gather(1, order), packed, 0.9, 0.8)
+    torch.testing.assert_close(adv, unpack(adv_p, order))
+    torch.testing.assert_close(ret, unpack(ret_p, order))
+    assert (adv[~mask] == 0).all() and (ret[~mask] == 0).all()
+    # by hand, row 1: valid tokens at 0, 2, 4 (gamma 0.9): G_0 = r0 + 0.9 r2 + 0.81 r4
+    g = returns_to_go(rewards, mask, gamma=0.9)
+    r = rewards[1]
+    torch.testing.assert_close(g[1, 0], r[0] + 0.9 * r[2] + 0.81 * r[4])
+    torch.testing.assert_close(g[1, 2], r[2] + 0.9 * r[4])
+    assert (g[~mask] == 0).all()
+    # a right-padded mask is left as it is
+    assert torch.equal(packing_order(mask[2:]), torch.arange(7).expand(1, 7))

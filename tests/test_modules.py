@@ -341,3 +341,44 @@ def test_gradient_checkpointing_gives_the_same_gradients(init, tiny_llama_dir, t
     assert len(grads[0]) == len(grads[1]) > 0
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_gpt2_dir"])
+def test_multi_turn_rows_attend_to_their_observation_tokens(model_dir, tokenizer, request):
+    """A response of two turns with a tool's output between them: the policy's tokens get the
+    log-probs and values of one unpadded forward over the whole conversation (the observation
+    tokens attended to, never trained on: 0 there); without the observation mask they would not."""
+    model = load_causal_lm(request.getfixturevalue(model_dir), tokenizer)
+    pad = tokenizer.pad_token_id
+    prompts = [[5, 6, 7, 8], [11, 12]]
+    turns = [([20, 21], [30, 31, 32], [22]), ([23], [33], [24, 25])]  # turn, observation, turn
+    rows = [a + o + b for a, o, b in turns]
+    R = max(map(len, rows))
+    pt, pm = torch.full((2, 4), pad), torch.zeros(2, 4, dtype=torch.bool)
+    rt, rm = torch.full((2, R), pad), torch.zeros(2, R, dtype=torch.bool)
+    om = torch.zeros(2, R, dtype=torch.bool)
+    for i, (p, (a, o, _)) in enumerate(zip(prompts, turns)):
+        pt[i, 4 - len(p):], pm[i, 4 - len(p):] = torch.tensor(p), True
+        rt[i, : len(rows[i])] = torch.tensor(rows[i])
+        rm[i, : len(a)] = rm[i, len(a) + len(o): len(rows[i])] = True
+        om[i, len(a): len(a) + len(o)] = True
+    td = TensorDict({K.PROMPT_TOKENS: pt, K.PROMPT_MASK: pm, K.RESPONSE_TOKENS: rt,
+                     K.RESPONSE_MASK: rm, K.OBSERVATION_MASK: om}, batch_size=[2])
+    critic = make_critic(policy=model, tokenizer=tokenizer, init="shared")
+    torch.nn.init.normal_(critic.head.weight)
+    actor = TokenLevelActor(model, temperature=0.7, trunk_critic=critic)
+    out = evaluate_rollout(td.clone(), actor=actor, reference=actor, critic=critic, chunk_size=1)
+    for i in range(2):
+        expected = _unpadded_log_probs(model, prompts[i], rows[i], 0.7)
+        got = out.get(K.LOG_PROB)[i, : len(rows[i])]
+        torch.testing.assert_close(got[rm[i, : len(rows[i])]], expected[rm[i, : len(rows[i])]],
+                                   atol=1e-5, rtol=0)
+        assert (out.get(K.LOG_PROB)[i][~rm[i]] == 0).all()
+        with torch.no_grad():
+            hidden = model.base_model(torch.tensor([prompts[i] + rows[i]])).last_hidden_state[0]
+            values = critic.head(hidden).squeeze(-1)[len(prompts[i]) - 1 :]  # state before each
+        torch.testing.assert_close(out.get(K.VALUE)[i, : len(rows[i]), 0][rm[i, : len(rows[i])]],
+                                   values[: len(rows[i])][rm[i, : len(rows[i])]], atol=1e-5, rtol=0)
+    blind = evaluate_rollout(td.exclude(K.OBSERVATION_MASK), actor=actor, reference=actor,
+                             critic=critic, chunk_size=2)
+    assert not torch.allclose(blind.get(K.LOG_PROB)[rm], out.get(K.LOG_PROB)[rm], atol=1e-3)

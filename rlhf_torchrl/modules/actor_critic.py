@@ -31,14 +31,33 @@ from ..errors import ConfigError
 from ..runtime import autocast
 
 _IN_KEYS = [K.PROMPT_TOKENS, K.PROMPT_MASK, K.RESPONSE_TOKENS, K.RESPONSE_MASK]
+_OPTIONAL_IN_KEYS = [K.OBSERVATION_MASK]  # multi-turn episodes: tokens the environment wrote
+
+
+def response_attention(td: TensorDictBase) -> torch.Tensor:
+    """(B, R) bool: the response-width tokens the model attends to, the policy's
+    (``("masks", "response")``) and, in a multi-turn episode, the environment's
+    (``("masks", "observation")``)."""
+    mask = td.get(K.RESPONSE_MASK)
+    observed = td.get(K.OBSERVATION_MASK, None)
+    return mask if observed is None else mask | observed
+
+
+def model_input_keys(td: TensorDictBase) -> list:
+    """The keys :func:`model_inputs` reads that ``td`` has."""
+    keys = td.keys(True)
+    return [*_IN_KEYS, *(k for k in _OPTIONAL_IN_KEYS if k in keys)]
 
 
 def model_inputs(td: TensorDictBase) -> dict[str, torch.Tensor]:
     """``input_ids``, ``attention_mask`` and ``position_ids`` of ``[prompt | response]``.
 
+    The response part attends to the policy's tokens and, in a multi-turn episode, the
+    observation tokens between its turns (:func:`response_attention`).
+
     Shapes: (B, P + R) each.
     """
-    attention_mask = torch.cat([td.get(K.PROMPT_MASK), td.get(K.RESPONSE_MASK)], dim=1).long()
+    attention_mask = torch.cat([td.get(K.PROMPT_MASK), response_attention(td)], dim=1).long()
     return {
         "input_ids": torch.cat([td.get(K.PROMPT_TOKENS), td.get(K.RESPONSE_TOKENS)], dim=1),
         "attention_mask": attention_mask,
@@ -376,7 +395,7 @@ def evaluate_rollout(
         outputs[K.VALUE] = []
     if run_actor:
         outputs.update({K.LOG_PROB: [], K.ENTROPY: []})
-    for chunk in rollout.select(*_IN_KEYS).split(chunk_size):
+    for chunk in rollout.select(*model_input_keys(rollout)).split(chunk_size):
         if run_actor:
             dist = actor.get_dist(chunk)
             log_prob = dist.log_prob(chunk.get(K.RESPONSE_TOKENS))
