@@ -59,6 +59,13 @@ ENTROPY = ("entropy", "response")
 # (B, R) float32, multi-turn episodes: rewards the tools gave (a tool's outcome), each at the last
 # token of the assistant turn that made the call; added to the per-token reward.
 TURN_REWARD = "turn_reward"
+# (B,) int64, multi-turn episodes: assistant turns, tool calls made, tool calls that failed (an
+# error or a timeout), and why the episode ended (an index into
+# rlhf_torchrl.collectors.multiturn.END_REASONS).
+TURNS = ("episode", "turns")
+TOOL_CALLS = ("episode", "tool_calls")
+TOOL_ERRORS = ("episode", "tool_errors")
+EPISODE_END = ("episode", "end")
 # (B,) float32: combined sequence-level score (reward model and/or reward functions, EOS penalty).
 SCORE = "score"
 # (B,) float32: score before the missing-EOS penalty and any whitening/clipping.

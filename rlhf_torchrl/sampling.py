@@ -79,16 +79,18 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:]).squeeze(1)
 
 
-def row_stream_seeds(seed: int, batch: int, rows: range | list[int]) -> list[int]:
-    """One 63-bit seed per prompt row, from (run seed, batch index, global row index).
+def row_stream_seeds(seed: int, batch: int, rows: range | list[int], turn: int = 0) -> list[int]:
+    """One 63-bit seed per prompt row, from (run seed, batch index, global row index) and, after a
+    multi-turn episode's first turn, the turn.
 
     The random stream a row's tokens are drawn with then depends on which prompt of which batch it
     is, never on which process drew it or which rows share its batch: a run is world-size invariant.
     """
     import numpy as np
 
-    return [int(np.random.SeedSequence([seed, batch, row]).generate_state(2, np.uint64)[0] >> 1)
-            for row in rows]
+    entropy = [seed, batch] if not turn else [seed, batch, turn]
+    return [int(np.random.SeedSequence([*entropy[:2], row, *entropy[2:]])
+                .generate_state(2, np.uint64)[0] >> 1) for row in rows]
 
 
 class InverseCDFSampler:

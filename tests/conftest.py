@@ -69,6 +69,39 @@ def stopping_llama_dir(tmp_path_factory, tokenizer) -> str:
     return _save_tiny(tmp_path_factory.mktemp("stopping_llama"), model, tokenizer)
 
 
+#: what tool_llama_dir was taught: a question it answers with a calculator call, then with the
+#: tool's result; and one it answers directly
+TOOL_QUESTION, TOOL_CALL, TOOL_RESULT = "Calculate 2 + 3.", '<tool name="calculator">2 + 3</tool>', "5"
+TOOL_ANSWER, PLAIN_QUESTION, PLAIN_ANSWER = "The answer is 5.", "Say hi.", "hi"
+
+
+@pytest.fixture(scope="session")
+def tool_llama_dir(tmp_path_factory, tokenizer) -> str:
+    """A tiny Llama taught (by a few hundred Adam steps on the two conversations) to call the
+    calculator for TOOL_QUESTION and answer with the tool's result, and to answer PLAIN_QUESTION
+    without a call: a real model that emits real tool calls, nearly always the taught ones."""
+    model = _tiny_llama(tokenizer, hidden_size=64, intermediate_size=128)
+    conversations = [
+        [{"role": "user", "content": TOOL_QUESTION}, {"role": "assistant", "content": TOOL_CALL},
+         {"role": "tool", "content": TOOL_RESULT}, {"role": "assistant", "content": TOOL_ANSWER}],
+        [{"role": "user", "content": PLAIN_QUESTION}, {"role": "assistant", "content": PLAIN_ANSWER}],
+    ]
+    batch = tokenizer.pad({"input_ids": [
+        tokenizer(tokenizer.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"]
+        for c in conversations]}, return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(250):
+        loss = model(**batch, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 0.016:  # log(2) / 71 of it is which question comes: the rest is learned
+            break
+    assert loss.item() < 0.03, loss.item()
+    return _save_tiny(tmp_path_factory.mktemp("tool_llama"), model.eval(), tokenizer)
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory, tokenizer) -> str:
     """A 2-layer GPT-2 (learned absolute positions) with the same tokenizer."""

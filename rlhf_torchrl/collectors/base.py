@@ -9,6 +9,7 @@ the dense layout of :mod:`rlhf_torchrl.keys` and truncates responses after the f
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Iterator, Sequence
@@ -245,34 +246,62 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
     value_recorder = None  # a ValueRecorder: values read off the sampling forwards
 
     def forward(self, *args, **kwargs):
+        with self._sampling(grouped=True):
+            return super().forward(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _sampling(self, *, grouped: bool):
+        """The model's own generation config swapped out, ``self.model.generate`` shadowed by one
+        that records values (around the generate itself) and, with ``grouped``, prefills each
+        group once (before it), all under autocast."""
         from ..modules.lora import hf_model
         from ..runtime import autocast
 
         # PEFT copies its config onto the base model in generate: swap (and restore) that one
         model = hf_model(self.model)
-        own = model.generation_config
+        own = getattr(model, "generation_config", None)
         if self.generation_config is not None:
             model.generation_config = self.generation_config
-        # TorchRL's wrapper calls self.model.generate: for this call, shadow it with one that
-        # records values (around the generate itself) and prefills each group once (before it)
         generate = self.model.generate
         if self.value_recorder is not None:
             generate = self.value_recorder.wrap(generate)
         # FSDP2 (synced_gpus): every process must run the same forwards; no per-batch choice there
-        grouped = self.samples_per_prompt > 1 and not self.generate_kwargs.get("synced_gpus")
+        grouped = (grouped and self.samples_per_prompt > 1
+                   and not self.generate_kwargs.get("synced_gpus"))
         if grouped:
             generate = functools.partial(generate_in_groups, self.model, generate,
                                          self.samples_per_prompt)
         shadowed = grouped or self.value_recorder is not None
-        if shadowed:
+        if shadowed:  # TorchRL's wrapper calls self.model.generate
             self.model.generate = generate
         try:
             with autocast(self._device, self.autocast_dtype):
-                return super().forward(*args, **kwargs)
+                yield generate
         finally:
-            model.generation_config = own
+            if self.generation_config is not None:
+                model.generation_config = own
             if shadowed:
                 del self.model.generate
+
+    def generate_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        max_new_tokens: int) -> torch.Tensor:
+        """Sample continuations of left-padded token rows as :meth:`forward` samples responses
+        (same sampler, stop tokens, recorded log-probs and values), each row on its own (no
+        grouped prefill): the next turn of a multi-turn episode. Returns (B, T) new tokens,
+        right-padded with the pad token."""
+        kwargs = {**self.generate_kwargs, "max_new_tokens": max_new_tokens}
+        groups = getattr(self.model, "samples_per_prompt", None)  # a vLLM engine's request size
+        if groups is not None:
+            self.model.samples_per_prompt = 1
+        try:
+            with self._sampling(grouped=False) as generate, torch.no_grad():
+                out = generate(input_ids=input_ids.to(self._device),
+                               attention_mask=attention_mask.to(self._device), **kwargs)
+        finally:
+            if groups is not None:
+                self.model.samples_per_prompt = groups
+        sequences = out["sequences"] if isinstance(out, dict) else getattr(out, "sequences", out)
+        return sequences[:, input_ids.shape[1]:].cpu()
 
 
 def generate_in_groups(model, generate, group: int, *, input_ids: torch.Tensor,

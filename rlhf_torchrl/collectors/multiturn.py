@@ -1,0 +1,251 @@
+"""Multi-turn episodes with tools: the policy answers, its tool calls run, their results come back
+as a tool message, and it answers again, until it answers without a call, a tool says stop, or
+the episode reaches its turn or token budget.
+
+The first turn is the single-response path unchanged (TorchRL's ``ChatEnv`` and ``LLMCollector``
+through :class:`~rlhf_torchrl.collectors.RolloutCollector`: prompts, groups, per-row streams);
+:class:`MultiTurnCollector` then runs the later turns of the rows still going, batched, with the
+same sampler. A row's episode is one token sequence::
+
+    prompt | turn 1 | observation 1 | turn 2 | ... | turn k
+             policy   environment     policy         policy
+
+``("masks", "response")`` is True on the policy's tokens (PPO's loss, the KL, the entropy and GAE
+run over them alone), ``("masks", "observation")`` on the environment's: the tool message and the
+next assistant header, as the tokenizer's chat template renders them. The model attends to both.
+Every policy token keeps the log-prob (and value) recorded when it was sampled, so the on-policy
+check and PPO's first ratio hold across turns. A tool's reward (:class:`~rlhf_torchrl.tools.
+ToolResult`) goes to ``"turn_reward"`` at the last token of the turn that called it; the verifier
+scores the whole episode at its end, as a single response is scored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+from .. import functional as F
+from .. import keys as K
+from ..errors import ConfigError
+from ..tools import ToolCall, parse_tool_calls, run_tool
+
+#: why an episode ended (``("episode", "end")``, as an index into this tuple)
+END_REASONS = ("answer", "tool_stop", "max_turns", "max_tokens", "length")
+_SENTINEL = "\ue000"  # a private-use character: where the assistant's text sits in a rendering
+
+
+def observation_tokens(tokenizer, conversation: list[dict], tool_text: str,
+                       stop_text: str) -> list[int]:
+    """The tokens the environment writes after an assistant turn that ended with ``stop_text``:
+    the rest of the turn's closing, the tool message with ``tool_text``, and the next assistant
+    header, as the tokenizer's chat template renders them after ``conversation`` (which ends with
+    that assistant turn). Special-token strings in ``tool_text`` are removed first (a tool's
+    output must not open or close turns)."""
+    for special in tokenizer.all_special_tokens:
+        tool_text = tool_text.replace(special, "")
+    rendered = tokenizer.apply_chat_template(
+        [*conversation[:-1], {"role": "assistant", "content": _SENTINEL},
+         {"role": "tool", "content": tool_text}], tokenize=False, add_generation_prompt=True)
+    tail = rendered[rendered.rindex(_SENTINEL) + len(_SENTINEL):]
+    if stop_text and tail.startswith(stop_text):  # the policy wrote the turn's end token itself
+        tail = tail[len(stop_text):]
+    return tokenizer(tail, add_special_tokens=False)["input_ids"]
+
+
+class MultiTurnCollector:
+    """Rollouts of episodes of up to ``max_turns`` assistant turns with ``tools``.
+
+    Wraps a :class:`~rlhf_torchrl.collectors.RolloutCollector` (the first turn) and its
+    generation policy (``make_generation_policy``, or the vLLM one: ``generate_tokens`` samples the
+    later turns). After each turn, every row whose turn ended with a stop token has its tool calls
+    (:func:`~rlhf_torchrl.tools.parse_tool_calls`) run (:func:`~rlhf_torchrl.tools.run_tool`:
+    errors and timeouts become the tool's message); a row goes on if it made a call, no tool said
+    stop, and the next turn fits: at most ``max_new_tokens`` per turn and ``max_tokens`` response
+    tokens (policy and observation) in all. The rows going on are sampled together; row ``i`` of
+    batch ``k``'s turn ``t`` from its own stream (``row_stream_seeds(seed, k, row, turn=t)``), so
+    a run stays world-size invariant.
+
+    Adds to each rollout (besides the layout above): ``("episode", "turns")``,
+    ``("episode", "tool_calls")``, ``("episode", "tool_errors")`` (B,) int64, and
+    ``("episode", "end")`` (B,) int64, an index into :data:`END_REASONS`.
+    """
+
+    def __init__(self, collector, policy, *, tokenizer, tools: Mapping[str, Callable],
+                 max_turns: int, max_new_tokens: int, max_tokens: int | None = None,
+                 tool_timeout: float = 10.0):
+        if max_turns < 1:
+            raise ConfigError(f"env.max_turns={max_turns}: an episode has at least one turn.")
+        self.collector, self.policy, self.tokenizer = collector, policy, tokenizer
+        self.tools, self.max_turns, self.tool_timeout = dict(tools), max_turns, tool_timeout
+        self.max_new_tokens, self.max_tokens = max_new_tokens, max_tokens
+        self.stop_token_ids = list(collector.stop_token_ids)
+        self.value_recorder = getattr(policy, "value_recorder", None)
+
+    @property
+    def sampler(self):
+        return self.collector.sampler
+
+    def __iter__(self) -> Iterator[TensorDict]:
+        for k, rollout in enumerate(self.collector):
+            yield self.run_turns(rollout, self.collector.start_batch + k)
+
+    def shutdown(self) -> None:
+        self.collector.shutdown()
+
+    # ---- one batch ------------------------------------------------------------------------------
+    def run_turns(self, rollout: TensorDict, batch: int) -> TensorDict:
+        """Continue the episodes whose first turn is ``rollout`` (batch index ``batch``)."""
+        rows = [_Episode(rollout, i, self.tokenizer) for i in range(rollout.shape[0])]
+        for turn in range(1, self.max_turns + 1):
+            going = [row for row in rows if self._act(row, turn)]
+            if not going:
+                break
+            self._sample_turn(going, rollout, batch, turn)
+        return self._to_rollout(rows, rollout)
+
+    def _act(self, row: _Episode, turn: int) -> bool:
+        """Run the calls of ``row``'s last turn; whether it goes on to another turn."""
+        if row.end is not None:
+            return False
+        if not row.stopped:
+            row.end = "length"  # cut at max_new_tokens mid-turn: no tool runs on half a call
+            return False
+        text = self.tokenizer.decode(row.last_turn_tokens(), skip_special_tokens=True)
+        row.conversation.append({"role": "assistant", "content": text})
+        calls: list[ToolCall] = parse_tool_calls(text)
+        if not calls:
+            row.end = "answer"
+            return False
+        results = [run_tool(self.tools, call, timeout=self.tool_timeout) for call in calls]
+        row.tool_calls += len(calls)
+        row.tool_errors += sum(not r.ok for r in results)
+        row.turn_reward[row.last_policy_index()] += sum(r.reward or 0.0 for r in results)
+        if any(r.stop for r in results):
+            row.end = "tool_stop"
+            return False
+        if turn == self.max_turns:
+            row.end = "max_turns"
+            return False
+        content = "\n".join(r.content for r in results)
+        observed = observation_tokens(self.tokenizer, row.conversation, content,
+                                      self.tokenizer.decode([row.tokens[-1]]))
+        if self.max_tokens is not None and len(row.tokens) + len(observed) >= self.max_tokens:
+            row.end = "max_tokens"
+            return False
+        row.conversation.append({"role": "tool", "content": content})
+        row.append(observed, policy=False)
+        return True
+
+    def _sample_turn(self, going: list[_Episode], rollout: TensorDict, batch: int, turn: int) -> None:
+        """The next turn of the rows in ``going``, sampled in one batch."""
+        from ..sampling import row_stream_seeds
+
+        pad = self.tokenizer.pad_token_id
+        sequences = [row.prompt + row.tokens for row in going]
+        width = max(map(len, sequences))
+        input_ids = torch.full((len(going), width), pad, dtype=torch.long)
+        attention = torch.zeros(len(going), width, dtype=torch.long)
+        for j, seq in enumerate(sequences):  # left-padded, as generate expects
+            input_ids[j, width - len(seq):] = torch.tensor(seq)
+            attention[j, width - len(seq):] = 1
+        budget = self.max_new_tokens
+        if self.max_tokens is not None:
+            budget = min(budget, self.max_tokens - max(len(row.tokens) for row in going))
+        collector = self.collector
+        if collector.seed is not None:
+            global_rows = [collector.row_offset + row.index for row in going]
+            self.sampler.set_streams(row_stream_seeds(collector.seed, batch, global_rows, turn=turn))
+        new = self.policy.generate_tokens(input_ids, attention, max(budget, 1))
+        log_probs, entropies = self.sampler.pop() if collector.records else (None, None)
+        values = self.value_recorder.pop() if self.value_recorder is not None else None
+        new, mask, stopped = F.truncate_after_stop(new, self.stop_token_ids, pad)
+        for j, row in enumerate(going):
+            n = int(mask[j].sum())
+            row.append(new[j, :n].tolist(), policy=True,
+                       log_probs=None if log_probs is None else log_probs[j, :n].tolist(),
+                       entropies=None if entropies is None else entropies[j, :n].tolist(),
+                       values=None if values is None else values[j, :n].tolist())
+            row.stopped = bool(stopped[j])
+            row.turns += 1
+
+    def _to_rollout(self, rows: list[_Episode], rollout: TensorDict) -> TensorDict:
+        """``rollout`` with its response-width entries rebuilt from the episodes."""
+        pad, n = self.tokenizer.pad_token_id, len(rows)
+        width = max(1, max(len(row.tokens) for row in rows))
+        tokens = torch.full((n, width), pad, dtype=torch.long)
+        policy, observed = torch.zeros(n, width, dtype=torch.bool), torch.zeros(n, width, dtype=torch.bool)
+        turn_reward = torch.zeros(n, width)
+        recorded = {key: torch.zeros(n, width) for key in (K.LOG_PROB, K.ENTROPY, K.VALUE)
+                    if key in rollout.keys(True)}
+        for i, row in enumerate(rows):
+            length = len(row.tokens)
+            tokens[i, :length] = torch.tensor(row.tokens, dtype=torch.long)
+            policy[i, :length] = torch.tensor(row.policy)
+            observed[i, :length] = ~policy[i, :length]
+            turn_reward[i, :length] = torch.tensor(row.turn_reward)
+            for key, values in recorded.items():
+                values[i, :length] = torch.tensor(row.recorded[key])
+        out = rollout.exclude(*(k for k, v in rollout.items(True, True)
+                                if isinstance(v, torch.Tensor) and v.ndim >= 2
+                                and k not in K.PROMPT_WIDTH))
+        out.update({K.RESPONSE_TOKENS: tokens, K.RESPONSE_MASK: policy,
+                    K.OBSERVATION_MASK: observed, K.TURN_REWARD: turn_reward,
+                    K.HAS_STOP: torch.tensor([row.stopped for row in rows]),
+                    K.TURNS: torch.tensor([row.turns for row in rows]),
+                    K.TOOL_CALLS: torch.tensor([row.tool_calls for row in rows]),
+                    K.TOOL_ERRORS: torch.tensor([row.tool_errors for row in rows]),
+                    K.EPISODE_END: torch.tensor([END_REASONS.index(row.end or "length")
+                                                 for row in rows])})
+        for key, values in recorded.items():
+            out.set(key, values.unsqueeze(-1) if key == K.VALUE else values)
+        # the whole episode (tool results included): a verifier reads the final answer at its end
+        text = [self.tokenizer.decode(row.tokens, skip_special_tokens=True) for row in rows]
+        out.set(K.RESPONSE_TEXT, NonTensorStack(*(NonTensorData(t) for t in text)))
+        return out
+
+
+class _Episode:
+    """One row's episode so far: the prompt's tokens, then every response-width token with its
+    origin (policy or environment) and what was recorded when the policy sampled it."""
+
+    def __init__(self, rollout: TensorDict, i: int, tokenizer):
+        self.index = i
+        self.prompt = rollout.get(K.PROMPT_TOKENS)[i][rollout.get(K.PROMPT_MASK)[i]].tolist()
+        mask = rollout.get(K.RESPONSE_MASK)[i]
+        self.tokens = rollout.get(K.RESPONSE_TOKENS)[i][mask].tolist()
+        self.policy = [True] * len(self.tokens)
+        self.turn_reward = [0.0] * len(self.tokens)
+        keys = rollout.keys(True)
+        self.recorded = {}
+        for key in (K.LOG_PROB, K.ENTROPY, K.VALUE):
+            if key in keys:
+                values = rollout.get(key)[i]
+                self.recorded[key] = (values.squeeze(-1) if key == K.VALUE else values)[mask].tolist()
+        messages = rollout.get(K.PROMPT_MESSAGES).tolist()[i] if K.PROMPT_MESSAGES in keys else None
+        if messages is None:
+            raise ConfigError("Multi-turn episodes need the prompt conversation in the rollout "
+                              "(('messages', 'prompt'): make_generation_env writes it).")
+        self.conversation = [dict(m) for m in messages]
+        self.stopped = bool(rollout.get(K.HAS_STOP)[i])
+        self.turns, self.tool_calls, self.tool_errors = 1, 0, 0
+        self.end: str | None = None
+        self._turn_start = 0
+
+    def last_turn_tokens(self) -> list[int]:
+        return self.tokens[self._turn_start:]
+
+    def last_policy_index(self) -> int:
+        return len(self.tokens) - 1
+
+    def append(self, tokens: list[int], *, policy: bool, log_probs=None, entropies=None,
+               values=None) -> None:
+        if policy:
+            self._turn_start = len(self.tokens)
+        self.tokens += tokens
+        self.policy += [policy] * len(tokens)
+        self.turn_reward += [0.0] * len(tokens)
+        given = {K.LOG_PROB: log_probs, K.ENTROPY: entropies, K.VALUE: values}
+        for key, values_ in self.recorded.items():
+            values_ += given[key] if policy and given[key] is not None else [0.0] * len(tokens)

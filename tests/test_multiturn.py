@@ -1,0 +1,144 @@
+"""Multi-turn episodes with tools, on a tiny Llama taught to call the calculator (conftest)."""
+
+import pytest
+import torch
+from conftest import PLAIN_QUESTION, TOOL_CALL, TOOL_QUESTION
+
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.collectors import (
+    MultiTurnCollector,
+    RolloutCollector,
+    make_generation_env,
+    make_generation_policy,
+)
+from rlhf_torchrl.collectors.multiturn import END_REASONS
+from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, make_critic
+from rlhf_torchrl.sampling import check_on_policy
+from rlhf_torchrl.tools import ToolResult, calculator
+
+PROMPTS = [TOOL_QUESTION, PLAIN_QUESTION] * 4
+
+
+def _collect(model, tokenizer, tools, *, batch_size=8, world_size=1, max_turns=3, critic=None,
+             max_tokens=None, batches=1):
+    out = []
+    for rank in range(world_size):
+        local = batch_size // world_size
+        env = make_generation_env(PROMPTS, tokenizer, batch_size=batch_size, shuffle=False,
+                                  rank=rank, world_size=world_size)
+        policy = make_generation_policy(model, tokenizer, max_new_tokens=16, temperature=1.0,
+                                        record_log_probs=True,
+                                        value_head=None if critic is None else critic.head)
+        first = RolloutCollector(env, policy, tokenizer=tokenizer, batch_size=local, seed=5,
+                                 row_offset=rank * local, total_batches=batches)
+        collector = MultiTurnCollector(first, policy, tokenizer=tokenizer, tools=tools,
+                                       max_turns=max_turns, max_new_tokens=16, max_tokens=max_tokens)
+        out.append(list(collector))
+        collector.shutdown()
+    return out
+
+
+def test_an_episode_is_one_sequence_with_the_tools_output_masked(tool_llama_dir, tokenizer):
+    """The calculator rows take two turns: call, tool message, answer. Their policy tokens keep
+    the log-probs and values recorded while sampling (the on-policy check recomputes them over
+    the whole sequence, tool output attended to); the tool's tokens are observations only."""
+    model = load_causal_lm(tool_llama_dir, tokenizer)
+    critic = make_critic(policy=model, tokenizer=tokenizer, init="shared")
+    torch.nn.init.normal_(critic.head.weight)
+    (rollouts,) = _collect(model, tokenizer, {"calculator": calculator}, critic=critic)
+    rollout = rollouts[0]
+    policy, observed = rollout.get(K.RESPONSE_MASK), rollout.get(K.OBSERVATION_MASK)
+    assert not (policy & observed).any()
+    texts = rollout.get(K.RESPONSE_TEXT).tolist()
+    turns = rollout.get(K.TURNS).tolist()
+    called = [i for i, t in enumerate(texts) if TOOL_CALL in t]
+    assert len(called) >= 3, texts  # the taught behaviour, nearly always
+    for i in range(rollout.shape[0]):
+        attended = policy[i] | observed[i]
+        assert attended[: int(attended.sum())].all()  # one contiguous sequence, right-padded
+        if i in called:
+            assert turns[i] == 2 and rollout.get(K.TOOL_CALLS)[i] == 1
+            assert END_REASONS[rollout.get(K.EPISODE_END)[i]] == "answer"
+            seen = tokenizer.decode(rollout.get(K.RESPONSE_TOKENS)[i][observed[i]])
+            assert seen.startswith("\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"), seen
+            assert "The answer is 5" in texts[i]
+        elif PLAIN_QUESTION in rollout.get(K.PROMPT_TEXT).tolist()[i]:
+            assert turns[i] == 1 and not observed[i].any()
+    for key in (K.LOG_PROB, K.VALUE):
+        values = rollout.get(key).reshape(policy.shape)
+        assert (values[~policy] == 0).all() and (values[policy] != 0).all()
+    actor = TokenLevelActor(model, temperature=1.0, trunk_critic=critic)
+    stats = check_on_policy(rollout, actor, num_rows=8, atol=1e-4, critic=critic)
+    assert stats["tokens"] == int(policy.sum()) and stats["value_max_abs_diff"] < 1e-4
+
+
+def failing(expression: str) -> str:
+    raise RuntimeError("the calculator is broken")
+
+
+def slow(expression: str) -> str:
+    import time
+
+    time.sleep(2)
+    return "5"
+
+
+def submit(expression: str) -> ToolResult:
+    return ToolResult("submitted", reward=0.5, stop=True)
+
+
+@pytest.mark.parametrize("tool, says", [(failing, "Error: calculator failed: RuntimeError"),
+                                        (slow, "did not answer within 0.3 s")])
+def test_a_tool_that_raises_or_hangs_becomes_its_message(tool_llama_dir, tokenizer, tool, says):
+    model = load_causal_lm(tool_llama_dir, tokenizer)
+    env = make_generation_env(PROMPTS[:2], tokenizer, batch_size=2, shuffle=False)
+    policy = make_generation_policy(model, tokenizer, max_new_tokens=16, record_log_probs=True)
+    first = RolloutCollector(env, policy, tokenizer=tokenizer, batch_size=2, seed=5, total_batches=1)
+    collector = MultiTurnCollector(first, policy, tokenizer=tokenizer, tools={"calculator": tool},
+                                   max_turns=2, max_new_tokens=16, tool_timeout=0.3)
+    (rollout,) = list(collector)
+    observed = rollout.get(K.OBSERVATION_MASK)[0]
+    assert says in tokenizer.decode(rollout.get(K.RESPONSE_TOKENS)[0][observed])
+    assert rollout.get(K.TOOL_ERRORS)[0] == 1 and rollout.get(K.TURNS)[0] == 2
+
+
+def test_tool_rewards_land_on_the_turn_and_a_tool_can_end_the_episode(tool_llama_dir, tokenizer):
+    model = load_causal_lm(tool_llama_dir, tokenizer)
+    (rollouts,) = _collect(model, tokenizer, {"calculator": submit})
+    rollout = rollouts[0]
+    for i, text in enumerate(rollout.get(K.RESPONSE_TEXT).tolist()):
+        reward = rollout.get(K.TURN_REWARD)[i]
+        if TOOL_CALL in text:
+            last = int(rollout.get(K.RESPONSE_MASK)[i].nonzero().max())
+            assert reward[last] == 0.5 and reward.sum() == 0.5
+            assert END_REASONS[rollout.get(K.EPISODE_END)[i]] == "tool_stop"
+            assert rollout.get(K.TURNS)[i] == 1 and not rollout.get(K.OBSERVATION_MASK)[i].any()
+        else:
+            assert reward.sum() == 0
+
+
+def test_turn_and_token_budgets_end_episodes(tool_llama_dir, tokenizer):
+    model = load_causal_lm(tool_llama_dir, tokenizer)
+    (one,) = _collect(model, tokenizer, {"calculator": calculator}, max_turns=1)
+    ends = [END_REASONS[e] for e in one[0].get(K.EPISODE_END).tolist()]
+    assert "max_turns" in ends and not one[0].get(K.OBSERVATION_MASK).any()
+    (tight,) = _collect(model, tokenizer, {"calculator": calculator}, max_tokens=20)
+    ends = [END_REASONS[e] for e in tight[0].get(K.EPISODE_END).tolist()]
+    assert "max_tokens" in ends
+    width = (tight[0].get(K.RESPONSE_MASK) | tight[0].get(K.OBSERVATION_MASK)).sum(-1)
+    assert int(width.max()) <= 20
+
+
+def test_two_processes_sample_the_episodes_one_does(tool_llama_dir, tokenizer):
+    """Every turn of every row has its own stream (row, batch, turn): 2 processes' shards are the
+    1-process batch, token for token, whichever rows go on to a second turn."""
+    model = load_causal_lm(tool_llama_dir, tokenizer)
+    (whole,) = _collect(model, tokenizer, {"calculator": calculator}, batches=2)
+    shards = _collect(model, tokenizer, {"calculator": calculator}, world_size=2, batches=2)
+    for k, batch in enumerate(whole):
+        for rank in range(2):
+            part = shards[rank][k]
+            rows = batch[4 * rank : 4 * rank + 4]
+            assert part.get(K.RESPONSE_TEXT).tolist() == rows.get(K.RESPONSE_TEXT).tolist()
+            width = part.get(K.RESPONSE_MASK).shape[1]
+            torch.testing.assert_close(rows.get(K.LOG_PROB)[:, :width], part.get(K.LOG_PROB))
