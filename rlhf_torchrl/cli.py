@@ -46,7 +46,7 @@ MOST_USED = {
                 "data.max_prompt_length"],
     "rewarded how": ["reward.model", "reward.functions", "reward.missing_eos_penalty"],
     "sampling": ["generation.backend", "generation.max_new_tokens", "generation.temperature",
-                 "generation.samples_per_prompt", "collection.overlap"],
+                 "generation.samples_per_prompt", "env.max_turns", "env.tools", "collection.overlap"],
     "PPO": ["ppo.num_iterations", "ppo.batch_size", "ppo.num_mini_batches", "ppo.num_ppo_epochs",
             "advantage.estimator", "ppo.kl_coef", "ppo.kl_loss_coef", "ppo.kl_target", "optim.lr",
             "optim.critic_warmup"],

@@ -37,16 +37,19 @@ class Evaluator:
 
     ``judge``: the ``("scores", name)`` entry the win rate compares (the reward model's, where
     there is one); None: the total score. ``accuracy``: the entry of a verifiable reward (1 for a
-    correct answer) reported as ``eval/accuracy``.
+    correct answer) reported as ``eval/accuracy``. ``episode``: the keyword arguments of
+    :class:`~rlhf_torchrl.collectors.MultiTurnCollector` (``tools``, ``max_turns``, ...) for
+    episodes with tools, as in training; then ``eval/turns_per_episode`` and
+    ``eval/tool_calls_per_episode`` are reported too.
     """
 
     def __init__(self, prompts, tokenizer, scorer, *, max_new_tokens: int, temperature: float,
                  stop_token_ids, seed: int = 0, judge: str | None = None,
-                 accuracy: str | None = None, device=None):
+                 accuracy: str | None = None, device=None, episode: dict | None = None):
         self.prompts, self.tokenizer, self.scorer = list(prompts), tokenizer, scorer
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.stop_token_ids, self.seed, self.device = list(stop_token_ids), seed, device
-        self.judge, self.accuracy = judge, accuracy
+        self.judge, self.accuracy, self.episode = judge, accuracy, episode
         self._reference = None
 
     @torch.no_grad()
@@ -61,6 +64,11 @@ class Evaluator:
         collector = RolloutCollector(env, policy, tokenizer=self.tokenizer, batch_size=n,
                                      stop_token_ids=self.stop_token_ids, seed=self.seed,
                                      device=self.device, start_batch=_EVAL_BATCH)
+        if self.episode:
+            from .collectors import MultiTurnCollector
+
+            collector = MultiTurnCollector(collector, policy, tokenizer=self.tokenizer,
+                                           max_new_tokens=self.max_new_tokens, **self.episode)
         was_training = model.training
         model.eval()
         try:
@@ -91,6 +99,9 @@ class Evaluator:
             "eval/distinct_1": distinct_n(responses, 1),
             "eval/distinct_2": distinct_n(responses, 2),
         }
+        if K.TURNS in rollout.keys(True):
+            metrics["eval/turns_per_episode"] = float(rollout.get(K.TURNS).double().mean())
+            metrics["eval/tool_calls_per_episode"] = float(rollout.get(K.TOOL_CALLS).double().mean())
         if self.accuracy is not None:
             # correct = full marks (a checker's partial credit is not a correct answer)
             correct = rollout.get(("scores", self.accuracy)) >= 1.0

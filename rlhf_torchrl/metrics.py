@@ -43,6 +43,29 @@ def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
     if "scores" in td.keys():
         for name, value in td.get("scores").items():
             out[f"objective/scores/{name}"] = float(value.mean())
+    out.update(episode_metrics(td))
+    return out
+
+
+def episode_metrics(td: TensorDictBase) -> dict[str, float]:
+    """Multi-turn episodes (:class:`~rlhf_torchrl.collectors.MultiTurnCollector`): turns, tool
+    calls and failed calls per episode, the tokens the tools wrote, each end reason's share and
+    the tools' rewards; nothing for single-response rollouts."""
+    from .collectors.multiturn import END_REASONS
+
+    keys = td.keys(True)
+    if K.TURNS not in keys:
+        return {}
+    end = td.get(K.EPISODE_END)
+    out = {
+        "env/turns_per_episode": float(td.get(K.TURNS).double().mean()),
+        "env/tool_calls_per_episode": float(td.get(K.TOOL_CALLS).double().mean()),
+        "env/tool_errors_per_episode": float(td.get(K.TOOL_ERRORS).double().mean()),
+        "env/observation_tokens": float(td.get(K.OBSERVATION_MASK).sum(-1).double().mean()),
+        "env/turn_reward": float(td.get(K.TURN_REWARD).sum(-1).double().mean()),
+    }
+    for i, reason in enumerate(END_REASONS):
+        out[f"env/end_{reason}"] = float((end == i).double().mean())
     return out
 
 

@@ -142,3 +142,39 @@ def test_two_processes_sample_the_episodes_one_does(tool_llama_dir, tokenizer):
             assert part.get(K.RESPONSE_TEXT).tolist() == rows.get(K.RESPONSE_TEXT).tolist()
             width = part.get(K.RESPONSE_MASK).shape[1]
             torch.testing.assert_close(rows.get(K.LOG_PROB)[:, :width], part.get(K.LOG_PROB))
+
+
+def says_five(prompts, responses):
+    """1 where the episode's last turn says the answer."""
+    return [1.0 if response.rstrip().endswith("The answer is 5.") else 0.0 for response in responses]
+
+
+def test_recipe_trains_on_episodes_with_tools_and_resumes_exactly(tmp_path, tool_llama_dir):
+    """The recipe with env.tools: episode metrics in every row and in the evaluation; the
+    on-policy check passes on multi-turn rows; a run resumed from its first checkpoint continues
+    as the uninterrupted run."""
+    import json
+
+    from test_recipe import _cfg, ppo
+    from test_resume import _rows, _stop_at
+
+    data = tmp_path / "questions.jsonl"
+    data.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in PROMPTS * 2))
+    settings = [f"data.source={data}", "data.template=null", "data.max_words=null",
+                "data.system_prompt=null", "env.max_turns=3", "env.tools=[calculator]",
+                "env.describe_tools=false", "generation.max_new_tokens=16",
+                "reward.functions=[test_multiturn.says_five]", "eval.every=2", "eval.num_prompts=4",
+                "ppo.num_iterations=3", "checkpoint.every=1", "checkpoint.keep=null",
+                "generation.temperature=1.0", "optim.lr=1e-5"]
+    report = ppo.train(_cfg(tmp_path / "whole", tool_llama_dir, *settings))
+    rows = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["env/turns_per_episode"] >= 1 and "env/end_max_turns" in r for r in rows)
+    assert rows[0]["env/turns_per_episode"] > 1 and rows[0]["env/observation_tokens"] > 0
+    assert rows[0]["env/tool_calls_per_episode"] > 0 and rows[0]["objective/scores"] > 0
+    assert report["eval_before"]["eval/turns_per_episode"] > 1
+    assert "eval/tool_calls_per_episode" in report["eval_after"]
+    cut = tmp_path / "cut"
+    ppo.train(_cfg(cut, tool_llama_dir, *settings))
+    _stop_at(cut, 1)
+    ppo.train(_cfg(cut, tool_llama_dir, *settings))
+    assert _rows(cut) == _rows(tmp_path / "whole")

@@ -473,6 +473,7 @@ def probe_rollout(
     stopped: Sequence[bool] | None = None,
     with_log_probs: bool = False,
     with_values: bool = False,
+    multi_turn: bool = False,
 ) -> TensorDict:
     """A rollout in :class:`RolloutCollector`'s layout, made without a model.
 
@@ -481,7 +482,9 @@ def probe_rollout(
     ``stopped[i]``; default: rows 0, 2, ... stopped).
     Used to call every reward on the real rollout layout before any model is loaded; with
     ``with_log_probs`` it also holds the sampler's records (zeros here), as a recording collector's
-    rollouts do, and with ``with_values`` the values of a value recorder (zeros).
+    rollouts do, with ``with_values`` the values of a value recorder (zeros), and with
+    ``multi_turn`` the entries of a :class:`~rlhf_torchrl.collectors.MultiTurnCollector`'s
+    episodes (one turn each, no tool called).
     """
     rows = [to_prompt(p) for p in prompts[: len(responses)]]
     responses = list(responses)[: len(rows)]
@@ -503,6 +506,16 @@ def probe_rollout(
         rollout.update({K.LOG_PROB: zeros, K.ENTROPY: zeros.clone()})
     if with_values:
         rollout.set(K.VALUE, torch.zeros(*rollout.get(K.RESPONSE_MASK).shape, 1))
+    if multi_turn:
+        from .multiturn import END_REASONS
+
+        mask = rollout.get(K.RESPONSE_MASK)
+        n = mask.shape[0]
+        rollout.update({K.OBSERVATION_MASK: torch.zeros_like(mask), K.TURN_REWARD: torch.zeros(mask.shape),
+                        K.TURNS: torch.ones(n, dtype=torch.long),
+                        K.TOOL_CALLS: torch.zeros(n, dtype=torch.long),
+                        K.TOOL_ERRORS: torch.zeros(n, dtype=torch.long),
+                        K.EPISODE_END: torch.full((n,), END_REASONS.index("answer"))})
     return rollout
 
 

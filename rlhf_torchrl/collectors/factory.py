@@ -56,7 +56,9 @@ class CollectorSpec:
     (``dtype``, ``attn_implementation``). ``record_entropy``: the sampler records exact entropies
     (log-probs are always recorded). ``autocast_dtype``: ``bfloat16``/``float16`` generation.
     ``samples_per_prompt``: responses sampled for each prompt (a group; ``batch_size`` counts
-    responses); vLLM draws a group as one request with ``n`` samples.
+    responses); vLLM draws a group as one request with ``n`` samples. ``max_turns``, ``tools``
+    (names, :func:`~rlhf_torchrl.tools.load_tools`), ``max_tokens``, ``tool_timeout``: episodes of
+    several turns with tools (:class:`~rlhf_torchrl.collectors.MultiTurnCollector`).
     """
 
     batch_size: int
@@ -79,6 +81,10 @@ class CollectorSpec:
     ray_cpus_per_worker: float = 1
     ray_gpus_per_worker: float = 0
     samples_per_prompt: int = 1
+    max_turns: int = 1
+    tools: tuple[str, ...] = ()
+    max_tokens: int | None = None
+    tool_timeout: float = 10.0
 
 
 def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=None,
@@ -150,6 +156,14 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
                                  stop_token_ids=list(spec.stop_token_ids), seed=spec.seed,
                                  row_offset=rank * local, device=device, start_batch=first,
                                  samples_per_prompt=spec.samples_per_prompt)
+    if spec.tools:  # the later turns of each episode, after its tool calls
+        from ..tools import load_tools
+        from .multiturn import MultiTurnCollector
+
+        collector = MultiTurnCollector(
+            collector, gen_policy, tokenizer=tokenizer, tools=load_tools(spec.tools),
+            max_turns=spec.max_turns, max_new_tokens=spec.max_new_tokens,
+            max_tokens=spec.max_tokens, tool_timeout=spec.tool_timeout)
     return in_background(collector, sync)
 
 

@@ -76,7 +76,14 @@ def check_config(cfg: DictConfig) -> Sizes:
                       f"each process's share of a minibatch ({local} = batch_size / "
                       "num_mini_batches / processes) must split into "
                       "ppo.gradient_accumulation_steps micro-batches")
-    g, a = cfg.generation, cfg.advantage
+    g, a, e = cfg.generation, cfg.advantage, cfg.env
+    if e.max_turns > 1 and not e.tools:
+        raise ConfigError(f"env.max_turns={e.max_turns}: an episode goes on only after a tool call, "
+                         "and env.tools is empty: name the tools (env.tools=[calculator]).")
+    if e.max_turns > 1 and (cfg.distributed.strategy == "fsdp2" and world > 1):
+        raise ConfigError("env.max_turns > 1 with FSDP2: each process's rows take their own number "
+                         "of turns, and FSDP2's generation needs every process to run the same "
+                         "forwards. Use distributed.strategy=ddp.")
     if a.estimator in GROUP_ESTIMATORS and g.samples_per_prompt < 2:
         raise ConfigError(f"advantage.estimator={a.estimator} compares responses to the same prompt: "
                          "set generation.samples_per_prompt >= 2 (4 is common).")
@@ -224,12 +231,31 @@ def make_reward_functions(cfg: DictConfig) -> dict:
             for name, path, w in zip(names, paths, weights)}
 
 
+def make_tools(cfg: DictConfig) -> dict:
+    """The tools of ``env.tools`` (:func:`rlhf_torchrl.tools.load_tools`), loaded before any model."""
+    from ..tools import load_tools
+
+    return load_tools(list(cfg.env.tools))
+
+
+def system_prompt(cfg: DictConfig) -> str | None:
+    """``data.system_prompt``, followed by the tools' descriptions when the episode has tools
+    (``env.describe_tools``)."""
+    from ..tools import describe_tools
+
+    prompt = cfg.data.system_prompt
+    if cfg.env.tools and cfg.env.describe_tools:
+        tools = describe_tools(make_tools(cfg))
+        prompt = f"{prompt}\n\n{tools}" if prompt else tools
+    return prompt
+
+
 def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
     d = cfg.data
     try:
         prompts = load_prompts(d.source, split=d.split, column=d.column,
                                template=d.template or "{prompt}", limit=d.limit,
-                               max_words=d.max_words, system_prompt=d.system_prompt,
+                               max_words=d.max_words, system_prompt=system_prompt(cfg),
                                config=d.config,
                                generator_args=(OmegaConf.to_container(d.generator_args, resolve=True)
                                                if d.generator_args else {}),
@@ -286,9 +312,12 @@ def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device)
 
     e = cfg.eval
     judge = e.judge or ("reward_model" if cfg.reward.model else None)
+    env = cfg.env
+    episode = ({"tools": make_tools(cfg), "max_turns": env.max_turns, "max_tokens": env.max_tokens,
+                "tool_timeout": env.tool_timeout} if env.tools else None)
     return Evaluator(prompts, tokenizer, scorer, max_new_tokens=cfg.generation.max_new_tokens,
                      temperature=e.temperature, stop_token_ids=stop_ids, seed=cfg.seed, judge=judge,
-                     accuracy=e.accuracy_reward, device=device)
+                     accuracy=e.accuracy_reward, device=device, episode=episode)
 
 
 def make_tokenizer(cfg: DictConfig):
@@ -345,6 +374,8 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
         attn_implementation=cfg.model.attn_implementation, ray_workers=c.ray_workers,
         ray_address=c.ray_address, ray_cpus_per_worker=c.ray_cpus_per_worker,
         ray_gpus_per_worker=c.ray_gpus_per_worker, samples_per_prompt=g.samples_per_prompt,
+        max_turns=cfg.env.max_turns, tools=tuple(cfg.env.tools), max_tokens=cfg.env.max_tokens,
+        tool_timeout=cfg.env.tool_timeout,
         vllm=VLLMSpec(
             max_model_len=v.max_model_len or cfg.data.max_prompt_length + g.max_new_tokens,
             dtype=v.dtype or cfg.model.dtype, gpu_memory_utilization=v.gpu_memory_utilization,
@@ -359,7 +390,8 @@ def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids, with_values
     every reward is called on it before any model is loaded. ``with_values``: the rollouts will
     carry values read off the sampling pass (:func:`values_from_sampling`)."""
     return probe_rollout(prompts[:2], tokenizer, ["", "I really liked it."], stop_token_ids=stop_ids,
-                         with_log_probs=True, with_values=with_values)
+                         with_log_probs=True, with_values=with_values,
+                         multi_turn=bool(cfg.env.tools))
 
 
 def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device) -> Scorer:
@@ -632,6 +664,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     check_models(cfg)  # config.json of each model, no weights
     resume_from = resume_path(cfg)  # None: a fresh run
     reward_functions = make_reward_functions(cfg)
+    make_tools(cfg)  # an unknown tool fails here, before any model is loaded
     device = make_device(cfg)
     parallel = make_data_parallel(cfg, device)
     if not parallel.is_main:

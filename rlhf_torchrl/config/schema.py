@@ -104,6 +104,15 @@ class Generation:
 
 
 @dataclass
+class Env:
+    max_turns: int = MISSING
+    tools: list[str] = MISSING
+    max_tokens: int | None = MISSING
+    tool_timeout: float = MISSING
+    describe_tools: bool = MISSING
+
+
+@dataclass
 class Collection:
     overlap: int | None = MISSING
     ray_workers: int = MISSING
@@ -208,6 +217,7 @@ class PPOConfig:
     reward: Reward = field(default_factory=Reward)
     value_model: ValueModel = field(default_factory=ValueModel)
     generation: Generation = field(default_factory=Generation)
+    env: Env = field(default_factory=Env)
     collection: Collection = field(default_factory=Collection)
     vllm: VLLM = field(default_factory=VLLM)
     ppo: PPO = field(default_factory=PPO)
@@ -263,6 +273,9 @@ RANGES = {
     "generation.samples_per_prompt": (1, _INF, True, True),
     "generation.on_policy_rows": (1, _INF, True, True),
     "generation.on_policy_tolerance": (0, _INF, True, True),
+    "env.max_turns": (1, _INF, True, True),
+    "env.max_tokens": (1, _INF, True, True),
+    "env.tool_timeout": (0, _INF, False, True),
     "collection.overlap": (0, _INF, True, True),
     "collection.ray_workers": (0, _INF, True, True),
     "collection.ray_cpus_per_worker": (0, _INF, True, True),
