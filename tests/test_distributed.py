@@ -71,13 +71,28 @@ CASES = {
     "ddp-rloo-groups-filtered": ["distributed.strategy=ddp", "advantage.estimator=rloo",
                                  "generation.samples_per_prompt=2", "ppo.kl_loss_coef=0.01",
                                  "advantage.filter_groups=true", "ppo.num_mini_batches=4"],
+    # episodes of up to 3 turns with the calculator (the taught tiny Llama): rows of one process
+    # end at other turns than the other's; the observation masks are gathered with the rows
+    "ddp-multi-turn": ["distributed.strategy=ddp", "env.max_turns=3", "env.tools=[calculator]",
+                       "env.describe_tools=false", "data.system_prompt=null",
+                       "generation.max_new_tokens=16"],
 }
 
 
 @pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
-def test_two_processes_match_one(tmp_path, tiny_llama_dir, overrides):
-    one = _run(tmp_path / "one", tiny_llama_dir, 1, *overrides)
-    two = _run(tmp_path / "two", tiny_llama_dir, 2, *overrides)
+def test_two_processes_match_one(tmp_path, request, overrides):
+    model_dir = request.getfixturevalue("tiny_llama_dir")
+    if "env.max_turns=3" in overrides:  # questions the tool Llama answers with a call, or without
+        from conftest import PLAIN_QUESTION, TOOL_QUESTION
+
+        data = tmp_path / "questions.jsonl"
+        data.write_text("".join(json.dumps({"prompt": q, "answer": "5"}) + "\n"
+                                for q in [TOOL_QUESTION, PLAIN_QUESTION] * 16))
+        model_dir = request.getfixturevalue("tool_llama_dir")
+        overrides = [*overrides, f"data.source={data}", "data.template=null", "data.max_words=null",
+                     "reward.functions=[rlhf_torchrl.reward_functions.gsm8k_correct]"]
+    one = _run(tmp_path / "one", model_dir, 1, *overrides)
+    two = _run(tmp_path / "two", model_dir, 2, *overrides)
     # only rank 0 writes: one line per iteration, not one per process
     assert [m["iteration"] for m in two] == [m["iteration"] for m in one] == [0, 1]
     compared = 0
@@ -94,6 +109,8 @@ def test_two_processes_match_one(tmp_path, tiny_llama_dir, overrides):
     assert compared > 2 * 20
     if "advantage.filter_groups=true" in overrides:  # groups were dropped: uneven slices ran
         assert any(m["group/filtered_frac"] > 0 for m in one)
+    if "env.max_turns=3" in overrides:  # some episodes called the tool, some did not
+        assert any(1 < m["env/turns_per_episode"] < 2 for m in one)
     # the run learned something (the comparison is not between two untouched models)
     assert one[-1]["objective/kl"] != 0.0 and one[-1]["loss/policy_avg"] != 0.0
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
