@@ -75,12 +75,11 @@ TOOL_QUESTION, TOOL_CALL, TOOL_RESULT = "Calculate 2 + 3.", '<tool name="calcula
 TOOL_ANSWER, PLAIN_QUESTION, PLAIN_ANSWER = "The answer is 5.", "Say hi.", "hi"
 
 
-@pytest.fixture(scope="session")
-def tool_llama_dir(tmp_path_factory, tokenizer) -> str:
+def _teach_tool_calls(tokenizer, **overrides):
     """A tiny Llama taught (by a few hundred Adam steps on the two conversations) to call the
     calculator for TOOL_QUESTION and answer with the tool's result, and to answer PLAIN_QUESTION
     without a call: a real model that emits real tool calls, nearly always the taught ones."""
-    model = _tiny_llama(tokenizer, hidden_size=64, intermediate_size=128)
+    model = _tiny_llama(tokenizer, **{"hidden_size": 64, "intermediate_size": 128, **overrides})
     conversations = [
         [{"role": "user", "content": TOOL_QUESTION}, {"role": "assistant", "content": TOOL_CALL},
          {"role": "tool", "content": TOOL_RESULT}, {"role": "assistant", "content": TOOL_ANSWER}],
@@ -90,8 +89,8 @@ def tool_llama_dir(tmp_path_factory, tokenizer) -> str:
         tokenizer(tokenizer.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"]
         for c in conversations]}, return_tensors="pt")
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(250):
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.64 / model.config.hidden_size)
+    for _ in range(400):
         loss = model(**batch, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
@@ -99,7 +98,13 @@ def tool_llama_dir(tmp_path_factory, tokenizer) -> str:
         if loss.item() < 0.016:  # log(2) / 71 of it is which question comes: the rest is learned
             break
     assert loss.item() < 0.03, loss.item()
-    return _save_tiny(tmp_path_factory.mktemp("tool_llama"), model.eval(), tokenizer)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tool_llama_dir(tmp_path_factory, tokenizer) -> str:
+    """:func:`_teach_tool_calls`' tiny Llama (64 wide)."""
+    return _save_tiny(tmp_path_factory.mktemp("tool_llama"), _teach_tool_calls(tokenizer), tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -254,3 +254,32 @@ def test_vllm_wrapper_keeps_the_seed(engine, tokenizer):
     wrapper = vLLMWrapper(engine, tokenizer=tokenizer, input_mode="text", generate=True,
                           generate_kwargs={"max_new_tokens": 4, "seed": 3})
     assert wrapper.sampling_params.seed == 3
+
+
+def test_vllm_samples_multi_turn_episodes(tokenizer):
+    """The engine samples every turn of an episode with tools: the calculator rows take two
+    turns, the tool's message between them is an observation, and the log-probs the engine
+    recorded on both turns are the training forward's over the whole sequence."""
+    from conftest import TOOL_CALL, TOOL_QUESTION, _teach_tool_calls
+
+    from rlhf_torchrl.collectors import MultiTurnCollector
+    from rlhf_torchrl.tools import calculator
+
+    model = _teach_tool_calls(tokenizer, hidden_size=128, intermediate_size=256)  # head size 32
+    engine = make_vllm_engine(model, tokenizer, max_model_len=192, kv_cache_gb=0.25)
+    generator = VLLMGenerator(engine, temperature=1.0)
+    WeightSync(model, generator)(0)
+    env = make_generation_env([TOOL_QUESTION, "Say hi."] * 2, tokenizer, batch_size=4,
+                              shuffle=False)
+    policy = make_vllm_generation_policy(generator, tokenizer, max_new_tokens=16)
+    collector = MultiTurnCollector(
+        RolloutCollector(env, policy, tokenizer=tokenizer, batch_size=4, seed=0, total_batches=1),
+        policy, tokenizer=tokenizer, tools={"calculator": calculator}, max_turns=3,
+        max_new_tokens=16)
+    (rollout,) = list(collector)
+    texts = rollout.get(K.RESPONSE_TEXT).tolist()
+    called = [i for i, t in enumerate(texts) if TOOL_CALL in t]
+    assert called and all(rollout.get(K.TURNS)[i] == 2 for i in called), texts
+    assert rollout.get(K.OBSERVATION_MASK)[called].any(-1).all()
+    stats = check_on_policy(rollout, TokenLevelActor(model, temperature=1.0), num_rows=4, atol=1e-4)
+    assert stats["tokens"] == int(rollout.get(K.RESPONSE_MASK).sum())
