@@ -174,7 +174,7 @@ def test_unknown_task_lists_the_presets(tmp_path, monkeypatch, capsys):
             run()
         assert info.value.code == 1
         out = capsys.readouterr()
-        assert "Error: task=sentimnet is not a task preset: choose one of arithmetic, custom" in out.err
+        assert "Error: task=sentimnet is not a task preset: choose one of arithmetic, arithmetic_tools, custom" in out.err
         assert "search path" not in out.err + out.out
 
 

@@ -326,15 +326,11 @@ def test_a_templated_prompt_keeps_its_template_through_a_system_prompt_and_a_cut
     assert prompt.with_text("plain").template is None  # rewritten by hand: no template any more
 
 
-def test_arithmetic_tools_preset_runs_episodes_with_the_calculator(tmp_path, tool_llama_dir):
-    """The calculator preset composes, checks and runs: episodes of several turns, the tool's
-    calls and the turns in the metrics and the held-out evaluation."""
-    pytest.importorskip("reasoning_gym")
+def test_arithmetic_tools_preset_composes_with_the_calculator():
+    """The calculator preset: episodes of up to 3 turns, the tool shown in the system prompt
+    (tests/test_multiturn.py runs the same machinery end to end with a taught tiny model)."""
     cfg = _compose("task=arithmetic_tools", "output_dir=/tmp/unused")
+    builders.check_config(cfg)
     assert (cfg.env.max_turns, list(cfg.env.tools)) == (3, ["calculator"])
-    assert "<tool name=\"calculator\">" in cfg.data.system_prompt
-    report, rows = _run(tmp_path, "task=arithmetic_tools", f"model.policy={tool_llama_dir}",
-                        "data.limit=16", "generation.max_new_tokens=8", "env.max_tokens=40")
-    for row in rows:
-        assert row["env/turns_per_episode"] >= 1 and "env/tool_calls_per_episode" in row
-        assert "eval/turns_per_episode" in row and 0.0 <= row["eval/accuracy"] <= 1.0
+    assert "<tool name=\"calculator\">" in builders.system_prompt(cfg)
+    assert cfg.eval.accuracy_reward == "gsm8k_correct"
