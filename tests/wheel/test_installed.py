@@ -32,7 +32,7 @@ def test_help_lists_the_commands_groups_and_settings(tmp_path):
     assert out.returncode == 0 and "ppo" in out.stdout and "reward-model" in out.stdout
     ppo = _run("ppo", "--help", cwd=tmp_path)
     assert ppo.returncode == 0, ppo.stderr
-    assert "task=arithmetic|custom|gsm8k|hh|sentiment|tldr" in ppo.stdout
+    assert "task=arithmetic|arithmetic_tools|custom|gsm8k|hh|sentiment|tldr" in ppo.stdout
     # the default task's values, with each setting's comment from ppo.yaml
     assert "ppo.batch_size=32" in ppo.stdout and "responses per rollout, over all processes" in ppo.stdout
     arithmetic = _run("ppo", "task=arithmetic", "--help", cwd=tmp_path)
