@@ -97,7 +97,11 @@ class MultiTurnCollector:
     # ---- one batch ------------------------------------------------------------------------------
     def run_turns(self, rollout: TensorDict, batch: int) -> TensorDict:
         """Continue the episodes whose first turn is ``rollout`` (batch index ``batch``)."""
-        rows = [_Episode(rollout, i, self.tokenizer) for i in range(rollout.shape[0])]
+        if K.PROMPT_MESSAGES not in rollout.keys(True):
+            raise ConfigError("Multi-turn episodes need the prompt conversation in the rollout "
+                              "(('messages', 'prompt'): make_generation_env writes it).")
+        conversations = rollout.get(K.PROMPT_MESSAGES).tolist()
+        rows = [_Episode(rollout, i, conversations[i]) for i in range(rollout.shape[0])]
         for turn in range(1, self.max_turns + 1):
             going = [row for row in rows if self._act(row, turn)]
             if not going:
@@ -210,7 +214,7 @@ class _Episode:
     """One row's episode so far: the prompt's tokens, then every response-width token with its
     origin (policy or environment) and what was recorded when the policy sampled it."""
 
-    def __init__(self, rollout: TensorDict, i: int, tokenizer):
+    def __init__(self, rollout: TensorDict, i: int, conversation: list[dict]):
         self.index = i
         self.prompt = rollout.get(K.PROMPT_TOKENS)[i][rollout.get(K.PROMPT_MASK)[i]].tolist()
         mask = rollout.get(K.RESPONSE_MASK)[i]
@@ -223,11 +227,7 @@ class _Episode:
             if key in keys:
                 values = rollout.get(key)[i]
                 self.recorded[key] = (values.squeeze(-1) if key == K.VALUE else values)[mask].tolist()
-        messages = rollout.get(K.PROMPT_MESSAGES).tolist()[i] if K.PROMPT_MESSAGES in keys else None
-        if messages is None:
-            raise ConfigError("Multi-turn episodes need the prompt conversation in the rollout "
-                              "(('messages', 'prompt'): make_generation_env writes it).")
-        self.conversation = [dict(m) for m in messages]
+        self.conversation = [dict(m) for m in conversation]
         self.stopped = bool(rollout.get(K.HAS_STOP)[i])
         self.turns, self.tool_calls, self.tool_errors = 1, 0, 0
         self.end: str | None = None
