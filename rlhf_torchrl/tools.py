@@ -208,7 +208,8 @@ def describe_tools(tools: Mapping[str, Callable]) -> str:
     return "\n".join(lines)
 
 
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool")
+# a call that never returns keeps its thread: 16 of them leave room for the rest to run
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tool")
 
 
 def run_tool(tools: Mapping[str, Callable], call: ToolCall, *, timeout: float = 10.0) -> ToolResult:
