@@ -267,7 +267,7 @@ def test_vllm_samples_multi_turn_episodes(tokenizer):
 
     model = _teach_tool_calls(tokenizer, hidden_size=128, intermediate_size=256)  # head size 32
     engine = make_vllm_engine(model, tokenizer, max_model_len=192, kv_cache_gb=0.25)
-    generator = VLLMGenerator(engine, temperature=1.0)
+    generator = VLLMGenerator(engine, temperature=0.5)
     WeightSync(model, generator)(0)
     env = make_generation_env([TOOL_QUESTION, "Say hi."] * 2, tokenizer, batch_size=4,
                               shuffle=False)
@@ -281,5 +281,5 @@ def test_vllm_samples_multi_turn_episodes(tokenizer):
     called = [i for i, t in enumerate(texts) if TOOL_CALL in t]
     assert called and all(rollout.get(K.TURNS)[i] == 2 for i in called), texts
     assert rollout.get(K.OBSERVATION_MASK)[called].any(-1).all()
-    stats = check_on_policy(rollout, TokenLevelActor(model, temperature=1.0), num_rows=4, atol=1e-4)
+    stats = check_on_policy(rollout, TokenLevelActor(model, temperature=0.5), num_rows=4, atol=1e-4)
     assert stats["tokens"] == int(rollout.get(K.RESPONSE_MASK).sum())
