@@ -177,6 +177,7 @@ def test_recipe_trains_on_episodes_with_tools_and_resumes_exactly(tmp_path, tool
     assert rows[0]["env/turns_per_episode"] > 1 and rows[0]["env/observation_tokens"] > 0
     assert rows[0]["env/tool_calls_per_episode"] > 0 and rows[0]["objective/scores"] > 0
     assert report["eval_before"]["eval/turns_per_episode"] > 1
+    assert (tmp_path / "whole" / "plots" / "episodes.png").stat().st_size > 0  # in report.html
     assert "eval/tool_calls_per_episode" in report["eval_after"]
     cut = tmp_path / "cut"
     ppo.train(_cfg(cut, tool_llama_dir, *settings))
