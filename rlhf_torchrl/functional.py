@@ -255,6 +255,12 @@ def packing_order(mask: torch.Tensor) -> torch.Tensor:
     return torch.sort((~mask.bool()).to(torch.uint8), dim=1, stable=True).indices
 
 
+def has_holes(mask: torch.Tensor) -> bool:
+    """Whether a valid token follows an invalid one in some row (not a right-padded mask)."""
+    mask = mask.bool()
+    return bool((mask[:, 1:] & ~mask[:, :-1]).any())
+
+
 def unpack(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """The inverse of ``x_packed = x.gather(1, order)``."""
     return torch.zeros_like(x).scatter_(1, order, x)
@@ -280,8 +286,8 @@ def gae(
     Shapes: ``rewards``, ``values``, ``mask``: (B, R). Returns two (B, R) tensors.
     """
     mask = mask.bool()
-    order = packing_order(mask)
-    if not torch.equal(order, torch.arange(mask.shape[1], device=mask.device).expand_as(order)):
+    if has_holes(mask):
+        order = packing_order(mask)
         adv, returns = gae(rewards.gather(1, order), values.gather(1, order), mask.gather(1, order),
                            gamma, lmbda)
         return unpack(adv, order), unpack(returns, order)
@@ -321,8 +327,8 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0)
     from torchrl.objectives.value.functional import reward2go
 
     mask = mask.bool()
-    order = packing_order(mask)
-    if not torch.equal(order, torch.arange(mask.shape[1], device=mask.device).expand_as(order)):
+    if has_holes(mask):
+        order = packing_order(mask)
         return unpack(returns_to_go(rewards.gather(1, order), mask.gather(1, order), gamma), order)
     rewards = torch.where(mask, rewards, torch.zeros_like(rewards))
     done = last_token_mask(mask) | ~mask

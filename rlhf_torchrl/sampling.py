@@ -88,8 +88,8 @@ def row_stream_seeds(seed: int, batch: int, rows: range | list[int], turn: int =
     """
     import numpy as np
 
-    entropy = [seed, batch] if not turn else [seed, batch, turn]
-    return [int(np.random.SeedSequence([*entropy[:2], row, *entropy[2:]])
+    later_turn = [turn] if turn else []  # turn 0 keeps the single-response streams
+    return [int(np.random.SeedSequence([seed, batch, row, *later_turn])
                 .generate_state(2, np.uint64)[0] >> 1) for row in rows]
 
 

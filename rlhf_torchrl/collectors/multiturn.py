@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
+from torch.nn.utils.rnn import pad_sequence
 
 from .. import functional as F
 from .. import keys as K
@@ -147,13 +148,10 @@ class MultiTurnCollector:
         from ..sampling import row_stream_seeds
 
         pad = self.tokenizer.pad_token_id
-        sequences = [row.prompt + row.tokens for row in going]
-        width = max(map(len, sequences))
-        input_ids = torch.full((len(going), width), pad, dtype=torch.long)
-        attention = torch.zeros(len(going), width, dtype=torch.long)
-        for j, seq in enumerate(sequences):  # left-padded, as generate expects
-            input_ids[j, width - len(seq):] = torch.tensor(seq)
-            attention[j, width - len(seq):] = 1
+        sequences = [torch.tensor(row.prompt + row.tokens) for row in going]
+        input_ids = pad_sequence(sequences, batch_first=True, padding_value=pad, padding_side="left")
+        attention = pad_sequence([torch.ones_like(s) for s in sequences], batch_first=True,
+                                 padding_side="left")
         budget = self.max_new_tokens
         if self.max_tokens is not None:
             budget = min(budget, self.max_tokens - max(len(row.tokens) for row in going))
@@ -176,21 +174,16 @@ class MultiTurnCollector:
 
     def _to_rollout(self, rows: list[_Episode], rollout: TensorDict) -> TensorDict:
         """``rollout`` with its response-width entries rebuilt from the episodes."""
-        pad, n = self.tokenizer.pad_token_id, len(rows)
-        width = max(1, max(len(row.tokens) for row in rows))
-        tokens = torch.full((n, width), pad, dtype=torch.long)
-        policy, observed = torch.zeros(n, width, dtype=torch.bool), torch.zeros(n, width, dtype=torch.bool)
-        turn_reward = torch.zeros(n, width)
-        recorded = {key: torch.zeros(n, width) for key in (K.LOG_PROB, K.ENTROPY, K.VALUE)
-                    if key in rollout.keys(True)}
-        for i, row in enumerate(rows):
-            length = len(row.tokens)
-            tokens[i, :length] = torch.tensor(row.tokens, dtype=torch.long)
-            policy[i, :length] = torch.tensor(row.policy)
-            observed[i, :length] = ~policy[i, :length]
-            turn_reward[i, :length] = torch.tensor(row.turn_reward)
-            for key, values in recorded.items():
-                values[i, :length] = torch.tensor(row.recorded[key])
+        def padded(per_row, value=0, dtype=None):  # right-padded (B, R)
+            return pad_sequence([torch.tensor(r, dtype=dtype) for r in per_row], batch_first=True,
+                                padding_value=value)
+
+        tokens = padded([row.tokens for row in rows], self.tokenizer.pad_token_id, torch.long)
+        policy = padded([row.policy for row in rows], False, torch.bool)
+        observed = padded([[not p for p in row.policy] for row in rows], False, torch.bool)
+        turn_reward = padded([row.turn_reward for row in rows], dtype=torch.float32)
+        recorded = {key: padded([row.recorded[key] for row in rows], dtype=torch.float32)
+                    for key in (K.LOG_PROB, K.ENTROPY, K.VALUE) if key in rollout.keys(True)}
         out = rollout.exclude(*(k for k, v in rollout.items(True, True)
                                 if isinstance(v, torch.Tensor) and v.ndim >= 2
                                 and k not in K.PROMPT_WIDTH))
