@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -58,10 +60,18 @@ def smollm2_path() -> str:
     model.config.quantization_config = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = target.with_name(target.name + ".tmp")
+    # a directory of this process's own (torchrun's processes may all get here on a first run),
+    # renamed into place: a crash mid-save never leaves a half-written cache
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + "."))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.rename(target)  # atomic: a crash mid-save never leaves a half-written cache
+    try:
+        tmp.rename(target)
+    except OSError:  # another process renamed its copy first: the same weights
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
     return str(target)
 
 
