@@ -210,3 +210,45 @@ def test_hf_dataset_from_local_directory(tmp_path):
     assert [p.fields for p in prompts] == [{"other": 0}, {"other": 1}, {"other": 2}]
     with pytest.raises(ValueError, match="no column 'prompt'.*query"):
         load_prompts(str(tmp_path), split="train")
+
+
+def test_a_users_env_transform_still_sees_every_step(tiny_llama_dir, tokenizer):
+    """The one-turn collector skips the env's step only where it writes nothing a rollout keeps
+    (make_generation_env's env): a transform a user appends to the env runs at every step, and
+    the rollouts are the same either way."""
+    from torchrl.envs import Transform
+
+    class CountSteps(Transform):
+        steps = 0
+
+        def _step(self, tensordict, next_tensordict):
+            CountSteps.steps += tensordict.numel()
+            return next_tensordict
+
+    model = load_causal_lm(tiny_llama_dir, tokenizer).eval()
+    prompts = ["hi", "a longer prompt", "ok", "four"]
+    rollouts = []
+    for extra in (None, CountSteps()):
+        env = make_generation_env(prompts, tokenizer, batch_size=2, shuffle=False)
+        if extra is not None:
+            env = env.append_transform(extra)
+        policy = make_generation_policy(model, tokenizer, max_new_tokens=3)
+        collector = RolloutCollector(env, policy, tokenizer=tokenizer, batch_size=2, seed=0,
+                                     total_batches=2)
+        assert collector.collector.steps_env == (extra is not None)
+        rollouts.append(list(collector))
+        collector.shutdown()
+    assert CountSteps.steps == 4
+    for a, b in zip(*rollouts):
+        assert torch.equal(a[K.RESPONSE_TOKENS], b[K.RESPONSE_TOKENS])
+        assert a.get(K.PROMPT_TEXT).tolist() == b.get(K.PROMPT_TEXT).tolist()
+
+
+def test_a_reward_that_edits_the_conversation_leaves_the_dataset_alone(tiny_llama_dir, tokenizer):
+    prompts = [Prompt([{"role": "user", "content": f"question {i}"}], {"answer": [i]})
+               for i in range(4)]
+    rollout = _collect(tiny_llama_dir, tokenizer, prompts, 2)
+    rollout.get(K.PROMPT_MESSAGES).tolist()[0][-1]["content"] = "edited"
+    rollout.get((K.DATA, "answer")).tolist()[0].append(99)
+    assert [p.messages[-1]["content"] for p in prompts] == [f"question {i}" for i in range(4)]
+    assert [p.fields["answer"] for p in prompts] == [[i] for i in range(4)]
