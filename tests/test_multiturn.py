@@ -154,6 +154,19 @@ def says_five(prompts, responses):
     return [1.0 if response.rstrip().endswith("The answer is 5.") else 0.0 for response in responses]
 
 
+def episode_settings(tmp_path) -> list[str]:
+    """The recipe's overrides for calculator episodes on the taught tiny Llama's questions."""
+    import json
+
+    data = tmp_path / "questions.jsonl"
+    data.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in PROMPTS * 2))
+    return [f"data.source={data}", "data.template=null", "data.max_words=null",
+            "data.system_prompt=null", "env.max_turns=3", "env.tools=[calculator]",
+            "env.describe_tools=false", "generation.max_new_tokens=16",
+            "reward.functions=[test_multiturn.says_five]", f"generation.temperature={T}",
+            "optim.lr=1e-5"]
+
+
 def test_recipe_trains_on_episodes_with_tools_and_resumes_exactly(tmp_path, tool_llama_dir):
     """The recipe with env.tools: episode metrics in every row and in the evaluation; the
     on-policy check passes on multi-turn rows; a run resumed from its first checkpoint continues
@@ -163,14 +176,8 @@ def test_recipe_trains_on_episodes_with_tools_and_resumes_exactly(tmp_path, tool
     from test_recipe import _cfg, ppo
     from test_resume import _rows, _stop_at
 
-    data = tmp_path / "questions.jsonl"
-    data.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in PROMPTS * 2))
-    settings = [f"data.source={data}", "data.template=null", "data.max_words=null",
-                "data.system_prompt=null", "env.max_turns=3", "env.tools=[calculator]",
-                "env.describe_tools=false", "generation.max_new_tokens=16",
-                "reward.functions=[test_multiturn.says_five]", "eval.every=2", "eval.num_prompts=4",
-                "ppo.num_iterations=3", "checkpoint.every=1", "checkpoint.keep=null",
-                f"generation.temperature={T}", "optim.lr=1e-5"]
+    settings = [*episode_settings(tmp_path), "eval.every=2", "eval.num_prompts=4",
+                "ppo.num_iterations=3", "checkpoint.every=1", "checkpoint.keep=null"]
     report = ppo.train(_cfg(tmp_path / "whole", tool_llama_dir, *settings))
     rows = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["env/turns_per_episode"] >= 1 and "env/end_max_turns" in r for r in rows)
@@ -184,3 +191,15 @@ def test_recipe_trains_on_episodes_with_tools_and_resumes_exactly(tmp_path, tool
     _stop_at(cut, 1)
     ppo.train(_cfg(cut, tool_llama_dir, *settings))
     assert _rows(cut) == _rows(tmp_path / "whole")
+
+
+def test_episodes_sampled_ahead_are_the_synchronous_runs_at_overlap_zero(tmp_path, tool_llama_dir):
+    """collection.overlap=0 with tools: the background sampler runs whole episodes (tool calls
+    included) and the run's metrics are the synchronous run's."""
+    from test_async import _comparable, _run
+
+    settings = episode_settings(tmp_path)
+    sync = _run(tmp_path / "sync", tool_llama_dir, *settings)
+    overlapped = _run(tmp_path / "async", tool_llama_dir, *settings, "collection.overlap=0")
+    assert sync[0]["env/tool_calls_per_episode"] > 0
+    assert [_comparable(m) for m in overlapped] == [_comparable(m) for m in sync]

@@ -55,3 +55,19 @@ def test_ray_workers_run_ahead_of_the_trainer(tmp_path, tiny_llama_dir, cluster)
     lines = _run(tmp_path, tiny_llama_dir, "collection.ray_workers=2", "collection.overlap=1")
     assert [m["async/staleness"] for m in lines] == [0, 1, 1]
     assert ray.is_initialized()  # the recipe leaves a cluster it did not start alone
+
+
+def test_ray_workers_run_episodes_with_tools(tmp_path, tool_llama_dir, cluster):
+    """Each worker runs its rows' episodes (its own tools, the same per-turn streams): the
+    metrics equal the single-process run's, tool calls and turns included."""
+    from test_multiturn import episode_settings
+
+    settings = episode_settings(tmp_path)
+    local = _run(tmp_path / "local", tool_llama_dir, *settings)
+    remote = _run(tmp_path / "ray", tool_llama_dir, *settings, "collection.ray_workers=2")
+    assert local[0]["env/tool_calls_per_episode"] > 0
+    for a, b in zip(remote, local):
+        a, b = _comparable(a), _comparable(b)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), key
