@@ -68,7 +68,11 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     calls = []
     for call in XMLBlockParser()(text)["calls"]:
         args = call.args
-        if set(args) == {"raw"}:  # a body that is not JSON: the tool's single argument
+        if isinstance(args, str):  # a JSON string: its text is the argument
+            pass
+        elif not isinstance(args, dict):  # a JSON number, list, ... (the parser passes it on as
+            args = json.dumps(args)        # is, tests/test_torchrl_upstream.py): its text
+        elif set(args) == {"raw"}:  # a body that is not JSON: the tool's single argument
             args = args["raw"]
         calls.append(ToolCall(call.tool, args))
     return calls

@@ -39,6 +39,17 @@ def test_calls_are_parsed_in_order_with_json_or_raw_arguments():
     assert parse_tool_calls("no call here") == []
 
 
+@pytest.mark.parametrize("body, argument", [("42", "42"), ('"12 + 30"', "12 + 30"),
+                                            ("[1, 2]", "[1, 2]"), ("2.5", "2.5")])
+def test_a_body_that_is_json_but_no_object_is_the_single_argument(body, argument):
+    """A JSON number, string or list is one argument (its text), never keyword arguments: a
+    policy that writes <tool name="calculator">42</tool> gets "42" back, not a crash."""
+    (call,) = parse_tool_calls(f'<tool name="calculator">{body}</tool>')
+    assert call == ToolCall("calculator", argument)
+    if body != "[1, 2]":
+        assert run_tool({"calculator": calculator}, call).ok
+
+
 @pytest.mark.parametrize("expression, value", [("66 + 46", "112"), ("7 / 2", "3.5"),
                                                ("-(3 - 10) * 2 ** 3", "56"), ("17 // 5 % 2", "1"),
                                                ("1/3", "0.333333333333"), ("12 - 5 =", "7")])

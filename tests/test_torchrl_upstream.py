@@ -226,3 +226,15 @@ def test_python_interpreter_sandboxes_the_policys_code():
     interpreter = PythonInterpreter(timeout=5.0)
     result = interpreter._execute_python_code("import socket; socket.socket(); print('opened')", 0)
     assert not result["success"], result
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="XMLBlockParser passes a tool body that parses as a JSON number, string or "
+                          "list on as ToolCall.args (typed dict[str, Any]), so tool(**args) fails on "
+                          "<tool name=\"calculator\">42</tool>; rlhf_torchrl.tools.parse_tool_calls "
+                          "makes it the single argument")
+def test_xml_block_parser_gives_keyword_arguments_for_every_body():
+    from torchrl.envs.llm.transforms import XMLBlockParser
+
+    (call,) = XMLBlockParser()('<tool name="calculator">42</tool>')["calls"]
+    assert isinstance(call.args, dict)
