@@ -238,3 +238,18 @@ def test_xml_block_parser_gives_keyword_arguments_for_every_body():
 
     (call,) = XMLBlockParser()('<tool name="calculator">42</tool>')["calls"]
     assert isinstance(call.args, dict)
+
+
+def test_the_llm_collector_hooks_the_one_turn_collector_overrides_are_there():
+    """collectors.base._OneTurnCollector overrides LLMCollector._rollout_all (it reads _shuttle)
+    and sets two attributes the iterator reads: a TorchRL that renames them would silently give
+    back the upstream per-batch clones (correct, but slower), so this says so."""
+    import inspect
+
+    from torchrl.collectors.llm import LLMCollector
+
+    assert "_rollout_all" in vars(LLMCollector)
+    assert "self._shuttle" in inspect.getsource(LLMCollector._rollout_all)
+    iterator = inspect.getsource(LLMCollector.iterator)
+    assert "return_same_td" in iterator
+    assert "_exclude_private_keys" in inspect.getsource(LLMCollector.__mro__[1])
