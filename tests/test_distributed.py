@@ -71,11 +71,12 @@ CASES = {
     "ddp-rloo-groups-filtered": ["distributed.strategy=ddp", "advantage.estimator=rloo",
                                  "generation.samples_per_prompt=2", "ppo.kl_loss_coef=0.01",
                                  "advantage.filter_groups=true", "ppo.num_mini_batches=4"],
-    # episodes of up to 3 turns with the calculator (the taught tiny Llama): rows of one process
-    # end at other turns than the other's; the observation masks are gathered with the rows
+    # episodes of up to 3 turns with the calculator (the taught tiny Llama), in groups of 2 per
+    # question: rows of one process end at other turns than the other's; the observation masks
+    # are gathered with the rows
     "ddp-multi-turn": ["distributed.strategy=ddp", "env.max_turns=3", "env.tools=[calculator]",
                        "env.describe_tools=false", "data.system_prompt=null",
-                       "generation.max_new_tokens=16"],
+                       "generation.max_new_tokens=16", "generation.samples_per_prompt=2"],
 }
 
 
