@@ -30,6 +30,7 @@ def run(fn, cfg):
     """``fn(cfg)``; a :data:`USER_ERRORS` error is a message about the input or the run, not
     about this code: printed as ``Error: ...``, exit status 1 (``RLHF_TORCHRL_TRACEBACK=1``
     re-raises it with its traceback)."""
+    quiet_third_party_bars()
     try:
         return fn(cfg)
     except USER_ERRORS as error:
@@ -37,6 +38,16 @@ def run(fn, cfg):
             raise
         print(f"Error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def quiet_third_party_bars() -> None:
+    """No loading bars from transformers (weights, GGUF dequantising) or the hub: a run's own
+    progress is the only bar, and a log file gets no carriage returns."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
 
 
 #: the settings ``rlhf-torchrl ppo --help`` shows, by the question they answer

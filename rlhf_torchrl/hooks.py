@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -226,14 +227,21 @@ class Checkpointer(_Stateless):
 
 class RunLog(TrainerHookBase):
     """Metrics and the run report (main process only): each iteration's row to ``metrics.jsonl``
-    and the TorchRL ``logger``, a tqdm bar (``progress_bar``), and at the end ``report.json`` and
+    and the TorchRL ``logger``, progress on the terminal, and at the end ``report.json`` and
     ``report.html`` (:func:`~rlhf_torchrl.report.write_report`) with the score and KL trend, a few
     responses from the first and last iterations (``num_samples``) and the evaluation's entries.
+
+    Progress: with ``progress_bar`` and a terminal on stderr, a tqdm bar (iteration, score, KL,
+    time left) under which log lines are printed whole; otherwise (a pipe, a log file, CI) a log
+    line every ``log_every`` iterations (None: about 20 in a run) and at the last one, never a
+    carriage return.
     """
 
     def __init__(self, output_dir: str, *, logger: str | None = "csv", progress_bar: bool = True,
-                 num_samples: int = 3, config: dict | None = None, evaluation: Evaluation | None = None):
+                 num_samples: int = 3, config: dict | None = None, evaluation: Evaluation | None = None,
+                 log_every: int | None = None):
         self.output_dir, self.logger, self.progress_bar = output_dir, logger, progress_bar
+        self.log_every = log_every
         self.num_samples, self.config, self.evaluation = num_samples, config or {}, evaluation
         self.first_samples = self.last_samples = None
         self.history: list[dict] = []
@@ -262,8 +270,17 @@ class RunLog(TrainerHookBase):
             earlier.append({"iteration": last, **row})
         # the earlier iterations of a resumed run (skipped ones have no statistics)
         self.history = [r for r in earlier if "objective/scores" in r]
-        self.bar = tqdm(total=t.num_iterations, initial=t.first_iteration, desc="PPO",
-                        disable=not self.progress_bar)
+        self.bar = None
+        if self.progress_bar and _is_terminal(sys.stderr):
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self.bar = tqdm(total=t.num_iterations, initial=t.first_iteration, desc="PPO",
+                            dynamic_ncols=True)
+            # log lines go through tqdm.write while the bar is up: printed above it, not through it
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
+        self.every = self.log_every or max(1, round(t.num_iterations / 20))
+        self._start = time.perf_counter()
 
     def keep_rollout(self, rollout):
         self._rollout = rollout  # this process's rows, with their texts
@@ -276,16 +293,28 @@ class RunLog(TrainerHookBase):
                 self.first_samples = self.last_samples
 
     def log(self, metrics: dict) -> None:
-        self.writer.log(self.trainer.iteration - 1, metrics)
-        self.bar.update(1)
-        if "objective/scores" not in metrics:  # a skipped iteration
-            return
-        self.history.append(metrics)
-        self.bar.set_postfix(score=f"{metrics['objective/scores']:.3f}",
-                             kl=f"{metrics['objective/kl']:.3f}")
+        t = self.trainer
+        self.writer.log(t.iteration - 1, metrics)
+        scored = "objective/scores" in metrics  # (not a skipped iteration)
+        if scored:
+            self.history.append(metrics)
+        if self.bar is not None:
+            self.bar.update(1)
+            if scored:
+                self.bar.set_postfix(score=f"{metrics['objective/scores']:.3f}",
+                                     kl=f"{metrics['objective/kl']:.3f}")
+        elif scored and (t.iteration % self.every == 0 or t.iteration == t.num_iterations):
+            done = t.iteration - t.first_iteration
+            elapsed = time.perf_counter() - self._start
+            left = elapsed / done * (t.num_iterations - t.iteration) if done else 0.0
+            log.info("Iteration %d/%d: score %.3f, KL %.3f, %.1f s/iteration, %s left",
+                     t.iteration, t.num_iterations, metrics["objective/scores"],
+                     metrics["objective/kl"], elapsed / max(done, 1), _duration(left))
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
+            self._redirect.__exit__(None, None, None)
         self.writer.close()
         self.report = summary(self.history, self.first_samples, self.last_samples) if self.history else {}
         if self.evaluation is not None:
@@ -309,6 +338,19 @@ class RunLog(TrainerHookBase):
         self.first_samples = state_dict["first_samples"]
         self.last_samples = state_dict["last_samples"]
         self._checkpointed_row = state_dict.get("row")
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}" if hours else f"{minutes}:{seconds:02d}"
 
 
 def summary(history: list[dict], before: list[dict], after: list[dict], quiet: bool = False) -> dict:

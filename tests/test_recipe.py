@@ -90,15 +90,21 @@ def test_critic_free_estimators_train_without_a_value_model(tmp_path, tiny_llama
 
 
 def test_recipe_cli(tmp_path, tiny_gpt2_dir):
-    """The command line a user types, on a GPT-2 with an adaptive KL and a missing-EOS penalty."""
+    """The command line a user types, on a GPT-2 with an adaptive KL and a missing-EOS penalty.
+    Its output goes to a pipe: the progress bar (on by default) gives way to a log line per
+    iteration (logging.log_every=1), and nothing writes a carriage return or a loading bar."""
+    tiny = [o for o in TINY if not o.startswith("logging.progress_bar")]
     cmd = [sys.executable, str(RECIPES / "ppo.py"), f"model.policy={tiny_gpt2_dir}",
            f"hydra.run.dir={tmp_path}", "ppo.kl_coef=0.05", "ppo.kl_target=0.5", "ppo.kl_horizon=10000",
-           "reward.missing_eos_penalty=1.0",
-           "ppo.kl_estimator=k3", "optim.lr_schedule=constant", *TINY]
+           "reward.missing_eos_penalty=1.0", "logging.log_every=1",
+           "ppo.kl_estimator=k3", "optim.lr_schedule=constant", *tiny]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "PPO report" in out.stdout
+    printed = out.stdout + out.stderr
+    assert "Iteration 1/2: score" in printed and "Iteration 2/2: score" in printed
+    assert "\r" not in printed and "Loading weights" not in printed
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["objective/kl_coef"] == 0.05 and rows[1]["objective/kl_coef"] != 0.05
 

@@ -737,7 +737,8 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     if parallel.is_main:
         trainer.register_hook("run_log", RunLog(
             cfg.output_dir, logger=cfg.logging.logger, num_samples=cfg.logging.num_samples,
-            progress_bar=cfg.logging.progress_bar, evaluation=evaluation,
+            progress_bar=cfg.logging.progress_bar, log_every=cfg.logging.log_every,
+            evaluation=evaluation,
             config=OmegaConf.to_container(cfg, resolve=True)))
     if resume_from:
         trainer.load_checkpoint(resume_from)

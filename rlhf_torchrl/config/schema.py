@@ -197,6 +197,7 @@ class Logging:
     logger: str | None = MISSING
     num_samples: int = MISSING
     progress_bar: bool = MISSING
+    log_every: int | None = MISSING
     exact_entropy: bool = MISSING
     save_model: bool = MISSING
 
@@ -313,6 +314,7 @@ RANGES = {
     "eval.num_prompts": (1, _INF, True, True),
     "eval.temperature": (0, _INF, False, True),
     "logging.num_samples": (0, _INF, True, True),
+    "logging.log_every": (1, _INF, True, True),
 }
 
 
