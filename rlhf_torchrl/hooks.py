@@ -242,6 +242,7 @@ class RunLog(TrainerHookBase):
                  log_every: int | None = None):
         self.output_dir, self.logger, self.progress_bar = output_dir, logger, progress_bar
         self.log_every = log_every
+        self.bar = None
         self.num_samples, self.config, self.evaluation = num_samples, config or {}, evaluation
         self.first_samples = self.last_samples = None
         self.history: list[dict] = []
