@@ -124,6 +124,7 @@ def _plot(rows: list[dict], summary: dict, keys: list[str], title: str, ylabel: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     series = []
     for key in keys:
@@ -146,8 +147,12 @@ def _plot(rows: list[dict], summary: dict, keys: list[str], title: str, ylabel: 
             ax.plot(xs, moving_average(list(ys), window), color=line.get_color(), linewidth=2,
                     label=f"{key} ({window}-iteration mean)")
     ax.set_title(title)
-    ax.set_xlabel("iteration" if not keys[0].startswith("eval/") else "updates done")
+    evals = [key.startswith("eval/") for key, _ in series]
+    ax.set_xlabel("updates done" if all(evals) else
+                  "iteration (eval/*: updates done)" if any(evals) else "iteration")
     ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no iteration 0.25 on short runs
+    ax.ticklabel_format(axis="y", useOffset=False)  # 64.737 is read as it is, not as +6.47e1
     ax.grid(alpha=0.3)
     if len(series) > 1 or any(k in SMOOTHED for k, _ in series):
         ax.legend(fontsize=7)
@@ -184,7 +189,7 @@ def write_report(run_dir: str) -> str:
         "</head><body>",
         f"<h1>PPO run report</h1><p>{esc(os.path.abspath(run_dir))}: "
         f"{sum(1 for r in rows if 'objective/scores' in r)} iterations</p>",
-        "<h2>At a glance</h2><ul>" + "".join(f"<li>{esc(v)}</li>" for v in verdict(rows, summary)) + "</ul>",
+        "<h2>At a glance</h2><ul id='verdict'>" + "".join(f"<li>{esc(v)}</li>" for v in verdict(rows, summary)) + "</ul>",
         "<h2>Plots</h2>",
         "".join(f"<img alt='{esc(t)}' title='{esc(t)}' src='data:image/png;base64,{data}'>"
                 for t, data in figures),
@@ -198,24 +203,26 @@ def write_report(run_dir: str) -> str:
         parts.append("<h2>Seconds per phase (median over iterations)</h2><table>"
                      + "".join(f"<tr><td>{esc(k[5:])}</td><td>{statistics.median(v):.2f}</td></tr>"
                                for k, v in timings.items()) + "</table>")
+    # the ids name the report.json entry each table shows (tests/test_report_browser.py finds them)
     for title, key in (("Responses before training", "samples_before"),
                        ("Responses after training", "samples_after")):
         samples = summary.get(key) or []
         if samples:
-            parts.append(f"<h2>{title}</h2><table><tr><th>score</th><th>prompt</th><th>response</th></tr>"
+            parts.append(f"<h2>{title}</h2><table id='{key}'><tr><th>score</th><th>prompt</th><th>response</th></tr>"
                          + "".join(f"<tr><td>{s['score']:+.3f}</td>{_prompt_cell(s)}"
                                    f"<td>{esc(s['response'])}</td></tr>" for s in samples)
                          + "</table>")
     held_out = summary.get("held_out_samples") or []
     if held_out:
         parts.append("<h2>Held-out prompts: the policy's response before and after training</h2>"
-                     "<table><tr><th>prompt</th><th>before</th><th>after</th></tr>"
+                     "<table id='held_out_samples'><tr><th>prompt</th><th>before</th><th>after</th></tr>"
                      + "".join(f"<tr>{_prompt_cell(s)}"
                                f"<td>{esc(s['before'])} <i>({s['score_before']:+.3f})</i></td>"
                                f"<td>{esc(s['after'])} <i>({s['score_after']:+.3f})</i></td></tr>"
                                for s in held_out) + "</table>")
     if summary.get("config"):
-        parts.append("<h2>Config</h2><pre>" + esc(json.dumps(summary["config"], indent=1)) + "</pre>")
+        parts.append("<h2>Config</h2><details><summary>every setting of the run</summary><pre>"
+                     + esc(json.dumps(summary["config"], indent=1)) + "</pre></details>")
     parts.append("</body></html>")
     out = os.path.join(run_dir, "report.html")
     with open(out, "w", encoding="utf-8") as f:
