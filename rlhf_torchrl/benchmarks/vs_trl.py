@@ -1,15 +1,16 @@
 """Side by side with TRL's PPOTrainer (trl==1.12.0, ``trl.experimental.ppo``) at identical settings.
 
-Same tiny GPT-2 policy (2 layers, 128 wide), same tokenizer (SmolLM2's, with a pass-through chat
-template so both sides see the same prompt tokens), same reward model and value-model init (a
-tiny GPT-2 sequence classifier), same prompts, batch size, response length, PPO epochs,
-minibatches, learning rate, KL coefficient, fp32, same threads. TRL runs in a virtual environment
-this script creates (``benchmarks/.venv-trl``, system site-packages visible, ``trl==1.12.0`` added)
-so the project never depends on TRL. Runs alternate (TRL, ours, TRL, ours, ...) and the report
-gives median seconds per iteration after warm-up, their ratio, and both reward curves.
+Same policy (``--model``: by default a tiny GPT-2, 2 layers, 128 wide), same tokenizer (with a
+pass-through chat template so both sides see the same prompt tokens), same reward model and
+value-model init (a tiny GPT-2 sequence classifier over that tokenizer), same prompts, batch size,
+response length, PPO epochs, minibatches, learning rate, KL coefficient, fp32, same threads. TRL
+runs in a virtual environment this command creates once (``--venv``: ``trl==1.12.0`` over this
+interpreter's packages) so the project never depends on TRL. Runs alternate (TRL, ours, TRL, ours,
+...) and the report gives median seconds per iteration after warm-up, their ratio, and both
+reward curves.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/vs_trl.py --batch-size 16
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/vs_trl.py --batch-size 64 --minibatches 4
+    OMP_WAIT_POLICY=PASSIVE rlhf-torchrl bench vs_trl --batch-size 16
+    OMP_WAIT_POLICY=PASSIVE rlhf-torchrl bench vs_trl --batch-size 64 --minibatches 4
 """
 
 from __future__ import annotations
@@ -17,48 +18,62 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import site
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-VENV = HERE / ".venv-trl"
+from ..modules.models import _cache_root
+from .common import BUILT, TOKENIZERS, add_out_arg, load_policy, machine, make_parser, write_json
+
 TRL_VERSION = "1.12.0"
 PASSTHROUGH = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
-def ensure_trl_venv() -> Path:
-    python = VENV / "bin" / "python"
+def ensure_trl_venv(venv: Path) -> Path:
+    """The python of a venv with ``trl==TRL_VERSION`` that sees this interpreter's packages
+    (torch, transformers, this package, an editable install too); created on first use."""
+    python = venv / "bin" / "python"
     probe = [str(python), "-c", f"import trl, sys; sys.exit(trl.__version__ != {TRL_VERSION!r})"]
     if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
         return python
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True)
+    print(f"creating {venv} with trl=={TRL_VERSION} (once)", file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # this interpreter's site folders after the venv's own (their .pth files processed: an editable
+    # install's finder too): TRL goes into the venv, everything else is shared. Not
+    # --system-site-packages: where this interpreter is itself a venv, that would skip its packages.
+    site_dirs = [*site.getsitepackages(), site.getusersitepackages(),
+                 sysconfig.get_paths()["purelib"]]
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    line = "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dict.fromkeys(site_dirs))
+    Path(purelib, "_rlhf_torchrl_parent.pth").write_text(line + "\n")
     subprocess.run([str(python), "-m", "pip", "install", "-q", f"trl=={TRL_VERSION}"], check=True)
     return python
 
 
-def make_fixture(path: Path, seed: int) -> None:
+def make_fixture(path: Path, args) -> None:
     """Policy, reward model and tokenizer directories, and a prompt file, shared by both sides."""
     import torch
-    from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    from rlhf_torchrl.data import load_prompts
-    from rlhf_torchrl.modules import load_tokenizer
-    from rlhf_torchrl.modules.models import smollm2_path
+    from ..data import load_prompts
 
-    tok = load_tokenizer(smollm2_path())
+    tok, policy = load_policy(args.model, args.tokenizer, args.seed)
     tok.chat_template = PASSTHROUGH
-    common = dict(vocab_size=len(tok), n_embd=128, n_layer=2, n_head=4, n_positions=1024,
-                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                  pad_token_id=tok.pad_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                  summary_first_dropout=0.0)
-    torch.manual_seed(seed)
-    GPT2LMHeadModel(GPT2Config(**common)).save_pretrained(path / "policy")
-    GPT2ForSequenceClassification(GPT2Config(num_labels=1, **common)).save_pretrained(path / "rm")
+    if args.model not in BUILT:  # (a built policy was seeded: the reward model's init follows it)
+        torch.manual_seed(args.seed)
+    rm = GPT2Config(vocab_size=len(tok), n_embd=128, n_layer=2, n_head=4, n_positions=1024,
+                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                    summary_first_dropout=0.0, num_labels=1)
+    policy.save_pretrained(path / "policy")
+    GPT2ForSequenceClassification(rm).save_pretrained(path / "rm")
     for sub in ("policy", "rm"):
         tok.save_pretrained(path / sub)
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
@@ -68,11 +83,10 @@ def make_fixture(path: Path, seed: int) -> None:
 
 
 def run_worker(python: str, side: str, fixture: Path, args, out: Path) -> dict:
-    cmd = [python, str(Path(__file__)), "--worker", side, "--fixture", str(fixture),
-           "--out", str(out), *args.passthrough]
+    cmd = [python, "-m", __name__, "--worker", side, "--fixture", str(fixture),
+           "--worker-out", str(out), *args.passthrough]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{side} worker failed:\n{done.stderr[-4000:]}")
@@ -96,7 +110,7 @@ def worker_trl(a, fixture: Path) -> dict:
 
     torch.set_num_threads(a.threads)
     if a.trl_reuse_freed_memory:
-        from rlhf_torchrl.runtime import reuse_freed_memory
+        from ..runtime import reuse_freed_memory
 
         reuse_freed_memory()
     tok = AutoTokenizer.from_pretrained(fixture / "policy")
@@ -107,7 +121,7 @@ def worker_trl(a, fixture: Path) -> dict:
     n = a.warmup + a.iterations
     per_device = a.batch_size // a.minibatches
     config = PPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=per_device,
+        output_dir=tempfile.mkdtemp(dir=fixture), per_device_train_batch_size=per_device,
         gradient_accumulation_steps=a.minibatches, num_mini_batches=a.minibatches,
         num_ppo_epochs=a.epochs, total_episodes=a.batch_size * n, response_length=a.response_length,
         temperature=a.temperature, learning_rate=a.lr, kl_coef=0.05, stop_token="eos",
@@ -140,12 +154,12 @@ def worker_trl(a, fixture: Path) -> dict:
 def worker_ours(a, fixture: Path) -> dict:
     import torch
 
-    from rlhf_torchrl.config import builders, compose
+    from ..config import builders, compose
 
     torch.set_num_threads(a.threads)
     overrides = [
         "task=custom", "eval.every=0", "checkpoint.every=0",  # TRL: a fixed KL, no held-out eval
-        f"output_dir={tempfile.mkdtemp()}", f"model.policy={fixture / 'policy'}",
+        f"output_dir={tempfile.mkdtemp(dir=fixture)}", f"model.policy={fixture / 'policy'}",
         f"reward.model={fixture / 'rm'}", "reward.functions=[]", "value_model.init=reward_model",
         f"data.source={fixture / 'prompts.jsonl'}", "data.template='{prompt}'", "data.max_words=null",
         "data.system_prompt=null", f"ppo.batch_size={a.batch_size}",
@@ -168,49 +182,59 @@ def worker_ours(a, fixture: Path) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--minibatches", type=int, default=1)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--response-length", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--iterations", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+def main(argv=None) -> dict | None:
+    parser = make_parser(__doc__)
+    parser.add_argument("--model", default="tiny-gpt2",
+                        help="the policy: a preset (tiny-gpt2, tiny-llama, smollm2, "
+                             "qwen2-0.5b-shape), a local model directory or a hub id")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="auto",
+                        help="for the built presets: bytes or smollm2 (SmolLM2's 49k, as the "
+                             "figures in benchmarks/README.md)")
+    parser.add_argument("--batch-size", type=int, default=16, help="responses per iteration")
+    parser.add_argument("--minibatches", type=int, default=1, help="minibatches per epoch")
+    parser.add_argument("--epochs", type=int, default=4, help="PPO epochs per iteration")
+    parser.add_argument("--response-length", type=int, default=32, help="max new tokens")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    parser.add_argument("--lr", type=float, default=1e-5, help="learning rate (both sides)")
+    parser.add_argument("--iterations", type=int, default=8, help="timed iterations per run")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs per side")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
+    parser.add_argument("--seed", type=int, default=0, help="weights, prompts and sampling")
     parser.add_argument("--trl-reuse-freed-memory", action="store_true",
                         help="give TRL's process the allocator setting our recipe uses by default")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--venv", default=str(_cache_root() / f"venv-trl-{TRL_VERSION}"),
+                        help="TRL's virtual environment, created here on first use "
+                             "(RLHF_TORCHRL_CACHE moves the default)")
+    add_out_arg(parser)
     parser.add_argument("--worker", choices=("trl", "ours"), help=argparse.SUPPRESS)
     parser.add_argument("--fixture", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    a = parser.parse_args()
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    a = parser.parse_args(argv)
     if a.worker:
         result = (worker_trl if a.worker == "trl" else worker_ours)(a, Path(a.fixture))
-        Path(a.out).write_text(json.dumps(result))
-        return
+        Path(a.worker_out).write_text(json.dumps(result))
+        return None
     a.passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                      if k in ("batch_size", "minibatches", "epochs", "response_length",
                               "temperature", "lr", "iterations", "warmup", "threads", "seed")]
     if a.trl_reuse_freed_memory:
         a.passthrough.append("--trl-reuse-freed-memory")
-    trl_python = str(ensure_trl_venv())
-    tmp = Path(tempfile.mkdtemp())
-    make_fixture(tmp, a.seed)
+    trl_python = str(ensure_trl_venv(Path(a.venv)))
     runs = {"trl": [], "ours": []}
-    for r in range(a.rounds):
-        for side, python in (("trl", trl_python), ("ours", sys.executable)):
-            res = run_worker(python, side, tmp, a, tmp / f"{side}{r}.json")
-            runs[side].append(res)
-            steady = res["seconds"][a.warmup:]
-            print(f"round {r} {side:>4}: median {statistics.median(steady):.3f} s/iteration "
-                  f"over {len(steady)} iterations", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        make_fixture(tmp, a)
+        for r in range(a.rounds):
+            for side, python in (("trl", trl_python), ("ours", sys.executable)):
+                res = run_worker(python, side, tmp, a, tmp / f"{side}{r}.json")
+                runs[side].append(res)
+                steady = res["seconds"][a.warmup:]
+                print(f"round {r} {side:>4}: median {statistics.median(steady):.3f} s/iteration "
+                      f"over {len(steady)} iterations", flush=True)
     med = {side: statistics.median(s for res in rs for s in res["seconds"][a.warmup:])
            for side, rs in runs.items()}
-    print(f"\nPPO iteration, tiny GPT-2 (2x128), batch {a.batch_size}, response {a.response_length}, "
+    print(f"\nPPO iteration, {a.model}, batch {a.batch_size}, response {a.response_length}, "
           f"{a.epochs} epochs x {a.minibatches} minibatches, {a.threads} threads, "
           f"{a.rounds} alternating runs each")
     malloc = " (with reuse_freed_memory)" if a.trl_reuse_freed_memory else ""
@@ -223,13 +247,11 @@ def main() -> None:
     for side in ("trl", "ours"):
         curve = [round(x, 3) for x in runs[side][0]["scores"]]
         print(f"  reward curve ({side}, run 0): {curve}")
-    out = a.json or str(HERE / "results" / f"vs_trl_b{a.batch_size}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(a).items() if k != "passthrough"},
-                   "median_seconds": med, "ratio_ours_over_trl": med["ours"] / med["trl"],
-                   "runs": runs}, f, indent=1)
-    print(f"wrote {out}")
+    result = {"args": {k: v for k, v in vars(a).items() if k != "passthrough"},
+              "machine": machine(), "median_seconds": med,
+              "ratio_ours_over_trl": med["ours"] / med["trl"], "runs": runs}
+    write_json(a.out, result)
+    return result
 
 
 if __name__ == "__main__":

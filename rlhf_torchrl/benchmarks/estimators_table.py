@@ -1,20 +1,23 @@
 """The table of ``benchmarks/estimators.sh``'s runs: one row per run, then the mean over seeds.
 
-Reads ``<out>/<task>_<estimator>_<seed>/`` (``report.json``, ``metrics.jsonl``) and
-``<out>/<task>_<estimator>_<seed>.time`` (``/usr/bin/time -v``'s peak RSS). The held-out figure
+Reads ``<runs>/<task>_<estimator>_<seed>/`` (``report.json``, ``metrics.jsonl``) and
+``<runs>/<task>_<estimator>_<seed>.time`` (``/usr/bin/time -v``'s peak RSS). The held-out figure
 is ``eval/accuracy`` on arithmetic and ``eval/score`` elsewhere; seconds per iteration are the
-median ``time/total`` (an iteration with an evaluation, or one paused, does not move it).
+median ``time/total`` (an iteration with an evaluation, or one paused, does not move it). Prints
+a Markdown table.
 
-    python benchmarks/estimators_table.py --task arithmetic --out outputs/estimators
+    rlhf-torchrl bench estimators_table --task arithmetic --runs outputs/estimators
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import statistics
+
+from ..errors import ConfigError
+from .common import add_out_arg, make_parser, write_json
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 
@@ -41,10 +44,15 @@ def run_figures(path: str, held_out: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--task", default="arithmetic")
-    parser.add_argument("--out", default="outputs/estimators")
+    parser = make_parser(__doc__)
+    parser.add_argument("--task", default="arithmetic", help="the task preset the runs trained on")
+    parser.add_argument("--runs", default="outputs/estimators",
+                        help="the folder of the runs (estimators.sh's OUT)")
+    add_out_arg(parser)
     args = parser.parse_args(argv)
+    if not os.path.isdir(args.runs):
+        raise ConfigError(f"--runs {args.runs} is not a folder: give the OUT folder of "
+                          "benchmarks/estimators.sh's runs.")
     held_out = "eval/accuracy" if args.task == "arithmetic" else "eval/score"
     print(f"| estimator | seed | held-out {held_out.split('/')[1]} | training score, first -> last "
           "quarter | KL at the end | held-out distinct-2 | s/iteration (median) | peak RSS |")
@@ -52,9 +60,9 @@ def main(argv=None) -> dict:
     results = {}
     for estimator in ESTIMATORS:
         runs = []
-        for name in sorted(os.listdir(args.out)):
+        for name in sorted(os.listdir(args.runs)):
             match = re.fullmatch(rf"{args.task}_{estimator}_(\d+)", name)
-            path = os.path.join(args.out, name)
+            path = os.path.join(args.runs, name)
             if match and os.path.exists(os.path.join(path, "report.json")):
                 runs.append((int(match.group(1)), run_figures(path, held_out)))
         results[estimator] = dict(runs)
@@ -74,6 +82,7 @@ def main(argv=None) -> dict:
                   f"**{mean('after'):.3f}** ± {spread('after'):.3f} | {mean('train_first'):.3f} -> "
                   f"{mean('train_last'):.3f} | {mean('kl'):.2f} | {mean('distinct_2'):.2f} | "
                   f"{mean('seconds'):.1f} | |")
+    write_json(args.out, {"args": vars(args), "runs": results})
     return results
 
 

@@ -5,12 +5,13 @@ old/ref log-probs and values, KL shaping + GAE, ClipPPOLoss update through the r
 Floor: the same shapes as bare model calls with nothing else (one ``generate`` with the same
 sampler; no-grad forwards of the reference with the sampled tokens' log-probs (the old log-probs
 and the shared trunk's values come off the sampling pass, as in the recipe), and with
-``--recompute-log-probs`` of the whole policy too; forward/backward/AdamW step per minibatch; the LM head only on response positions and the library's log-prob function
-throughout, so the ratio is what the framework around the model calls costs). Also timed: plain
-``generate(do_sample=True)`` (HF's multinomial sampler), what generation costs without ours. The
-three are measured alternately, iteration by iteration, and reported as medians after warm-up.
+``--recompute-log-probs`` of the whole policy too; forward/backward/AdamW step per minibatch; the
+LM head only on response positions and the library's log-prob function throughout, so the ratio is
+what the framework around the model calls costs). Also timed: plain ``generate(do_sample=True)``
+(HF's multinomial sampler), what generation costs without ours. The three are measured
+alternately, iteration by iteration, and reported as medians after warm-up.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/ppo_iteration.py --model tiny-gpt2 --batch-size 16
+    OMP_WAIT_POLICY=PASSIVE rlhf-torchrl bench ppo_iteration --model tiny-gpt2 --batch-size 16
 
 ``--autocast bfloat16`` runs every model call of both sides under bf16 autocast (the old log-probs
 then recomputed, as the recipe does in bf16).
@@ -18,46 +19,32 @@ then recomputed, as the recipe does in bf16).
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-
 import torch
 from transformers import LogitsProcessorList
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import (  # noqa: E402
-    MODELS,
+from .. import keys as K
+from ..collectors import RolloutCollector, make_generation_env, make_generation_policy
+from ..data import load_prompts
+from ..functional import log_probs_from_logits
+from ..modules import TokenLevelActor, evaluate_rollout, make_critic
+from ..objectives import ResponseGAE, make_minibatch_buffer, make_ppo_loss, ppo_update
+from ..reward_functions import vader_sentiment
+from ..rewards import KLRewardShaper, Scorer, make_kl_controller
+from ..sampling import InverseCDFSampler
+from .common import (
+    add_model_args,
+    add_out_arg,
     add_runtime_args,
     apply_runtime_args,
     build_models,
     machine,
+    make_parser,
     medians,
     peak_rss_mb,
     table,
     timer,
     write_json,
 )
-
-from rlhf_torchrl import keys as K  # noqa: E402
-from rlhf_torchrl.collectors import (  # noqa: E402
-    RolloutCollector,
-    make_generation_env,
-    make_generation_policy,
-)
-from rlhf_torchrl.data import load_prompts  # noqa: E402
-from rlhf_torchrl.functional import log_probs_from_logits  # noqa: E402
-from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, make_critic  # noqa: E402
-from rlhf_torchrl.objectives import (  # noqa: E402
-    ResponseGAE,
-    make_minibatch_buffer,
-    make_ppo_loss,
-    ppo_update,
-)
-from rlhf_torchrl.reward_functions import vader_sentiment  # noqa: E402
-from rlhf_torchrl.rewards import KLRewardShaper, Scorer, make_kl_controller  # noqa: E402
-from rlhf_torchrl.sampling import InverseCDFSampler  # noqa: E402
 
 PHASES = ("generation", "scoring", "evaluation", "advantages", "update")
 
@@ -153,7 +140,7 @@ def run_floor(parts, rollout, args) -> dict:
 
 
 def build(args):
-    tokenizer, policy, reference = build_models(args.model, seed=args.seed)
+    tokenizer, policy, reference = build_models(args.model, args.seed, args.tokenizer)
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}",
                            max_words=args.max_words or None)
     bf16 = torch.bfloat16 if args.autocast == "bfloat16" else None
@@ -183,17 +170,18 @@ def build(args):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=MODELS, default="tiny-gpt2")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--response-length", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--minibatches", type=int, default=1)
-    parser.add_argument("--forward-batch-size", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--iterations", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = make_parser(__doc__)
+    add_model_args(parser)
+    parser.add_argument("--batch-size", type=int, default=16, help="responses per rollout")
+    parser.add_argument("--response-length", type=int, default=32, help="max new tokens")
+    parser.add_argument("--epochs", type=int, default=1, help="PPO epochs per iteration")
+    parser.add_argument("--minibatches", type=int, default=1, help="minibatches per epoch")
+    parser.add_argument("--forward-batch-size", type=int, default=64,
+                        help="rows per no-grad forward of the evaluation phase")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    parser.add_argument("--iterations", type=int, default=5, help="timed iterations")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    parser.add_argument("--seed", type=int, default=0, help="weights and prompt order")
     parser.add_argument("--sample-entropy", action="store_true",
                         help="log the free sample estimate of the entropy instead of the exact one")
     parser.add_argument("--recompute-log-probs", action="store_true",
@@ -208,7 +196,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="also time the update with token-budget micro-batches (same rollout)")
     add_runtime_args(parser)
-    parser.add_argument("--json", default="benchmarks/results/ppo_iteration.json")
+    add_out_arg(parser)
     args = parser.parse_args(argv)
     # bf16 decoding and the training forward round differently: the recipe recomputes there
     args.recompute_log_probs = args.recompute_log_probs or args.autocast == "bfloat16"
@@ -238,16 +226,18 @@ def main(argv=None) -> dict:
                  f"{floor['tokens_per_second'] / ours['tokens_per_second']:.2f}x"])
     rows.append(["HF generate, multinomial", f"{ours['generation']:.3f}",
                  f"{floor['hf_generate']:.3f}", f"{ours['generation'] / floor['hf_generate']:.2f}x"])
-    print(f"\nPPO iteration, {args.model} ({args.autocast if args.autocast != 'none' else 'fp32'}), "
+    print(f"\nPPO iteration, {args.model} ({args.autocast if args.autocast != 'none' else 'fp32'}, "
+          f"vocabulary {len(parts['tokenizer'])}), "
           f"batch {args.batch_size}, response {args.response_length}, "
           f"{args.epochs} epoch(s) x {args.minibatches} minibatch(es), {args.threads} threads, "
           f"median of {args.iterations} after {args.warmup} warm-up")
     print(table(rows, ["phase", "ours (s)", "floor (s)", "ours/floor"]))
     print(f"peak RSS: {peak_rss_mb():.0f} MB; padded positions in the rollout: "
           f"{100 * ours['padded_share']:.0f}%")
-    result = {"args": vars(args), "machine": machine(), "ours": ours, "floor": floor,
-              "ours_all": ours_rows, "floor_all": floor_rows, "peak_rss_mb": peak_rss_mb()}
-    write_json(args.json, result)
+    result = {"args": vars(args), "machine": machine(), "vocabulary": len(parts["tokenizer"]),
+              "ours": ours, "floor": floor, "ours_all": ours_rows, "floor_all": floor_rows,
+              "peak_rss_mb": peak_rss_mb()}
+    write_json(args.out, result)
     return result
 
 

@@ -7,40 +7,32 @@ bare ``model.generate`` with the same sampler (the floor: what the collector add
 a bare ``model.generate(do_sample=True)`` (HF's multinomial sampler). EOS is suppressed
 everywhere so that every response has exactly the requested length. Medians over ``--repeats``.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/collectors.py --model tiny-gpt2
+    OMP_WAIT_POLICY=PASSIVE rlhf-torchrl bench collectors --model tiny-gpt2
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 from transformers import LogitsProcessorList
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import (  # noqa: E402
-    MODELS,
+from .. import keys as K
+from ..collectors import RolloutCollector, make_generation_env, make_generation_policy
+from ..data import load_prompts
+from ..sampling import InverseCDFSampler
+from .common import (
+    add_model_args,
+    add_out_arg,
     add_runtime_args,
     apply_runtime_args,
     build_models,
     machine,
+    make_parser,
     table,
     write_json,
 )
-
-from rlhf_torchrl import keys as K  # noqa: E402
-from rlhf_torchrl.collectors import (  # noqa: E402
-    RolloutCollector,
-    make_generation_env,
-    make_generation_policy,
-)
-from rlhf_torchrl.data import load_prompts  # noqa: E402
-from rlhf_torchrl.sampling import InverseCDFSampler  # noqa: E402
 
 
 def measure(policy, tokenizer, prompts, batch_size, length, repeats, temperature):
@@ -77,17 +69,19 @@ def measure(policy, tokenizer, prompts, batch_size, length, repeats, temperature
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=MODELS, default="tiny-gpt2")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--temperature", type=float, default=0.7)
+    parser = make_parser(__doc__)
+    add_model_args(parser)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64],
+                        help="responses per batch, one row each")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 256],
+                        help="response lengths (tokens), one row each")
+    parser.add_argument("--repeats", type=int, default=3, help="timed batches per cell (median)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
     add_runtime_args(parser)
-    parser.add_argument("--json", default="benchmarks/results/collectors.json")
+    add_out_arg(parser)
     args = parser.parse_args(argv)
     apply_runtime_args(args)
-    tokenizer, policy, _ = build_models(args.model)
+    tokenizer, policy, _ = build_models(args.model, tokenizer=args.tokenizer)
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
     header = ["batch", "length", "collector tok/s", "generate tok/s", "generate/collector",
               "HF multinomial tok/s", "collector/HF"]
@@ -102,11 +96,13 @@ def main(argv=None) -> dict:
             rows.append([batch_size, length, f"{ours:.0f}", f"{raw:.0f}", f"{raw / ours:.2f}x",
                          f"{hf:.0f}", f"{ours / hf:.2f}x"])
             print(table(rows[-1:], header).splitlines()[-1], flush=True)
-    print(f"\nCollector vs raw generate (same sampler) and HF's multinomial generate, {args.model}, "
+    print(f"\nCollector vs raw generate (same sampler) and HF's multinomial generate, {args.model} "
+          f"(vocabulary {len(tokenizer)}), "
           f"{args.threads} threads, median of {args.repeats}")
     print(table(rows, header))
-    payload = {"args": vars(args), "machine": machine(), "results": results}
-    write_json(args.json, payload)
+    payload = {"args": vars(args), "machine": machine(), "vocabulary": len(tokenizer),
+               "results": results}
+    write_json(args.out, payload)
     return payload
 
 

@@ -1,0 +1,16 @@
+"""Benchmarks: ``rlhf-torchrl bench <name> [options]`` (the same as ``python -m
+rlhf_torchrl.benchmarks.<name>``). Each prints a table of figures (tokens/s, seconds per
+iteration, peak memory); ``--out PATH`` also writes them as JSON. ``--help`` shows every option's
+default. ``benchmarks/README.md`` in the repository says what each measures, with dated figures.
+"""
+
+#: name -> what it measures (``rlhf-torchrl bench --help``)
+BENCHMARKS = {
+    "ppo_iteration": "seconds per PPO iteration by phase, next to bare model calls (the floor)",
+    "collectors": "response tokens/s of the TorchRL collector against a raw generate",
+    "backends": "tokens/s of the transformers and vLLM backends, and the seconds of a weight push",
+    "scaling": "the recipe under bf16, LoRA, a token budget, torchrun, vLLM, overlap, Ray ...",
+    "vs_trl": "side by side with TRL's PPOTrainer at identical settings (installs TRL in a venv)",
+    "gpu_suite": "every CUDA path in one table (needs a CUDA GPU)",
+    "estimators_table": "the table of estimators.sh's runs (GAE, GRPO, RLOO, REINFORCE++)",
+}

