@@ -4,7 +4,7 @@
 # runs are skipped, so the script resumes where it stopped. Each run's report.json has the
 # held-out figures (eval_before/eval_after), final_kl and seconds_per_iteration; <run>.time the RSS.
 #   bash benchmarks/estimators.sh [TASK=arithmetic] [OUT=outputs/estimators] [SEEDS="0 1 2"]
-# then the table: python benchmarks/estimators_table.py --task arithmetic --out outputs/estimators
+# then the table: rlhf-torchrl bench estimators_table --task arithmetic --runs outputs/estimators
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TASK=${TASK:-arithmetic} OUT=${OUT:-outputs/estimators} SEEDS=${SEEDS:-"0 1 2"}

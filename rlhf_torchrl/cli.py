@@ -5,6 +5,7 @@
     rlhf-torchrl reward-model data.source=pairs.jsonl
     rlhf-torchrl evaluate model.policy=outputs/ppo/<run>/policy
     rlhf-torchrl report outputs/ppo/<run>
+    rlhf-torchrl bench ppo_iteration                   # a benchmark (`bench --help`: all)
     rlhf-torchrl ppo --help                            # config groups and the most used settings
 
 User errors (bad settings, data, a guard that stopped the run) print one line, ``Error: ...``, and
@@ -160,31 +161,27 @@ def _report(args: list[str]) -> None:
     run(main, args)  # not a run directory: one line
 
 
-BENCHMARKS = ("ppo_iteration", "collectors", "backends", "scaling", "vs_trl")
-
-
 def _bench(args: list[str]) -> None:
-    """``benchmarks/<name>.py`` of a clone: the one in the current directory, or the one beside
-    the package's source (an editable install)."""
-    import runpy
-    from pathlib import Path
+    """``rlhf_torchrl.benchmarks.<name>.main(args)``: no clone needed."""
+    import importlib
 
-    usage = f"usage: rlhf-torchrl bench {{{','.join(BENCHMARKS)}}} [--help] [options]"
+    from .benchmarks import BENCHMARKS
+
+    usage = "usage: rlhf-torchrl bench NAME [--help] [options]"
     if not args or args[0] in ("-h", "--help"):
-        print(usage)
+        print(f"{usage}\n\nbenchmarks:")
+        for name, text in BENCHMARKS.items():
+            print(f"  {name:<18}{text}")
+        print("\n`rlhf-torchrl bench NAME --help` for its options and their defaults.")
         return
     name = args[0].replace("-", "_")
     if name not in BENCHMARKS:
-        print(f"{usage}\nError: no benchmark {args[0]!r}.", file=sys.stderr)
+        print(f"{usage}\nError: no benchmark {args[0]!r}: choose one of {', '.join(BENCHMARKS)}.",
+              file=sys.stderr)
         sys.exit(2)
-    folders = [Path.cwd() / "benchmarks", Path(__file__).resolve().parents[1] / "benchmarks"]
-    script = next((f / f"{name}.py" for f in folders if (f / f"{name}.py").is_file()), None)
-    if script is None:
-        print(f"Error: the benchmarks run from a clone of the repository (benchmarks/{name}.py): "
-              "run this command in the clone's root.", file=sys.stderr)
-        sys.exit(1)
-    sys.argv = [str(script), *args[1:]]
-    runpy.run_path(str(script), run_name="__main__")
+    module = importlib.import_module(f".benchmarks.{name}", __package__)
+    sys.argv = [f"rlhf-torchrl bench {name}", *args[1:]]  # argparse's prog, in --help and errors
+    run(module.main, args[1:])
 
 
 COMMANDS = {
@@ -192,7 +189,7 @@ COMMANDS = {
     "reward-model": (_reward_model, "train a reward model on preference pairs (Bradley-Terry)"),
     "evaluate": (_evaluate, "evaluate a saved policy on the held-out prompts (eval.json)"),
     "report": (_report, "write report.html for a run directory"),
-    "bench": (_bench, "run a benchmark: ppo_iteration, collectors, backends, scaling, vs_trl"),
+    "bench": (_bench, "run a benchmark (`rlhf-torchrl bench --help` lists them)"),
 }
 
 

@@ -198,7 +198,8 @@ def log_probs_from_logits(
     softmax(z_t)) / temperature``. Autograd through ``logits / T``, ``logsumexp`` and ``gather``
     allocates about five (B, R, V) tensors between forward and backward; this keeps one from the
     forward (``exp(z - max z)``) and allocates one in the backward, the gradient. The update phase
-    is dominated by such vocabulary-sized passes on small models (``benchmarks/ppo_iteration.py``).
+    is dominated by such vocabulary-sized passes on small models (``rlhf-torchrl bench
+    ppo_iteration``).
 
     Shapes: ``logits`` (B, R, V) any float dtype, ``tokens`` (B, R). Returns (B, R) float32
     (float64 for float64 logits).

@@ -1,102 +1,168 @@
-"""The benchmarks run end to end at tiny sizes and write their JSON (figures are not asserted)."""
+"""The benchmarks run end to end at tiny sizes, on models they build themselves (the byte-level
+tokenizer: no SmolLM2), and write their JSON where told (figures are never asserted)."""
 
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+import pytest
+
+from rlhf_torchrl.benchmarks import BENCHMARKS
+from rlhf_torchrl.cli import main as cli
+
+TINY = ["--threads", "1", "--no-reuse-freed-memory"]
 
 
-def test_ppo_iteration_benchmark(tmp_path, smollm2_dir):
-    import ppo_iteration
-
-    out = tmp_path / "it.json"
-    ppo_iteration.main(["--model", "tiny-llama", "--batch-size", "4", "--response-length", "4",
-                        "--minibatches", "2", "--iterations", "1", "--warmup", "0", "--threads", "1",
-                        "--no-reuse-freed-memory", "--json", str(out)])
+def test_ppo_iteration_benchmark_from_the_command(tmp_path, capsys):
+    """``rlhf-torchrl bench ppo_iteration``: the table printed, the JSON where ``--out`` says."""
+    out = tmp_path / "results" / "it.json"
+    cli(["bench", "ppo_iteration", "--model", "tiny-llama", "--batch-size", "4",
+         "--response-length", "4", "--minibatches", "2", "--iterations", "1", "--warmup", "0",
+         *TINY, "--out", str(out)])
+    assert "ours/floor" in capsys.readouterr().out
     result = json.loads(out.read_text())
     for side in ("ours", "floor"):
         for phase in ("generation", "evaluation", "update", "total", "tokens_per_second"):
             assert result[side][phase] > 0, (side, phase)
-    assert result["machine"]["threads"] == 1 and result["peak_rss_mb"] > 0
+    assert result["vocabulary"] == 260 and result["args"]["tokenizer"] == "auto"
+    assert result["machine"]["threads"] == 1 and result["machine"]["date"]
+    assert result["peak_rss_mb"] > 0
 
 
-def test_collectors_benchmark(tmp_path, smollm2_dir):
-    import collectors
+def test_collectors_benchmark_on_a_local_model_writes_nothing_without_out(tmp_path, monkeypatch,
+                                                                          capsys):
+    """``--model`` takes a local directory (loaded as any model is); no ``--out``: the table only,
+    nothing written in the current directory."""
+    from rlhf_torchrl.benchmarks import collectors
+    from rlhf_torchrl.benchmarks.common import load_policy
 
-    out = tmp_path / "c.json"
-    collectors.main(["--model", "tiny-gpt2", "--batch-sizes", "2", "--lengths", "4",
-                     "--repeats", "1", "--threads", "1", "--no-reuse-freed-memory",
-                     "--json", str(out)])
-    (row,) = json.loads(out.read_text())["results"]
-    assert row["batch_size"] == 2
+    model_dir = tmp_path / "model"
+    tokenizer, policy = load_policy("tiny-gpt2")
+    policy.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    result = collectors.main(["--model", str(model_dir), "--batch-sizes", "2", "--lengths", "4",
+                              "--repeats", "1", *TINY])
+    (row,) = result["results"]
+    assert row["batch_size"] == 2 and result["vocabulary"] == 260
     for name in ("collector", "generate", "hf_generate"):
         assert row[f"{name}_tokens_per_s"] > 0, name
+    assert "collector tok/s" in capsys.readouterr().out
+    assert list(work.iterdir()) == []
 
 
-def test_backends_benchmark_transformers(tmp_path, smollm2_dir):
+def test_backends_benchmark_transformers(tmp_path):
     """The backend sweep with the transformers backend alone (tests/test_vllm.py runs both)."""
-    import backends
+    from rlhf_torchrl.benchmarks import backends
 
     out = tmp_path / "b.json"
     backends.main(["--model", "tiny-llama", "--backends", "transformers", "--batch-sizes", "1", "3",
-                   "--lengths", "4", "--repeats", "1", "--threads", "1", "--no-reuse-freed-memory",
-                   "--json", str(out)])
+                   "--lengths", "4", "--repeats", "1", *TINY, "--out", str(out)])
     result = json.loads(out.read_text())
     assert [r["batch_size"] for r in result["results"]] == [1, 3]
     assert all(r["transformers_tokens_per_s"] > 0 for r in result["results"])
     assert result["weight_sync_s"]["ModelCopy"] > 0 and result["weight_mb"] > 0
 
 
-def test_scaling_benchmark(tmp_path, tiny_llama_dir):
-    """Recipe variants in their own processes: phase times and a per-process peak RSS each."""
-    import scaling
+def test_scaling_benchmark(tmp_path):
+    """Recipe variants in their own processes (``rlhf-torchrl ppo``, torchrun), on the tiny Llama
+    the benchmark builds and saves: phase times and a per-process peak RSS each."""
+    from rlhf_torchrl.benchmarks import scaling
 
     out = tmp_path / "s.json"
-    scaling.main(["--model", tiny_llama_dir, "--variants", "fp32", "token-budget", "two-processes",
+    scaling.main(["--model", "tiny-llama", "--variants", "fp32", "token-budget", "two-processes",
                   "--iterations", "2", "--batch-size", "4", "--response-length", "4",
-                  "--micro-batch-tokens", "16", "--threads", "1", "--json", str(out),
+                  "--micro-batch-tokens", "64", "--threads", "1", "--out", str(out),
                   "data.limit=16", "ppo.num_mini_batches=2", "ppo.forward_batch_size=2"])
     variants = json.loads(out.read_text())["variants"]
     assert set(variants) == {"fp32", "token-budget", "two-processes"}
     for name, row in variants.items():
         assert row["total"] > 0 and row["update"] > 0 and row["peak_rss_mb"] > 50, name
-    assert variants["two-processes"]["command"].startswith("torchrun")
+        assert " -m rlhf_torchrl.cli ppo " in row["command"], name  # no clone needed
+    assert "torch.distributed.run --standalone --nproc_per_node=2" in variants["two-processes"]["command"]
 
 
 def test_gpu_suite_says_what_it_needs_without_a_gpu(capsys):
     """Without CUDA the GPU suite names what it needs and the command to run, and times nothing."""
-    import gpu_suite
     import torch
 
-    if torch.cuda.is_available():
-        import pytest
+    from rlhf_torchrl.benchmarks import gpu_suite
 
-        pytest.skip("a GPU is visible: `python benchmarks/gpu_suite.py` runs for real")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: `rlhf-torchrl bench gpu_suite` runs for real")
     assert gpu_suite.main([]) == {"skipped": "no CUDA GPU"}
-    assert "python benchmarks/gpu_suite.py" in capsys.readouterr().out
+    assert "rlhf-torchrl bench gpu_suite" in capsys.readouterr().out
+
+
+def test_vs_trl_fixture_shares_one_tokenizer(tmp_path):
+    """The TRL comparison's fixture (TRL itself is not installed here): the policy, reward model
+    and prompts both sides read, over the byte tokenizer with a pass-through template."""
+    import argparse
+
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_torchrl.benchmarks import vs_trl
+    from rlhf_torchrl.modules import load_causal_lm, load_tokenizer
+
+    vs_trl.make_fixture(tmp_path, argparse.Namespace(model="tiny-gpt2", tokenizer="auto", seed=0))
+    tok = load_tokenizer(str(tmp_path / "policy"))
+    assert len(tok) == 260 and tok.chat_template == vs_trl.PASSTHROUGH
+    assert load_causal_lm(str(tmp_path / "policy"), tok).config.vocab_size == 260
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
+    assert rm.config.vocab_size == 260 and rm.config.num_labels == 1
+    assert len((tmp_path / "prompts.jsonl").read_text().splitlines()) > 16
 
 
 def test_estimators_table_reads_the_runs(tmp_path, capsys):
     """One row per finished run (an unfinished one is left out), the mean over seeds, the median
     iteration and the peak RSS of `/usr/bin/time -v`."""
-    import estimators_table
+    from rlhf_torchrl.benchmarks import estimators_table
 
+    runs = tmp_path / "runs"
     for seed, (after, seconds) in enumerate([(0.5, [30.0, 31.0, 300.0]), (0.3, [32.0, 33.0, 34.0])]):
-        run = tmp_path / f"arithmetic_rloo_{seed}"
-        run.mkdir()
+        run = runs / f"arithmetic_rloo_{seed}"
+        run.mkdir(parents=True)
         (run / "report.json").write_text(json.dumps({
             "eval_before": {"eval/accuracy": 0.25, "eval/distinct_2": 0.4},
             "eval_after": {"eval/accuracy": after, "eval/distinct_2": 0.5}, "final_kl": 2.0}))
         (run / "metrics.jsonl").write_text("".join(
             json.dumps({"objective/scores": 0.1 * i, "time/total": s, "group/equal_score_frac": 0.5})
             + "\n" for i, s in enumerate(seconds)))
-        (tmp_path / f"arithmetic_rloo_{seed}.time").write_text(
+        (runs / f"arithmetic_rloo_{seed}.time").write_text(
             "\tMaximum resident set size (kbytes): 5242880\n")
-    (tmp_path / "arithmetic_gae_0").mkdir()  # still running: no report yet
-    results = estimators_table.main(["--task", "arithmetic", "--out", str(tmp_path)])
+    (runs / "arithmetic_gae_0").mkdir()  # still running: no report yet
+    out = tmp_path / "table.json"
+    results = estimators_table.main(["--task", "arithmetic", "--runs", str(runs), "--out", str(out)])
     assert results["gae"] == {} and sorted(results["rloo"]) == [0, 1]
     assert results["rloo"][0]["seconds"] == 31.0 and results["rloo"][0]["peak_gib"] == 5.0
-    out = capsys.readouterr().out
-    assert "| rloo | 0 | 0.250 -> 0.500 |" in out and "**0.400** ± 0.141" in out
+    printed = capsys.readouterr().out
+    assert "| rloo | 0 | 0.250 -> 0.500 |" in printed and "**0.400** ± 0.141" in printed
+    assert json.loads(out.read_text())["runs"]["rloo"]["1"]["after"] == 0.3
+
+
+def test_bench_command_lists_the_benchmarks_and_each_help_shows_its_defaults(capsys):
+    cli(["bench", "--help"])
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in BENCHMARKS)
+    for name in BENCHMARKS:
+        with pytest.raises(SystemExit) as exit_:
+            cli(["bench", name, "--help"])
+        assert exit_.value.code == 0
+        text = capsys.readouterr().out
+        assert f"usage: rlhf-torchrl bench {name}" in text and "--out OUT" in text, name
+        assert "(default: None)" in text, name  # --out's, with every other option's default
+    with pytest.raises(SystemExit) as exit_:
+        cli(["bench", "no_such_benchmark"])
+    assert exit_.value.code == 2 and "choose one of ppo_iteration" in capsys.readouterr().err
+
+
+def test_bench_errors_teach(tmp_path, capsys):
+    """A model that is no preset and does not load, or a tokenizer choice for a model that has
+    its own: one line, exit status 1."""
+    for args in (["--model", str(tmp_path / "missing")], ["--model", "smollm2", "--tokenizer", "bytes"]):
+        with pytest.raises(SystemExit) as exit_:
+            cli(["bench", "collectors", *args, "--batch-sizes", "1", "--lengths", "2", *TINY])
+        assert exit_.value.code == 1
+    first, second = capsys.readouterr().err.strip().splitlines()
+    assert first.startswith("Error: --model") and "is not a preset (tiny-gpt2" in first
+    assert second.startswith("Error: --tokenizer bytes is for the built presets")

@@ -382,3 +382,90 @@ def test_multi_turn_rows_attend_to_their_observation_tokens(model_dir, tokenizer
     blind = evaluate_rollout(td.exclude(K.OBSERVATION_MASK), actor=actor, reference=actor,
                              critic=critic, chunk_size=2)
     assert not torch.allclose(blind.get(K.LOG_PROB)[rm], out.get(K.LOG_PROB)[rm], atol=1e-3)
+
+
+# ---- the byte-level tokenizer built in memory (tiny models in tests and benchmarks) ----------
+
+
+def test_byte_tokenizer_round_trips_any_text_one_token_per_byte():
+    from rlhf_torchrl.modules import byte_tokenizer
+
+    tok = byte_tokenizer()
+    assert len(tok) == 260
+    for text in ["hello world", "  two  spaces\n\ttab", "héllo wörld", "数字 ✓ 🙂", "\x00\x7f"]:
+        ids = tok(text)["input_ids"]
+        assert ids == list(text.encode("utf-8"))  # id = the byte's value, nothing added
+        assert tok.decode(ids) == text
+
+
+def test_byte_tokenizer_special_tokens_and_padding():
+    from rlhf_torchrl.modules import byte_tokenizer
+
+    tok = byte_tokenizer()
+    assert tok.convert_ids_to_tokens([256, 257, 258, 259]) == [
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (256, 258, 259)
+    assert "<|im_start|>" in tok.all_special_tokens  # a tool's output gets it stripped
+    assert tok("a<|im_end|>")["input_ids"] == [97, 258]  # a special token's text is one token
+    assert tok.decode([97, 258], skip_special_tokens=True) == "a"
+    batch = tok(["a", "abc"], padding=True)
+    assert batch["input_ids"] == [[259, 259, 97], [97, 98, 99]]  # left-padded with <|pad|>
+    assert batch["attention_mask"] == [[0, 0, 1], [1, 1, 1]]
+
+
+def test_byte_tokenizer_chat_template_is_chatml(tmp_path):
+    from rlhf_torchrl.data import prompt_token_ids
+    from rlhf_torchrl.modules import byte_tokenizer, load_tokenizer
+
+    tok = byte_tokenizer()
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    ids = prompt_token_ids(tok, "hi")
+    assert ids[0] == 257 and ids.count(258) == 1 and tok.decode(ids) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    # saved and loaded as any model's tokenizer: the same ids, specials and template
+    tok.save_pretrained(tmp_path)
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded("héllo<|im_end|>")["input_ids"] == tok("héllo<|im_end|>")["input_ids"]
+    assert (loaded.pad_token_id, loaded.eos_token_id, loaded.padding_side) == (259, 258, "left")
+    assert loaded.chat_template == tok.chat_template
+
+
+def test_collector_renders_chats_with_the_byte_tokenizer():
+    """A tiny model over the byte tokenizer through the TorchRL collector: prompts rendered by
+    its chat template, responses stopped at <|im_end|>."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_torchrl.collectors import (
+        RolloutCollector,
+        make_generation_env,
+        make_generation_policy,
+    )
+    from rlhf_torchrl.data import render_prompt
+    from rlhf_torchrl.modules import byte_tokenizer
+
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] += 2.0  # responses stop after a few tokens
+    prompts = ["hi", "a longer prompt"]
+    env = make_generation_env(prompts, tok, batch_size=2, shuffle=False)
+    policy = make_generation_policy(model, tok, max_new_tokens=12, temperature=1.0)
+    collector = RolloutCollector(env, policy, tokenizer=tok, batch_size=2, total_batches=1)
+    (rollout,) = list(collector)
+    collector.shutdown()
+    pt, pm = rollout[K.PROMPT_TOKENS], rollout[K.PROMPT_MASK]
+    assert sorted(tok.decode(row[mask]) for row, mask in zip(pt, pm)) == sorted(
+        render_prompt(tok, p) for p in prompts)
+    rt, rm = rollout[K.RESPONSE_TOKENS], rollout[K.RESPONSE_MASK]
+    assert rollout[K.HAS_STOP].all()
+    for row, mask in zip(rt, rm):
+        valid = row[mask].tolist()
+        assert len(valid) < 12 and valid[-1] == tok.eos_token_id  # cut at the first <|im_end|>
+        assert tok.eos_token_id not in valid[:-1] and (row[~mask] == tok.pad_token_id).all()

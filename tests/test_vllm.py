@@ -167,14 +167,14 @@ def test_vllm_min_new_tokens_holds_the_stops_back(engine, model, tokenizer):
     assert min(first_stops(min_new_tokens=6)) >= 6  # six tokens before any stop, as in transformers
 
 
-def test_backends_benchmark_measures_both_backends(tmp_path, tokenizer):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import backends
+def test_backends_benchmark_measures_both_backends(tmp_path):
+    """``rlhf-torchrl bench backends`` on the tiny Llama it builds (the byte tokenizer)."""
+    from rlhf_torchrl.benchmarks import backends
 
     out = tmp_path / "b.json"
     backends.main(["--model", "tiny-llama", "--batch-sizes", "2", "--lengths", "4", "--repeats", "1",
                    "--threads", "1", "--no-reuse-freed-memory", "--kv-cache-gb", "0.25",
-                   "--json", str(out)])
+                   "--out", str(out)])
     result = json.loads(out.read_text())
     (row,) = result["results"]
     assert row["transformers_tokens_per_s"] > 0 and row["vllm_tokens_per_s"] > 0

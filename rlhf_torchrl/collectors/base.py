@@ -546,7 +546,8 @@ class _OneTurnCollector(LLMCollector):
     skipped where the env is :func:`make_generation_env`'s (a ``ChatEnv`` under the loader,
     ``StepCounter`` and ``InitTracker``), and run where a user's env adds transforms of its own.
     On tiny GPT-2 at batch 64 the collector's cost over a bare ``generate`` went from ~130 ms a
-    batch to ~45 ms (1.3x to 1.1x of ``generate``'s time at 16 tokens; ``benchmarks/collectors.py``).
+    batch to ~45 ms (1.3x to 1.1x of ``generate``'s time at 16 tokens; ``rlhf-torchrl bench
+    collectors``).
     """
 
     def __init__(self, *args, **kwargs):

@@ -10,6 +10,7 @@ from .actor_critic import (
 )
 from .models import (
     SMOLLM2,
+    byte_tokenizer,
     disable_dropout,
     ensure_pad_token,
     load_causal_lm,
@@ -24,6 +25,7 @@ __all__ = [
     "ResponseTokenDistribution",
     "TokenCritic",
     "TokenLevelActor",
+    "byte_tokenizer",
     "disable_dropout",
     "evaluate_rollout",
     "ensure_pad_token",

@@ -287,6 +287,7 @@ def make_critic(
         classifier's score head is reused as the value head, so values start at the RM's scores);
       - ``"shared"``: a value head on the policy's own backbone (one set of weights, trained by
         both losses).
+
     The value network must read the policy's tokens, so its vocabulary must match the tokenizer.
     ``autocast_dtype`` runs the backbone under ``torch.autocast`` (the value head stays fp32).
     ``lora`` (keyword arguments of :func:`~rlhf_torchrl.modules.lora.add_lora`) trains a separate

@@ -150,6 +150,58 @@ def ensure_pad_token(tokenizer) -> int:
     return tokenizer.pad_token_id
 
 
+#: The byte-level tokenizer's special tokens, ids 256 to 259: BOS, ChatML's turn markers (a turn
+#: ends with ``<|im_end|>``, the EOS, as in SmolLM2 and Qwen2 instruct models) and padding.
+BYTE_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+#: ChatML with no default system prompt: ``<|im_start|>{role}\n{content}<|im_end|>\n`` per message
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of byte-level BPE: printable ASCII
+    and Latin-1 bytes stand for themselves, the other 68 for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    for i, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + i)
+    return chars
+
+
+def byte_tokenizer(padding_side: str = "left"):
+    """A 260-token byte-level tokenizer built in memory: nothing to download or ship.
+
+    Byte-level BPE with no merges, so every UTF-8 byte is one token (id = the byte's value, 0 to
+    255) and any text round-trips; then :data:`BYTE_SPECIAL_TOKENS` (``<|endoftext|>`` 256 = BOS,
+    ``<|im_start|>`` 257, ``<|im_end|>`` 258 = EOS, ``<|pad|>`` 259) and a ChatML chat template
+    (:data:`CHATML_TEMPLATE`). Encoding adds no special tokens. For tiny models in tests and
+    benchmarks, where a 49k-token vocabulary would make the LM head most of the model.
+
+    Example:
+        >>> tok = byte_tokenizer()
+        >>> tok("hé")["input_ids"], tok.eos_token_id, tok.pad_token_id
+        ([104, 195, 169], 258, 259)
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(BYTE_SPECIAL_TOKENS))  # ids 256.. in this order
+    bos, im_start, eos, pad = BYTE_SPECIAL_TOKENS
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad,
+        # listed as special too: a tool's output has it stripped (collectors.multiturn)
+        additional_special_tokens=[im_start], padding_side=padding_side,
+        model_max_length=1 << 20, chat_template=CHATML_TEMPLATE)
+
+
 def match_vocab(model: nn.Module, tokenizer) -> nn.Module:
     """Grow the model's embeddings if the tokenizer gained tokens (e.g. an added pad token)."""
     n_embed = model.get_input_embeddings().weight.shape[0]
