@@ -10,7 +10,7 @@ estimator         advantage of token t of response i                     reads b
 ``gae``           GAE over the response tokens, whitened over the batch  ``state_value``
 ``grpo``          ``(s_i - mean_g s) / (std_g s + eps) + N_it``          ``group``
 ``rloo``          ``s_i - mean_{j != i in g} s_j + N_it``                ``group``
-``reinforce_pp``  ``G_it``, whitened over the batch's valid tokens       -
+``reinforce_pp``  ``G_it``, whitened over the batch's valid tokens       nothing
 ================  =====================================================  ===============
 
 (Dr. GRPO: ``grpo`` with ``scale_by_std=False``, no division.) ``G_it`` is the return-to-go

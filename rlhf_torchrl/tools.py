@@ -89,7 +89,7 @@ def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression: numbers, ``+ - * / // % **`` and parentheses.
 
     Evaluated from the expression's syntax tree, so nothing but arithmetic can run; exponents
-    are capped (|e| <= 64) and so is the length (200 characters). Whole results print as integers
+    are capped (``|e| <= 64``) and so is the length (200 characters). Whole results print as integers
     (``"112"``), others with up to 12 significant digits.
     """
     expression = str(expression).strip().rstrip("=").strip()
@@ -148,7 +148,8 @@ def python(code: str, *, timeout: float = 5.0, memory_mb: int = 512) -> ToolResu
     a fresh temporary working directory) with limits on CPU time (``timeout``), wall-clock time
     (``timeout`` + 1 s, then the process group is killed), address space (``memory_mb``) and
     file size (1 MB); an audit hook refuses sockets, subprocesses, ``os.system``/``exec``/
-    ``fork`` and ``ctypes``. A ```python fence around the code is removed. Linux and macOS.
+    ``fork`` and ``ctypes``. A Markdown code fence (three backticks) around the code is removed.
+    Linux and macOS.
     """
     code = _strip_fence(str(code))
     with tempfile.TemporaryDirectory(prefix="rlhf_tool_") as workdir:

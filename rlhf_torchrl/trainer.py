@@ -191,7 +191,7 @@ class PPOTrainer:
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
         """Run the iterations left (all, or those after the loaded checkpoint); returns the
-        report (:attr:`report`)."""
+        report (``self.report``)."""
         if callable(self.collector) and not hasattr(self.collector, "__iter__"):
             self.collector = self.collector(self.iteration, self.pending)
         elif self.pending:

@@ -14,9 +14,9 @@ same sampler. A row's episode is one token sequence::
 run over them alone), ``("masks", "observation")`` on the environment's: the tool message and the
 next assistant header, as the tokenizer's chat template renders them. The model attends to both.
 Every policy token keeps the log-prob (and value) recorded when it was sampled, so the on-policy
-check and PPO's first ratio hold across turns. A tool's reward (:class:`~rlhf_torchrl.tools.
-ToolResult`) goes to ``"turn_reward"`` at the last token of the turn that called it; the verifier
-scores the whole episode at its end, as a single response is scored.
+check and PPO's first ratio hold across turns. A tool's reward
+(:class:`~rlhf_torchrl.tools.ToolResult`) goes to ``"turn_reward"`` at the last token of the turn
+that called it; the verifier scores the whole episode at its end, as a single response is scored.
 """
 
 from __future__ import annotations
