@@ -3,7 +3,7 @@
 # 3 seeds x 4 estimators, one run at a time, each with its peak RSS (/usr/bin/time -v); finished
 # runs are skipped, so the script resumes where it stopped. Each run's report.json has the
 # held-out figures (eval_before/eval_after), final_kl and seconds_per_iteration; <run>.time the RSS.
-#   bash benchmarks/estimators.sh [TASK=arithmetic] [OUT=outputs/estimators] [SEEDS="0 1 2"]
+#   [TASK=arithmetic] [OUT=outputs/estimators] [SEEDS="0 1 2"] bash benchmarks/estimators.sh   (environment variables)
 # then the table: rlhf-torchrl bench estimators_table --task arithmetic --runs outputs/estimators
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -120,7 +120,7 @@ SEEN: dict = {}
 
 
 def reads_the_rollout(prompts, responses, tensordict):
-    """The README's contract: a reward that reads token ids from the rollout."""
+    """The documented contract (docs/custom.md, "Reward functions"): a reward reads token ids."""
     SEEN.setdefault("keys", []).append(sorted(str(k) for k in tensordict.keys(True, True)))
     mask = tensordict.get(("masks", "response"))
     return (mask.sum(-1) / mask.shape[-1]).tolist()

@@ -103,6 +103,19 @@ def _skip_member(app, what, name, obj, skip, options):
     return None
 
 
+def _init_signature(app, what, name, obj, options, signature, return_annotation):
+    """A TensorDict module's class shows ``(*args, **kwargs)``: tensordict's metaclass defines
+    ``__call__``, and autodoc reads that. Its ``__init__`` has the arguments a user passes."""
+    if what != "class" or signature != "(*args, **kwargs)" or "__init__" not in vars(obj):
+        return None
+    try:  # the annotations as types, not strings ("from __future__ import annotations")
+        init = inspect.signature(obj.__init__, eval_str=True)
+    except (NameError, TypeError, SyntaxError):  # a name imported only for type checkers
+        init = inspect.signature(obj.__init__)
+    params = list(init.parameters.values())[1:]  # without self
+    return str(inspect.Signature(params)), return_annotation
+
+
 def setup(app):
     app.setup_extension("sphinx.ext.napoleon")
     for listener in list(app.events.listeners.get("autodoc-process-docstring", [])):
@@ -111,4 +124,5 @@ def setup(app):
     app.connect("autodoc-process-docstring", _process_docstring)
     app.connect("missing-reference", resolve_missing)
     app.connect("autodoc-skip-member", _skip_member)
+    app.connect("autodoc-process-signature", _init_signature)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -236,7 +236,7 @@ def tasks_reference(warn) -> str:
     for name, spec in _tasks().items():
         lines += [f"### `task={name}`", ""]
         if spec["header"]:
-            lines += ["```text", *spec["header"], "```", ""]
+            lines += [md(" ".join(line.strip() for line in spec["header"])), ""]  # wraps
         settings = spec["settings"]
         if not settings:
             lines += ["Overrides nothing: `ppo.yaml`'s task-neutral settings apply.", ""]
