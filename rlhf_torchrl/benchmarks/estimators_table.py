@@ -1,6 +1,6 @@
 """The table of ``benchmarks/estimators.sh``'s runs: one row per run, then the mean over seeds.
 
-Reads ``<runs>/<task>_<estimator>_<seed>/`` (``report.json``, ``metrics.jsonl``) and
+Reads ``<runs>/<task>_<estimator>[_<tag>]_<seed>/`` (``report.json``, ``metrics.jsonl``) and
 ``<runs>/<task>_<estimator>_<seed>.time`` (``/usr/bin/time -v``'s peak RSS). The held-out figure
 is ``eval/accuracy`` on arithmetic and ``eval/score`` elsewhere; seconds per iteration are the
 median ``time/total`` (an iteration with an evaluation, or one paused, does not move it). Prints
@@ -48,6 +48,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--task", default="arithmetic", help="the task preset the runs trained on")
     parser.add_argument("--runs", default="outputs/estimators",
                         help="the folder of the runs (estimators.sh's OUT)")
+    parser.add_argument("--tag", default="",
+                        help="a variant's runs (estimators.sh's TAG), e.g. bf16; none: the plain runs")
+    parser.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS)
     add_out_arg(parser)
     args = parser.parse_args(argv)
     if not os.path.isdir(args.runs):
@@ -58,17 +61,18 @@ def main(argv=None) -> dict:
           "quarter | KL at the end | held-out distinct-2 | s/iteration (median) | peak RSS |")
     print("|---|---|---|---|---|---|---|---|")
     results = {}
-    for estimator in ESTIMATORS:
+    tag = f"_{args.tag}" if args.tag else ""
+    for estimator in args.estimators:
         runs = []
         for name in sorted(os.listdir(args.runs)):
-            match = re.fullmatch(rf"{args.task}_{estimator}_(\d+)", name)
+            match = re.fullmatch(rf"{args.task}_{estimator}{tag}_(\d+)", name)
             path = os.path.join(args.runs, name)
             if match and os.path.exists(os.path.join(path, "report.json")):
                 runs.append((int(match.group(1)), run_figures(path, held_out)))
         results[estimator] = dict(runs)
         for seed, f in runs:
             rss = f"{f['peak_gib']:.2f} GiB" if f["peak_gib"] else "-"
-            print(f"| {estimator} | {seed} | {f['before']:.3f} -> {f['after']:.3f} | "
+            print(f"| {estimator}{tag} | {seed} | {f['before']:.3f} -> {f['after']:.3f} | "
                   f"{f['train_first']:.3f} -> {f['train_last']:.3f} | {f['kl']:.2f} | "
                   f"{f['distinct_2']:.2f} | {f['seconds']:.1f} | {rss} |")
         if len(runs) > 1:
@@ -78,7 +82,7 @@ def main(argv=None) -> dict:
             def spread(key, runs=runs):
                 return statistics.stdev(f[key] for _, f in runs)
 
-            print(f"| **{estimator}, mean of {len(runs)}** | | {mean('before'):.3f} -> "
+            print(f"| **{estimator}{tag}, mean of {len(runs)}** | | {mean('before'):.3f} -> "
                   f"**{mean('after'):.3f}** ± {spread('after'):.3f} | {mean('train_first'):.3f} -> "
                   f"{mean('train_last'):.3f} | {mean('kl'):.2f} | {mean('distinct_2'):.2f} | "
                   f"{mean('seconds'):.1f} | |")
