@@ -56,7 +56,10 @@ def md(text: str) -> str:
 
 
 def code(value: str) -> str:
-    """A value as inline code in a table cell."""
+    """A value as inline code in a table cell (OmegaConf's ``???``, a value that must be given,
+    says so)."""
+    if value == "???":
+        return "`???` (required)"
     value = value.replace("|", "\\|").replace("\n", "\\n")
     fence = "``" if "`" in value else "`"
     pad = " " if value.startswith("`") or value.endswith("`") else ""
