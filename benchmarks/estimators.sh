@@ -13,6 +13,9 @@ cd "$(dirname "$0")/.."
 TASK=${TASK:-arithmetic} OUT=${OUT:-outputs/estimators} SEEDS=${SEEDS:-"0 1 2"}
 ESTIMATORS=${ESTIMATORS:-"rloo gae grpo reinforce_pp"} TAG=${TAG:-}
 read -ra EXTRA <<< "${EXTRA:-}"
+if [ ${#EXTRA[@]} -gt 0 ] && [ -z "$TAG" ]; then
+  echo "EXTRA needs a TAG: the variant's runs need names of their own (TAG=bf16 ...)" >&2; exit 1
+fi
 export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
 for seed in $SEEDS; do

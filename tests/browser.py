@@ -19,6 +19,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -67,12 +68,20 @@ class Chromium:
             flags.append("--no-sandbox")
         # its log goes to a file: a pipe nobody reads would stall it once full
         self._log = open(os.path.join(self._profile, "stderr.log"), "w+b")
-        self._process = subprocess.Popen([self.executable, *flags, "about:blank"],
-                                         preexec_fn=on_fds_3_and_4, close_fds=False,
-                                         stdin=subprocess.DEVNULL, stdout=self._log,
-                                         stderr=self._log)
-        os.close(to_browser)
-        os.close(from_browser)
+        try:  # a session of its own: its zygote and renderers are killed with it
+            self._process = subprocess.Popen([self.executable, *flags, "about:blank"],
+                                             preexec_fn=on_fds_3_and_4, close_fds=False,
+                                             start_new_session=True, stdin=subprocess.DEVNULL,
+                                             stdout=self._log, stderr=self._log)
+        except BaseException:
+            for fd in (self._commands, self._replies):
+                os.close(fd)
+            self._log.close()
+            shutil.rmtree(self._profile, ignore_errors=True)
+            raise
+        finally:
+            os.close(to_browser)
+            os.close(from_browser)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -81,7 +90,10 @@ class Chromium:
                 self.send("Browser.close")
                 self._process.wait(timeout=10)
         except (BrowserError, subprocess.TimeoutExpired, OSError):
-            self._process.kill()
+            try:
+                os.killpg(self._process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             self._process.wait()
         finally:
             os.close(self._commands)

@@ -123,9 +123,10 @@ def load_policy(name: str, tokenizer: str = "auto", seed: int = 0):
     try:
         tok = load_tokenizer(path)
         return tok, load_causal_lm(path, tok)
-    except OSError as error:  # neither a directory nor a hub id that loads
+    except (OSError, ValueError) as error:  # not a model directory, nor a hub id that loads
+        reason = str(error).strip().splitlines()[0]  # transformers' first line says it
         raise ConfigError(f"--model {name} is not a preset ({', '.join(MODELS)}), nor a local "
-                          f"model directory or hub id that loads: {error}") from None
+                          f"model directory or hub id that loads: {reason}") from None
 
 
 def build_models(name: str, seed: int = 0, tokenizer: str = "auto"):
@@ -194,6 +195,9 @@ def write_json(path: str | None, payload: dict) -> None:
     """``payload`` as JSON at ``path`` (``--out``); nothing without one."""
     if path is None:
         return
+    if os.path.isdir(path):
+        raise ConfigError(f"--out {path} is a folder: give the JSON file's path (the runs folder "
+                          "of estimators_table is --runs).")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)

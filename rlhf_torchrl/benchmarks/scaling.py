@@ -84,9 +84,10 @@ def run_variant(name: str, args, out_dir: str, model: list[str]) -> dict:
     else:
         cmd = [sys.executable, "-m", "rlhf_torchrl.cli", "ppo", f"threads={args.threads}",
                *overrides]
-    # from the run's parent folder: nothing lands in the current directory
-    proc = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], cwd=os.path.dirname(out_dir),
-                          env=env, capture_output=True, text=True)
+    # in the user's folder, so relative paths in --model and the overrides hold; the run writes
+    # only into out_dir (output_dir and hydra.run.dir)
+    proc = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], env=env, capture_output=True,
+                          text=True)
     if proc.returncode:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
     peak_kb = int(proc.stdout.rsplit("PEAK_RSS_KB", 1)[1].split()[0])

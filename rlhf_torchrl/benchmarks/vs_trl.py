@@ -83,7 +83,7 @@ def make_fixture(path: Path, args) -> None:
 
 
 def run_worker(python: str, side: str, fixture: Path, args, out: Path) -> dict:
-    cmd = [python, "-m", __name__, "--worker", side, "--fixture", str(fixture),
+    cmd = [python, "-m", "rlhf_torchrl.benchmarks.vs_trl", "--worker", side, "--fixture", str(fixture),
            "--worker-out", str(out), *args.passthrough]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
