@@ -1,6 +1,6 @@
 """Where and how the pipeline runs: devices, precision, and process-wide CPU settings.
 
-:func:`resolve_device`, :func:`autocast` and :func:`placed` are the device and precision helpers
+:func:`resolve_device`, :func:`native_bf16`, :func:`autocast` and :func:`placed` are the device and precision helpers
 every phase uses.
 
 PyTorch on CPU allocates and frees tensors of the vocabulary's size (logits, their gradients) at
@@ -151,6 +151,18 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
             raise ConfigError(f"device={device} but only {torch.cuda.device_count()} CUDA "
                              "device(s) are visible.")
     return device
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 matmuls in hardware: a CUDA GPU of compute capability 8.0 or
+    later (Ampere on), or a CPU with AVX512-BF16 or AMX tiles (Cooper Lake, Sapphire Rapids on;
+    Zen 4 on). Elsewhere bf16 is emulated and slower than fp32."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "cpu":  # torch's own CPU capability probes (the ones oneDNN dispatches on)
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+    return False
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

@@ -21,7 +21,8 @@ import ppo  # noqa: E402
 TINY = ["ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batches=2",
         "ppo.forward_batch_size=2", "generation.max_new_tokens=6", "logging.progress_bar=false",
         "data.limit=16", "optim.lr=1e-3", "eval.num_prompts=4",
-        "optim.critic_warmup=0"]  # (the sentiment preset warms the critic up for 2 iterations)
+        "optim.critic_warmup=0",  # (the sentiment preset warms the critic up for 2 iterations)
+        "model.autocast=null"]  # fp32 on every machine (auto is bf16 where the CPU computes it)
 # in-process runs leave the pytest process's allocator alone; the CLI test keeps the default (on)
 IN_PROCESS = ["reuse_freed_memory=false"]
 
@@ -174,9 +175,10 @@ def test_recipe_on_policy_check(tmp_path, tiny_llama_dir, caplog):
     assert ", values to " in caplog.text  # the shared trunk's values, read off the sampling pass
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "auto"])
 def test_recipe_precision_and_memory_settings(tmp_path, tiny_llama_dir, dtype):
-    """Explicit device, bf16/fp16 autocast over fp32 weights (fp16 with a gradient scaler),
+    """Explicit device, bf16/fp16 autocast over fp32 weights (fp16 with a gradient scaler), or
+    auto (bf16 where this CPU computes it natively, with TIS; the report's config says which),
     gradient checkpointing, SDPA attention, a reference offloaded to the CPU between phases,
     token-budget micro-batches: it trains, and the saved weights are fp32."""
     ppo.train(_cfg(tmp_path, tiny_llama_dir, "device=cpu", f"model.autocast={dtype}",
@@ -186,6 +188,16 @@ def test_recipe_precision_and_memory_settings(tmp_path, tiny_llama_dir, dtype):
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     assert all(math.isfinite(r["loss/policy_avg"]) and 0 < r["grad_norm"] < 1e3 for r in rows)
+    ran = json.loads((tmp_path / "report.json").read_text())["config"]
+    if dtype == "auto":
+        from rlhf_torchrl.runtime import native_bf16
+
+        native = native_bf16(torch.device("cpu"))
+        assert ran["model"]["autocast"] == ("bfloat16" if native else None)
+        assert ran["ppo"]["tis_cap"] == (builders.AUTO_TIS_CAP if native else None)
+        assert ("policy/behaviour_approxkl" in rows[0]) == native  # recomputed old log-probs
+    else:
+        assert ran["model"]["autocast"] == dtype and ran["ppo"]["tis_cap"] is None
     from transformers import AutoModelForCausalLM
 
     before = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).state_dict()

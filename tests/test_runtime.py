@@ -107,3 +107,38 @@ def test_resolve_device_and_placed():
     assert moves == [device.type] and module.weight.device.type == "cpu"  # back on the CPU after
     with placed(module, device, offload=False) as same:
         assert same is module and module.weight.device.type == "cpu"  # not offloaded: left alone
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/cpuinfo")
+def test_native_bf16_reads_the_cpu_flags():
+    import torch
+
+    from rlhf_torchrl.runtime import native_bf16
+
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split())
+    assert native_bf16(torch.device("cpu")) == bool({"avx512_bf16", "amx_tile"} & flags)
+    assert not native_bf16(torch.device("meta"))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "emulated-bf16"])
+def test_autocast_auto_resolves_into_the_config(monkeypatch, native):
+    """``model.autocast=auto`` becomes bfloat16 (and ``ppo.tis_cap`` 2 when null) where the device
+    computes bf16 natively and the weights are fp32, else null; explicit settings stay."""
+    from rlhf_torchrl.config import builders, compose
+
+    monkeypatch.setattr(builders, "native_bf16", lambda device: native)
+
+    def resolved(*overrides):
+        cfg = compose(["model.autocast=auto", *overrides])
+        builders.resolve_precision(cfg)
+        builders.resolve_precision(cfg)  # idempotent: the second call sees the resolved value
+        return cfg.model.autocast, cfg.ppo.tis_cap
+
+    assert resolved() == (("bfloat16", builders.AUTO_TIS_CAP) if native else (None, None))
+    assert resolved("ppo.tis_cap=1.5") == ("bfloat16" if native else None, 1.5)
+    assert resolved("model.dtype=bfloat16") == (None, None)  # already low precision: no autocast
+    # log-probs recorded while sampling, as asked: nothing to correct, no TIS
+    assert resolved("generation.log_probs_from_sampling=true") == ("bfloat16" if native else None, None)
+    assert resolved("model.autocast=null") == (None, None)
+    assert resolved("model.autocast=float16") == ("float16", None)

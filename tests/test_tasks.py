@@ -22,7 +22,7 @@ from rlhf_torchrl.data import check_prompts, load_prompts  # noqa: E402
 
 TASKS = ["sentiment", "tldr", "hh", "gsm8k", "arithmetic", "custom"]
 TWO_ITERATIONS = ["ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batches=2",
-                  "ppo.forward_batch_size=2", "ppo.micro_batch_tokens=null",
+                  "model.autocast=null", "ppo.forward_batch_size=2", "ppo.micro_batch_tokens=null",
                   "logging.progress_bar=false", "eval.every=1", "eval.num_prompts=2",
                   "checkpoint.every=0", "reuse_freed_memory=false", "optim.lr=1e-3",
                   "optim.critic_warmup=0"]

@@ -36,7 +36,7 @@ from .common import (
 )
 
 PHASES = ("generation", "scoring", "evaluation", "advantages", "update", "total")
-VARIANTS = {
+VARIANTS = {  # each against the fp32 run: model.autocast=null unless the variant sets it
     "fp32": [],
     "bf16": ["model.autocast=bfloat16"],
     "lora": ["lora.r=16"],
@@ -70,6 +70,7 @@ def run_variant(name: str, args, out_dir: str, model: list[str]) -> dict:
                  "logging.logger=null", "logging.save_model=false", f"device={args.device}",
                  "eval.every=0", "checkpoint.every=0",  # the training phases only
                  "optim.critic_warmup=0",  # (a warm-up iteration does the same work, at lr 0)
+                 "model.autocast=null",  # not the default's auto: fp32 unless the variant says
                  *VARIANTS[name],
                  *args.overrides]
     if name == "token-budget":

@@ -168,7 +168,7 @@ def worker_ours(a, fixture: Path) -> dict:
         f"generation.max_new_tokens={a.response_length}", f"generation.temperature={a.temperature}",
         f"optim.lr={a.lr}", "optim.value_head_lr=null", "ppo.kl_coef=0.05",
         "logging.progress_bar=false", "logging.save_model=false", "logging.logger=null",
-        f"seed={a.seed}",
+        "model.autocast=null", f"seed={a.seed}",  # fp32 on both sides
     ]
     cfg = compose(overrides)
     builders.train(cfg)

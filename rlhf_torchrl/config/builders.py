@@ -37,7 +37,7 @@ from ..rewards import (
     load_reward_function,
     make_kl_controller,
 )
-from ..runtime import ThreadTuner, resolve_device
+from ..runtime import ThreadTuner, native_bf16, resolve_device
 from . import schema
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ def check_config(cfg: DictConfig) -> Sizes:
     here the settings are checked against each other.
     """
     schema.validate(cfg)
+    resolve_precision(cfg)
     p = cfg.ppo
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's process count
     mini = exact_div(p.batch_size, p.num_mini_batches,
@@ -176,6 +177,27 @@ def make_device(cfg: DictConfig) -> torch.device:
 def make_data_parallel(cfg: DictConfig, device: torch.device) -> DataParallel:
     """This process's place in a torchrun job (the single process without one)."""
     return init_data_parallel(cfg.distributed.strategy, device=device, backend=cfg.distributed.backend)
+
+
+#: ``ppo.tis_cap`` that ``model.autocast=auto`` sets with bf16 (the setting the 3-seed comparison
+#: of bf16 against fp32 used: docs/experiments.md, "bf16 autocast against fp32")
+AUTO_TIS_CAP = 2.0
+
+
+def resolve_precision(cfg: DictConfig) -> None:
+    """Resolve ``model.autocast=auto`` in ``cfg``, so the run's config and report say what ran:
+    ``bfloat16`` where the device computes bf16 natively (:func:`~rlhf_torchrl.runtime.native_bf16`)
+    and the weights are fp32, else null (fp32). With bf16 the old log-probs are recomputed by the
+    training forward, and ``ppo.tis_cap``, when null, becomes :data:`AUTO_TIS_CAP` (each token's
+    surrogate weighted by the truncated ratio of the trainer's and the sampler's probabilities).
+    An explicit ``model.autocast`` is left as it is."""
+    m = cfg.model
+    if m.autocast != "auto":
+        return
+    bf16 = m.dtype == "float32" and native_bf16(resolve_device(cfg.device))
+    m.autocast = "bfloat16" if bf16 else None
+    if bf16 and cfg.ppo.tis_cap is None and not log_probs_from_sampling(cfg):
+        cfg.ppo.tis_cap = AUTO_TIS_CAP
 
 
 def autocast_dtype(cfg: DictConfig) -> torch.dtype | None:
@@ -838,6 +860,7 @@ def evaluate_policy(cfg: DictConfig) -> dict:
     from ..evaluation import format_metrics, rollout_samples
 
     schema.validate(cfg)
+    resolve_precision(cfg)
     check_output_dir(cfg)
     check_models(cfg)
     reward_functions = make_reward_functions(cfg)

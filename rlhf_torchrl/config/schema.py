@@ -238,7 +238,7 @@ CHOICES = {
     "distributed.strategy": ("ddp", "fsdp2"),
     "distributed.backend": (None, "gloo", "nccl"),
     "model.dtype": DTYPES,
-    "model.autocast": (None, "bfloat16", "float16"),
+    "model.autocast": (None, "auto", "bfloat16", "float16"),
     "reward.model_dtype": DTYPES,
     "value_model.init": ("shared", "policy", "reward_model", "model"),
     "generation.backend": ("transformers", "vllm"),
