@@ -1,7 +1,7 @@
 """Where and how the pipeline runs: devices, precision, and process-wide CPU settings.
 
-:func:`resolve_device`, :func:`native_bf16`, :func:`autocast` and :func:`placed` are the device and precision helpers
-every phase uses.
+:func:`resolve_device`, :func:`native_bf16`, :func:`autocast` and :func:`placed` are the device and
+precision helpers every phase uses.
 
 PyTorch on CPU allocates and frees tensors of the vocabulary's size (logits, their gradients) at
 every forward and backward. glibc serves blocks above its mmap threshold (at most 32 MB unless

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["ppo.num_iterations=2", "ppo.batch_size=8", "ppo.num_mini_batches=2",
         "ppo.forward_batch_size=4", "generation.max_new_tokens=6", "logging.progress_bar=false",
         "data.limit=32", "optim.lr=1e-3", "threads=1", "logging.logger=null",
-        "eval.every=0", "optim.critic_warmup=0", "model.autocast=null"]  # fp32 on every machine
+        "eval.every=0", "optim.critic_warmup=0", "model.autocast=null"]  # fp32 whatever the default
 IGNORED = {"threads", "iteration"}  # and every time/* entry
 
 pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")

@@ -22,7 +22,7 @@ TINY = ["ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batches=2",
         "ppo.forward_batch_size=2", "generation.max_new_tokens=6", "logging.progress_bar=false",
         "data.limit=16", "optim.lr=1e-3", "eval.num_prompts=4",
         "optim.critic_warmup=0",  # (the sentiment preset warms the critic up for 2 iterations)
-        "model.autocast=null"]  # fp32 on every machine (auto is bf16 where the CPU computes it)
+        "model.autocast=null"]  # fp32 whatever the default (auto would pick bf16 on some CPUs)
 # in-process runs leave the pytest process's allocator alone; the CLI test keeps the default (on)
 IN_PROCESS = ["reuse_freed_memory=false"]
 

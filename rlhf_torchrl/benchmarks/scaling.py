@@ -70,7 +70,7 @@ def run_variant(name: str, args, out_dir: str, model: list[str]) -> dict:
                  "logging.logger=null", "logging.save_model=false", f"device={args.device}",
                  "eval.every=0", "checkpoint.every=0",  # the training phases only
                  "optim.critic_warmup=0",  # (a warm-up iteration does the same work, at lr 0)
-                 "model.autocast=null",  # not the default's auto: fp32 unless the variant says
+                 "model.autocast=null",  # fp32 whatever the default, unless the variant says
                  *VARIANTS[name],
                  *args.overrides]
     if name == "token-budget":
