@@ -65,8 +65,15 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "ppo
 def setting_docs(config_name: str = "ppo") -> dict[str, str]:
     """Each setting's one-line comment in ``<config_name>.yaml``, by dotted key
     (``"ppo.batch_size"``): what ``rlhf-torchrl ppo --help`` and the configuration reference show."""
+    docs = yaml_comments(os.path.join(CONFIG_DIR, f"{config_name}.yaml"))
+    return {k: v for k, v in docs.items() if not k.startswith("hydra.")}
+
+
+def yaml_comments(path: str) -> dict[str, str]:
+    """The comment after each setting of a config file (two levels: ``key`` or ``section.key``),
+    by dotted key; "" for a setting without one."""
     docs, section = {}, None
-    with open(os.path.join(CONFIG_DIR, f"{config_name}.yaml"), encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:
         for line in f:
             stripped = line.strip()
             if not stripped or stripped.startswith(("#", "-")) or ":" not in stripped:
@@ -79,4 +86,4 @@ def setting_docs(config_name: str = "ppo") -> dict[str, str]:
                     docs[key], section = comment, None
             elif section is not None and line.startswith("  ") and not line.startswith("   "):
                 docs[f"{section}.{key}"] = comment
-    return {k: v for k, v in docs.items() if not k.startswith("hydra.")}
+    return docs
