@@ -9,10 +9,12 @@ distinct-n, accuracy for ``eval.accuracy_reward``). Writes ``<output_dir>/eval.j
 metrics and every response.
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
-from rlhf_torchrl.cli import run
+from rlhf_torchrl.cli import check_overrides, run
 from rlhf_torchrl.config.builders import evaluate_policy as evaluate
 
 
@@ -22,4 +24,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_overrides(sys.argv[1:], "rlhf_ppo", "evaluate")  # a bad key: one line
     main()

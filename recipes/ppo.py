@@ -14,7 +14,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from rlhf_torchrl.cli import check_task, run
+from rlhf_torchrl.cli import check_overrides, run
 from rlhf_torchrl.config import builders
 
 
@@ -37,5 +37,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    check_task(sys.argv[1:])  # an unknown task=: the list of presets, not Hydra's search path
+    # an unknown task= or key, a wrong type: one line, not Hydra's search path or five lines
+    check_overrides(sys.argv[1:])
     main()

@@ -9,10 +9,12 @@ with its tokenizer; ``config.reward_offset`` makes the training responses averag
 ``metrics.jsonl`` (one row per epoch) and ``report.json`` (held-out accuracy before and after).
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
-from rlhf_torchrl.cli import run
+from rlhf_torchrl.cli import check_overrides, run
 from rlhf_torchrl.config.builders import train_reward_model as train
 
 
@@ -22,4 +24,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_overrides(sys.argv[1:], "rlhf_reward_model", "reward-model")  # a bad key: one line
     main()

@@ -15,13 +15,14 @@ estimator         advantage of token t of response i                     reads b
 
 (Dr. GRPO: ``grpo`` with ``scale_by_std=False``, no division.) ``G_it`` is the return-to-go
 from token t (:func:`~rlhf_torchrl.functional.returns_to_go`),
-``s_i`` the response's score as shaped (its reward without the KL part), ``N_it`` the KL
-penalty's return-to-go (``("next", "non_score_reward")``) and ``g`` the group of responses to the
-same prompt (``"group"``, written by the collector with ``samples_per_prompt``). The group
-baselines compare scores only; the per-token KL credit is added as it is. With the KL penalty in
-the loss instead (``kl_coef=0``), ``N = 0``, and GRPO and RLOO give every token of a response the
-same advantage, as in their papers. The critic-free estimators need no value
-model and write no ``"value_target"``: the loss then has no value term.
+``s_i`` the response's score as shaped (its reward without the KL part: :func:`group_scores`),
+``N_it`` the KL penalty's return-to-go (``("next", "non_score_reward")``) and ``g`` the group
+of responses to the same prompt (``"group"``, written by the collector with
+``samples_per_prompt``). The group baselines compare scores only (and DAPO's filter,
+:func:`informative_groups`, the same scores); the per-token KL credit is added as it is. With
+the KL penalty in the loss instead (``kl_coef=0``), ``N = 0``, and GRPO and RLOO give every
+token of a response the same advantage, as in their papers. The critic-free estimators need no
+value model and write no ``"value_target"``: the loss then has no value term.
 
 A new estimator is any module with this contract (``examples/custom_advantage.py``).
 """
@@ -45,25 +46,44 @@ GROUP_ESTIMATORS = ("grpo", "rloo")
 class ResponseGAE(TensorDictModuleBase):
     """GAE over response tokens; writes ``"advantage"`` and ``"value_target"`` (B, R, 1).
 
-    ``A = GAE(r, V; gamma, lmbda)`` with the episode ending at the last response token
-    (:func:`rlhf_torchrl.functional.gae`, TorchRL's ``generalized_advantage_estimate``);
-    ``value_target = A + V`` (before whitening); ``A`` whitened over valid tokens when
-    ``whiten_advantages`` (N+ details: advantage whitening).
+    ``A = GAE(r, V; gamma, lmbda_policy)`` with the episode ending at the last response token
+    (:func:`rlhf_torchrl.functional.gae`, TorchRL's ``generalized_advantage_estimate``), whitened
+    over valid tokens when ``whiten_advantages`` (N+ details: advantage whitening);
+    ``value_target = GAE(r, V; gamma, lmbda_critic) + V`` (before whitening).
+
+    The two lambdas (decoupled GAE, Yuan et al. 2025, "VC-PPO", arXiv 2503.01491): ``lmbda_critic``
+    (None: ``lmbda``) gives the value targets; VC-PPO uses 1, the Monte Carlo return, a target
+    that does not lean on the critic's own (biased) values. ``lmbda`` gives the policy's advantages,
+    or, with ``lmbda_length_alpha``, each response its own ``1 - 1 / (alpha * length)``
+    (:func:`~rlhf_torchrl.functional.length_adaptive_lmbda`, VAPO). With neither set, one GAE
+    pass serves both, as in PPO.
     """
 
     needs_critic = True
 
-    def __init__(self, *, gamma: float = 1.0, lmbda: float = 0.95, whiten_advantages: bool = True):
+    def __init__(self, *, gamma: float = 1.0, lmbda: float = 0.95, whiten_advantages: bool = True,
+                 lmbda_critic: float | None = None, lmbda_length_alpha: float | None = None):
         super().__init__()
+        for name, value in (("lmbda", lmbda), ("lmbda_critic", lmbda_critic)):
+            if value is not None and not 0 <= value <= 1:
+                raise ConfigError(f"{name} must be in [0, 1], got {value}.")
+        if lmbda_length_alpha is not None and not lmbda_length_alpha > 0:
+            raise ConfigError(f"lmbda_length_alpha must be > 0 (VAPO uses 0.05) or None, got "
+                              f"{lmbda_length_alpha}.")
         self.gamma, self.lmbda, self.whiten_advantages = gamma, lmbda, whiten_advantages
+        self.lmbda_critic, self.lmbda_length_alpha = lmbda_critic, lmbda_length_alpha
         self.in_keys = [K.REWARD, K.VALUE, K.RESPONSE_MASK]
         self.out_keys = [K.ADVANTAGE, K.VALUE_TARGET]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         mask = td.get(K.RESPONSE_MASK)
-        adv, returns = F.gae(
-            td.get(K.REWARD).squeeze(-1), td.get(K.VALUE).squeeze(-1), mask, self.gamma, self.lmbda
-        )
+        rewards, values = td.get(K.REWARD).squeeze(-1), td.get(K.VALUE).squeeze(-1)
+        lmbda_policy = (F.length_adaptive_lmbda(mask, self.lmbda_length_alpha)
+                        if self.lmbda_length_alpha is not None else self.lmbda)
+        adv, returns = F.gae(rewards, values, mask, self.gamma, lmbda_policy)
+        if self.lmbda_critic is not None or self.lmbda_length_alpha is not None:
+            lmbda_critic = self.lmbda if self.lmbda_critic is None else self.lmbda_critic
+            _, returns = F.gae(rewards, values, mask, self.gamma, lmbda_critic)
         if self.whiten_advantages and mask.sum() > 1:
             adv = F.masked_whiten(adv, mask)
         td.set(K.ADVANTAGE, adv.unsqueeze(-1))
@@ -94,15 +114,11 @@ class _GroupBaseline(_CriticFree):
 
     @staticmethod
     def _score_and_kl_to_go(td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(s, N, mask)``: each response's score as shaped (the reward minus its KL part, summed
-        over the response: (B,)), the KL penalty's return-to-go ``N_it`` (B, R; 0 without a KL
-        part ``("next", "non_score_reward")``) and the response mask."""
+        """``(s, N, mask)``: each response's score as shaped (:func:`group_scores`, (B,)), the KL
+        penalty's return-to-go ``N_it`` (B, R; 0 without a KL part
+        ``("next", "non_score_reward")``) and the response mask."""
         mask = td.get(K.RESPONSE_MASK)
-        reward = td.get(K.REWARD).squeeze(-1)
-        kl = (td.get(K.NON_SCORE_REWARD).squeeze(-1) if K.NON_SCORE_REWARD in td.keys(True)
-              else torch.zeros_like(reward))
-        score = torch.where(mask, reward - kl, torch.zeros_like(reward)).sum(-1)
-        return score, F.returns_to_go(kl, mask), mask
+        return group_scores(td), F.returns_to_go(_kl_part(td), mask), mask
 
 
 class GRPOAdvantage(_GroupBaseline):
@@ -165,12 +181,15 @@ class ReinforcePPAdvantage(_CriticFree):
 
 
 def make_advantage(estimator: str = "gae", *, gamma: float = 1.0, lmbda: float = 0.95,
-                   whiten_advantages: bool = True,
-                   scale_by_std: bool = True) -> TensorDictModuleBase:
+                   whiten_advantages: bool = True, scale_by_std: bool = True,
+                   lmbda_critic: float | None = None,
+                   lmbda_length_alpha: float | None = None) -> TensorDictModuleBase:
     """The module of ``estimator`` (:data:`ESTIMATORS`). ``gamma``: GAE and REINFORCE++;
-    ``lmbda`` and ``whiten_advantages``: GAE; ``scale_by_std``: GRPO."""
+    ``lmbda``, ``whiten_advantages``, ``lmbda_critic`` and ``lmbda_length_alpha``: GAE
+    (:class:`ResponseGAE`); ``scale_by_std``: GRPO."""
     if estimator == "gae":
-        return ResponseGAE(gamma=gamma, lmbda=lmbda, whiten_advantages=whiten_advantages)
+        return ResponseGAE(gamma=gamma, lmbda=lmbda, whiten_advantages=whiten_advantages,
+                           lmbda_critic=lmbda_critic, lmbda_length_alpha=lmbda_length_alpha)
     if estimator == "grpo":
         return GRPOAdvantage(scale_by_std=scale_by_std)
     if estimator == "rloo":
@@ -181,6 +200,13 @@ def make_advantage(estimator: str = "gae", *, gamma: float = 1.0, lmbda: float =
                       f"{', '.join(ESTIMATORS)}.")
 
 
+def _kl_part(td: TensorDictBase) -> torch.Tensor:
+    """(B, R): the KL part of the per-token reward (0 without ``("next", "non_score_reward")``)."""
+    if K.NON_SCORE_REWARD in td.keys(True):
+        return td.get(K.NON_SCORE_REWARD).squeeze(-1)
+    return torch.zeros_like(td.get(K.REWARD).squeeze(-1))
+
+
 def needs_critic(advantage) -> bool:
     """Whether ``advantage`` reads values (``"state_value"``): a module's ``needs_critic``, else
     whether ``"state_value"`` is one of its ``in_keys``."""
@@ -188,13 +214,41 @@ def needs_critic(advantage) -> bool:
     return bool(flag) if flag is not None else K.VALUE in list(getattr(advantage, "in_keys", []))
 
 
+def compares_groups(advantage) -> bool:
+    """Whether ``advantage`` baselines each response against the responses to the same prompt
+    (``"group"`` in its ``in_keys``: GRPO, RLOO, a group estimator of your own): where a group of
+    equal scores has no signal, and DAPO's filter (:func:`informative_groups`) means something."""
+    return K.GROUP in list(getattr(advantage, "in_keys", []))
+
+
 # ---- groups ------------------------------------------------------------------------------------
 
+def group_scores(td: TensorDictBase) -> torch.Tensor:
+    """(B,) each response's score ``s_i`` as the group baselines compare it: its reward without
+    the KL part, summed over the response (the score whitened and clipped as the shaper was told,
+    plus a multi-turn episode's turn rewards).
+
+    ``"shaped_score"`` where the shaper wrote it (:class:`~rlhf_torchrl.rewards.KLRewardShaper`);
+    else ``sum_t (r_it - N_it)`` from ``("next", "reward")`` and ``("next", "non_score_reward")``
+    (a shaper of your own; float rounding may then tell equal scores apart); a rollout not shaped
+    yet: its ``"score"``.
+    """
+    keys = td.keys(True)
+    if K.SHAPED_SCORE in keys:
+        return td.get(K.SHAPED_SCORE)
+    if K.REWARD not in keys:
+        return td.get(K.SCORE)
+    mask = td.get(K.RESPONSE_MASK)
+    reward = td.get(K.REWARD).squeeze(-1)
+    return torch.where(mask, reward - _kl_part(td), torch.zeros_like(reward)).sum(-1)
+
+
 def informative_groups(td: TensorDictBase) -> torch.Tensor:
-    """Bool (B,): rows whose group's scores are not all equal. Under a group baseline a group of
-    equal scores has advantage 0 everywhere (no signal) and only dilutes the token-mean loss;
+    """Bool (B,): rows whose group's scores (:func:`group_scores`, as the group baseline compares
+    them: clipped, with the turn rewards) are not all equal. Under a group baseline a group of
+    equal scores has a score advantage of 0 (no signal) and only dilutes the token-mean loss;
     DAPO's dynamic sampling drops such groups (Yu et al. 2025)."""
-    score, groups = td.get(K.SCORE), td.get(K.GROUP)
+    score, groups = group_scores(td), td.get(K.GROUP)
     index, sizes = F.group_index(groups)
     high = torch.full((len(sizes),), -torch.inf, dtype=score.dtype, device=score.device)
     low = torch.full((len(sizes),), torch.inf, dtype=score.dtype, device=score.device)
@@ -206,11 +260,12 @@ def informative_groups(td: TensorDictBase) -> torch.Tensor:
 def group_metrics(td: TensorDictBase) -> dict[str, float]:
     """Statistics of the groups of a scored rollout (empty without groups of 2 or more):
     ``group/size`` (responses per prompt), ``group/score_std`` (the mean within-group standard
-    deviation of the scores: the signal a group baseline works with), ``group/equal_score_frac``
-    (groups whose scores are all equal: no signal under a group baseline)."""
+    deviation of the scores, as :func:`group_scores` reads them: the signal a group baseline
+    works with), ``group/equal_score_frac`` (groups whose scores are all equal: no signal under a
+    group baseline)."""
     if K.GROUP not in td.keys():
         return {}
-    groups, score = td.get(K.GROUP), td.get(K.SCORE).double()
+    groups, score = td.get(K.GROUP), group_scores(td).double()
     index, sizes = F.group_index(groups)
     if int(sizes.min()) < 2:
         return {}

@@ -11,12 +11,21 @@ A checkpoint is the directory ``<output_dir>/checkpoints/iter_<N>`` (N: iteratio
   ``torch.load(weights_only=True)``, so a checkpoint directory cannot run code when resumed;
 - ``rollouts/rank_<k>/<i>/``: the rollouts process ``k`` had sampled ahead (asynchronous
   collection), in TensorDict's own format (memory-mapped tensors, JSON for the texts);
+- ``rng/rank_<k>.pt``: process ``k``'s random states (each process draws its own numbers);
+- ``lineage.json``: the runs whose iterations the checkpoint continues (see below);
 - ``config.yaml``: the run's resolved config;
 - ``manifest.json``: every file's size, so that a file a bad disk tore is found before it is read.
 
 It is written as ``checkpoints/.tmp-iter_<N>``, every file flushed to disk (``fsync``), then renamed:
 the rename is atomic, so a directory named ``iter_<N>`` is complete, and a crash mid-write leaves the
-previous checkpoints as they were. Only the last ``keep`` are kept.
+previous checkpoints as they were. An ``iter_<N>`` already there is first renamed away, never
+deleted before the new one is complete.
+
+A run resumed from an older checkpoint starts a new lineage: the checkpoints after its starting
+point (the future it abandons) belong to another. Its first write moves them, and any other
+checkpoint not of its lineage, to ``checkpoints/abandoned/<time>/`` (kept for you to resume from or
+delete), so that ``resume=auto`` finds this run's newest. Pruning keeps the newest ``keep`` of the
+lineage, the checkpoint just written always among them.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import os
 import random
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
@@ -44,6 +54,10 @@ _TRAINER = "trainer.pt"
 _WEIGHTS = "weights"
 _ROLLOUTS = "rollouts"
 _MANIFEST = "manifest.json"
+_RNG = "rng"
+_LINEAGE = "lineage.json"
+#: where checkpoints of another lineage go (a resumed run's abandoned future)
+ABANDONED = "abandoned"
 
 
 class CheckpointError(ConfigError):
@@ -165,14 +179,19 @@ def _state_dicts(modules: Mapping[str, nn.Module], optimizer):
 
 def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn.Module], optimizer,
                     trainer_state: dict, config_yaml: str, keep: int | None = None,
-                    parallel=None, rollouts: Sequence = ()) -> str:
-    """Write checkpoint ``iter_<iteration>`` atomically and drop all but the last ``keep``.
+                    parallel=None, rollouts: Sequence = (), rng: Mapping | None = None,
+                    lineage: Sequence | None = None) -> str:
+    """Write checkpoint ``iter_<iteration>`` atomically and drop all but the last ``keep`` of its
+    lineage.
 
     ``modules`` name the trained modules (their trainable parameters are saved); ``optimizer``
     holds exactly their parameters. Under ``torchrun`` every process calls this (the weights are a
     collective write) with its own ``rollouts`` (TensorDicts sampled ahead: each process's rows
-    differ); ``trainer_state`` and the config are written by the main process.
-    Returns the checkpoint's path.
+    differ) and ``rng`` (its random states, :func:`rng_state`); ``trainer_state`` and the config
+    are written by the main process. ``lineage``: ``[run, resumed_at]`` pairs, oldest first, the
+    last this run's (:func:`in_lineage`); None: the checkpoints below ``iteration`` are its lineage.
+    Checkpoints of another lineage (``iter_<iteration>`` already there included) are moved to
+    ``checkpoints/abandoned/``. Returns the checkpoint's path.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -191,22 +210,102 @@ def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn
     rank = parallel.rank if parallel is not None else 0
     for i, rollout in enumerate(rollouts):
         rollout.detach().cpu().save(os.path.join(tmp, _ROLLOUTS, f"rank_{rank}", f"{i:04d}"))
+    if rng is not None:
+        os.makedirs(os.path.join(tmp, _RNG), exist_ok=True)
+        torch.save(dict(rng), os.path.join(tmp, _RNG, f"rank_{rank}.pt"))
     _barrier(parallel)
     if is_main:
         torch.save(trainer_state, os.path.join(tmp, _TRAINER))
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(config_yaml)
+        if lineage is not None:
+            with open(os.path.join(tmp, _LINEAGE), "w", encoding="utf-8") as f:
+                json.dump({"lineage": [list(segment) for segment in lineage]}, f)
         _write_manifest(tmp)
         _fsync_tree(tmp)
-        if os.path.exists(final):  # the same iteration written again (a resumed run)
-            shutil.rmtree(final)
+        ours, others = _split_by_lineage(output_dir, iteration, lineage)
+        if others or os.path.exists(final):
+            _set_aside(root, others, final, iteration)
         os.replace(tmp, final)
         _fsync_dir(root)
         if keep:
-            for _, old in list_checkpoints(output_dir)[:-keep]:
+            for _, old in ours[:max(0, len(ours) - (keep - 1))]:
                 shutil.rmtree(old, ignore_errors=True)
     _barrier(parallel)
     return final
+
+
+def in_lineage(lineage: Sequence, iteration: int, writer: str | None) -> bool:
+    """Whether the checkpoint of ``iteration`` that run ``writer`` wrote is in ``lineage``.
+
+    A lineage is the list of ``[run, resumed_at]`` of the runs behind a checkpoint, oldest first:
+    run ``r`` resumed at iteration ``a`` wrote the iterations after ``a`` up to the next run's
+    ``resumed_at``. Iteration ``n`` is the lineage's when its writer is the last run with
+    ``resumed_at < n`` (None, a checkpoint that records no lineage: where no run of the lineage
+    is known to have written it).
+
+    Example:
+        >>> lineage = [["a", 0], ["b", 2]]  # run b resumed a's checkpoint 2
+        >>> in_lineage(lineage, 2, "a"), in_lineage(lineage, 3, "a"), in_lineage(lineage, 3, "b")
+        (True, False, True)
+    """
+    owner = None
+    for run, resumed_at in lineage:
+        if resumed_at < iteration:
+            owner = run
+    return owner == writer
+
+
+def read_lineage(path: str) -> list | None:
+    """The lineage checkpoint ``path`` records (None: none, a checkpoint of an earlier version)."""
+    try:
+        with open(os.path.join(path, _LINEAGE), encoding="utf-8") as f:
+            return json.load(f)["lineage"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _split_by_lineage(output_dir: str, iteration: int, lineage: Sequence | None):
+    """The complete checkpoints of ``output_dir`` other than ``iteration``'s: (those of
+    ``lineage``, the others), oldest first. Without a lineage, the lower iterations are its."""
+    ours, others = [], []
+    for n, path in list_checkpoints(output_dir):
+        if n == iteration:
+            continue
+        if lineage is None:
+            mine = n < iteration
+        else:
+            recorded = read_lineage(path)
+            mine = in_lineage(lineage, n, recorded[-1][0] if recorded else None)
+        (ours if mine else others).append((n, path))
+    return ours, others
+
+
+def _set_aside(root: str, others: list, final: str, iteration: int) -> None:
+    """Move the checkpoints of another lineage, and ``final`` (the iteration about to be
+    written), to ``<root>/abandoned/<time>/``: renames, so nothing is lost."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, i = os.path.join(root, ABANDONED, stamp), 1
+    while os.path.exists(dest):
+        dest, i = os.path.join(root, ABANDONED, f"{stamp}-{i}"), i + 1
+    os.makedirs(dest)
+    moved = [path for _, path in others]
+    if os.path.exists(final):
+        moved.append(final)
+    for path in moved:
+        os.replace(path, os.path.join(dest, os.path.basename(path)))
+    _fsync_dir(dest)
+    _fsync_dir(root)
+    log.warning("Checkpoint %d: %s of another lineage (the future a resumed run abandons) moved to "
+                "%s: resume=<path> continues one, deleting the folder frees the space.", iteration,
+                ", ".join(os.path.basename(p) for p in sorted(moved)), dest)
+
+
+def load_rng_state(path: str, rank: int = 0) -> dict | None:
+    """The random states process ``rank`` saved with checkpoint ``path`` (None: none saved, a
+    checkpoint of an earlier version or of fewer processes)."""
+    file = os.path.join(path, _RNG, f"rank_{rank}.pt")
+    return torch.load(file, weights_only=True) if os.path.isfile(file) else None
 
 
 def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -> dict:
@@ -241,7 +340,8 @@ def load_rollouts(path: str, rank: int = 0, device=None) -> list:
     if not os.path.isdir(folder):
         return []
     # clone(): plain tensors, not memory maps of the checkpoint's files
-    return [TensorDict.load(os.path.join(folder, name)).clone().to(device or "cpu")
+    # allow_pickle=False: no code runs, whatever the folder holds
+    return [TensorDict.load(os.path.join(folder, name), allow_pickle=False).clone().to(device or "cpu")
             for name in sorted(os.listdir(folder))]
 
 

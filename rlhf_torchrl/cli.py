@@ -82,6 +82,105 @@ def check_task(args: list[str]) -> None:
                 sys.exit(1)
 
 
+def check_overrides(args: list[str], config_name: str = "rlhf_ppo", command: str = "ppo") -> None:
+    """An unknown ``task=``, an unknown key or a value of the wrong type among the overrides
+    ``args``: one line naming the key and the fix, exit status 1 (Hydra would print its error, the
+    cause over five lines and a hint about HYDRA_FULL_ERROR). Any other error is Hydra's to
+    report, as are the overrides of another config (``--config-dir`` and kin)."""
+    check_task(args)
+    if any(a.startswith(("--config-", "-cp", "-cn", "-cd")) for a in args):
+        return
+    overrides = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/", "+hydra", "++hydra"))]
+    if not overrides:
+        return
+    from .config import compose
+
+    try:
+        compose(overrides, config_name)
+    except Exception as error:  # noqa: BLE001 - Hydra's; override_error reads the ones it knows
+        message = override_error(error, command)
+        if message is not None:
+            print(f"Error: {message}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+
+def override_error(error: Exception, command: str = "ppo") -> str | None:
+    """The one line for a Hydra composition ``error`` whose cause is an unknown key or a value of
+    the wrong type (OmegaConf's, with ``full_key``), naming the key and the fix; None otherwise."""
+    import dataclasses
+    import difflib
+    import typing
+
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    cause = error.__cause__
+    key, schema = getattr(cause, "full_key", None), getattr(cause, "object_type", None)
+    if not key:
+        return None
+    leaf = key.rpartition(".")[2]
+    listing = f"`rlhf-torchrl {command} --cfg job` prints every setting"
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        names = [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
+        if "." not in key and command in ("ppo", "evaluate"):
+            names.append("task")  # the config group (task=NAME)
+        close = difflib.get_close_matches(leaf, names, n=1)
+        hint = f"did you mean {key[:-len(leaf)]}{close[0]}? " if close else "check its spelling; "
+        return f"{key} is not a setting: {hint}{listing}."
+    if isinstance(cause, ValidationError):
+        try:
+            expected = typing.get_type_hints(schema)[leaf]
+        except (KeyError, TypeError, NameError):
+            return None
+        kind = _kind(expected)
+        if kind is None:
+            return None
+        if kind == "group":
+            return (f"{key}={_shown(cause.value)}: {key} is a group of settings, not a value: set "
+                    f"its keys one by one ({key}.<key>=...); {listing}.")
+        from omegaconf import OmegaConf
+
+        parent = getattr(cause, "parent_node", None)
+        now = OmegaConf.select(parent, leaf) if OmegaConf.is_config(parent) else None
+        example = f", e.g. {key}={_shown(now)} (its value now)" if now is not None else ""
+        return f"{key}={_shown(cause.value)} is not {kind}: give {kind}{example}."
+    return None
+
+
+def _shown(value) -> str:
+    """``value`` as an override writes it (``true``, ``null``, ``[a,b]``)."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    if isinstance(value, list):
+        return "[" + ",".join(_shown(v) for v in value) + "]"
+    return str(value)
+
+
+def _kind(hint) -> str | None:
+    """What a setting of type ``hint`` takes, in words ("an integer", "an integer or null");
+    "group" for a group of settings; None for a type this does not describe."""
+    import dataclasses
+    import types
+    import typing
+
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        rest = [a for a in args if a is not type(None)]
+        hint = rest[0] if len(rest) == 1 else None
+    if dataclasses.is_dataclass(hint):
+        return "group"
+    origin = typing.get_origin(hint)
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+             list: "a list", dict: "a mapping"}.get(origin or hint)
+    if words is None:
+        return None
+    return f"{words} or null" if optional else words
+
+
 def _hydra_app(fn, config_name: str, job: str, args: list[str]) -> None:
     """Run ``fn(cfg)`` as the Hydra app of config ``config_name`` over ``args`` (overrides and
     Hydra's own flags: ``--cfg job``, ``--multirun``, ``hydra.run.dir=...``)."""
@@ -89,7 +188,7 @@ def _hydra_app(fn, config_name: str, job: str, args: list[str]) -> None:
 
     from . import config  # noqa: F401 - registers the configs
 
-    check_task(args)
+    check_overrides(args, config_name, job.replace("_", "-"))
 
     @hydra.main(config_path=None, config_name=config_name, version_base=None)
     def app(cfg) -> None:
@@ -110,7 +209,7 @@ def _ppo_help(overrides: list[str]) -> str:
         cfg = compose([*overrides, "output_dir=outputs/ppo/TASK/DATE"])
     except Exception as error:  # noqa: BLE001 - Hydra's own: a bad override
         lines = [str(e).strip().splitlines()[0] for e in (error, error.__cause__) if e is not None]
-        print(f"Error: {' '.join(lines)}", file=sys.stderr)
+        print(f"Error: {override_error(error) or ' '.join(lines)}", file=sys.stderr)
         sys.exit(1)
     task = next((o.split("=", 1)[1] for o in overrides if o.startswith("task=")), "sentiment")
     docs = setting_docs()

@@ -115,8 +115,10 @@ class Evaluator:
 def rollout_samples(rollout, n: int | None = None) -> list[dict]:
     """``{"prompt", "question", "response", "score"}`` of the first ``n`` rows of a rollout (all:
     None): the prompt as the policy read it (chat template applied) and, for reading, the last
-    user message alone (the prompt again where the rollout has no messages)."""
-    prompts, responses = rollout.get(K.PROMPT_TEXT).tolist(), rollout.get(K.RESPONSE_TEXT).tolist()
+    user message alone (the prompt again where the rollout has no messages); a multi-turn
+    episode's response is its whole transcript, tool messages included."""
+    text = K.EPISODE_TEXT if K.EPISODE_TEXT in rollout.keys(True) else K.RESPONSE_TEXT
+    prompts, responses = rollout.get(K.PROMPT_TEXT).tolist(), rollout.get(text).tolist()
     scores = rollout.get(K.SCORE).tolist()
     questions = prompts
     if K.PROMPT_MESSAGES in rollout.keys(True):

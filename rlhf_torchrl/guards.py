@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import torch
 from tensordict import TensorDictBase
@@ -90,7 +91,9 @@ def _few(items: list, n: int = 8) -> str:
 
 class NonFiniteAction:
     """What the trainer does when :class:`NonFiniteError` fires: the rollout is saved to
-    ``<output_dir>/diverged/iter_<k>.pt`` (by the main process), then the run stops
+    ``<output_dir>/diverged/iter_<k>/`` (by the main process, in TensorDict's own format: memory-
+    mapped tensors, JSON for the texts; ``TensorDict.load(path, allow_pickle=False)`` reads it
+    back without running any code), then the run stops
     (``action="stop"``: :class:`DivergenceError`) or the iteration is skipped (``"skip"``: a
     warning, no further optimiser step)."""
 
@@ -100,16 +103,17 @@ class NonFiniteAction:
         self.output_dir, self.action, self.is_main = output_dir, action, is_main
 
     def __call__(self, error: NonFiniteError, iteration: int, batch: TensorDictBase | None) -> None:
-        path = os.path.join(self.output_dir, "diverged", f"iter_{iteration:08d}.pt")
+        path = os.path.join(self.output_dir, "diverged", f"iter_{iteration:08d}")
         if self.is_main and batch is not None:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            torch.save(batch.detach().cpu(), path)
+            shutil.rmtree(path, ignore_errors=True)  # (a resumed run meeting it again)
+            batch.detach().cpu().save(path)
         message = f"Iteration {iteration}: {error}. The rollout is saved in {path}"
         if self.action == "skip":
             log.warning("%s; the iteration is skipped (guards.non_finite=skip).", message)
             return
-        raise DivergenceError(f"{message} (torch.load(path, weights_only=False)). Stopped "
-                              "(guards.non_finite=stop; skip drops such iterations instead).")
+        raise DivergenceError(f"{message} (tensordict.TensorDict.load(path, allow_pickle=False) "
+                              "reads it). Stopped (guards.non_finite=stop; skip drops such "
+                              "iterations instead).")
 
 
 def check_kl_ceiling(kl: float, iteration: int, *, ceiling: float | None, stop: bool = False) -> None:

@@ -14,6 +14,7 @@ import os
 import statistics
 import sys
 import time
+import uuid
 from contextlib import contextmanager, nullcontext
 
 from torchrl.trainers import TrainerHookBase
@@ -193,14 +194,19 @@ class KLCeiling(_Stateless):
             self.trainer.request_stop(error)
 
 
-class Checkpointer(_Stateless):
+class Checkpointer(TrainerHookBase):
     """A checkpoint (:func:`~rlhf_torchrl.checkpoint.save_checkpoint`) every ``every`` iterations
-    and after the last: the trained weights, the optimiser, the trainer's :meth:`state_dict` and
-    ``config_yaml``; the newest ``keep`` are kept. Timed as ``time/checkpoint`` (in ``time/total``)."""
+    and after the last: the trained weights, the optimiser, the trainer's :meth:`state_dict`, each
+    process's RNG states and ``config_yaml``; the newest ``keep`` of this run's lineage are kept
+    (a resumed run's abandoned future is moved aside). Timed as ``time/checkpoint`` (in
+    ``time/total``)."""
 
     def __init__(self, output_dir: str, *, every: int, keep: int | None = None,
                  config_yaml: str = ""):
         self.output_dir, self.every, self.keep, self.config_yaml = output_dir, every, keep, config_yaml
+        # [run, resumed_at] of the runs whose checkpoints this one continues, then this run's
+        self.lineage: list[list] = []
+        self.run_id = uuid.uuid4().hex[:12]
 
     def register(self, trainer, name: str = "checkpoint") -> None:
         self.trainer = trainer
@@ -210,19 +216,28 @@ class Checkpointer(_Stateless):
         return bool(self.every) and (done % self.every == 0 or done == self.trainer.num_iterations)
 
     def __call__(self) -> dict | None:
-        from .checkpoint import save_checkpoint
+        from .checkpoint import rng_state, save_checkpoint
 
         t = self.trainer
         if not self.due(t.iteration) or t.stop_error is not None:
             return None
         start = time.perf_counter()
+        if not self.lineage or self.lineage[-1][0] != self.run_id:  # (before the state is taken)
+            self.lineage.append([self.run_id, t.first_iteration])
         save_checkpoint(self.output_dir, t.iteration, modules=t.trained_modules,
                         optimizer=t.optimizer, keep=self.keep, parallel=t.parallel,
                         config_yaml=self.config_yaml, trainer_state=t.state_dict(),
-                        rollouts=t.pending_rollouts())
+                        rollouts=t.pending_rollouts(), rng=rng_state(), lineage=self.lineage)
         seconds = time.perf_counter() - start
         log.info("Checkpoint %d written in %.2f s", t.iteration, seconds)
         return {"time/checkpoint": seconds}
+
+    def state_dict(self) -> dict:
+        return {"lineage": [list(segment) for segment in self.lineage]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # (a checkpoint of an earlier version records none: its lineage starts at this run)
+        self.lineage = [list(segment) for segment in state_dict.get("lineage", [])]
 
 
 class RunLog(TrainerHookBase):

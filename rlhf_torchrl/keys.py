@@ -30,6 +30,9 @@ OBSERVATION_MASK = ("masks", "observation")
 # template applied); the response without special tokens.
 PROMPT_TEXT = ("text", "prompt")
 RESPONSE_TEXT = ("text", "response")
+# A multi-turn episode's whole transcript, tool messages included (for reading: the report's
+# samples). RESPONSE_TEXT, which the rewards read, holds the policy's own turns alone.
+EPISODE_TEXT = ("text", "episode")
 # The conversation each prompt renders: a list of {"role", "content"} dicts per row (non-tensor),
 # ending with the user turn the response answers.
 PROMPT_MESSAGES = ("messages", "prompt")
@@ -70,6 +73,10 @@ EPISODE_END = ("episode", "end")
 SCORE = "score"
 # (B,) float32: score before the missing-EOS penalty and any whitening/clipping.
 RAW_SCORE = "raw_score"
+# (B,) float32: the response's reward without its KL part, summed over its tokens: the score as
+# the shaper whitened and clipped it, plus a multi-turn episode's turn rewards. What the group
+# baselines and the group filter compare (written once, not recovered by subtracting the KL).
+SHAPED_SCORE = "shaped_score"
 
 # (B, R, 1) float32: per-token reward -kl_coef * KL[t] (+ score at the last response token).
 REWARD = ("next", "reward")
@@ -84,3 +91,6 @@ VALUE = "state_value"
 # (B, R, 1) float32: GAE advantages (whitened over valid tokens) and returns = advantages + values.
 ADVANTAGE = "advantage"
 VALUE_TARGET = "value_target"
+# (B,) float64, written into each minibatch before it is split (TokenPPOLoss.prepare_minibatch):
+# each response's weight in the positive-example NLL term (functional.positive_nll_weights).
+POSITIVE_NLL_WEIGHT = "positive_nll_weight"

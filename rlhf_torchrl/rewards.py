@@ -348,7 +348,9 @@ class KLRewardShaper(TensorDictModuleBase):
     ``("next", "reward")``, ``("next", "non_score_reward")``, ``("next", "done")``,
     ``("next", "terminated")`` (B, R, 1), ready for GAE. A multi-turn rollout's
     ``"turn_reward"`` (B, R) (the tools' rewards, each at the last token of its turn) is added to
-    the reward.
+    the reward. Also writes ``"shaped_score"`` (B,): the reward without its KL part, summed over
+    the response (the whitened, clipped score plus the turn rewards), which the group baselines
+    compare.
 
     Unlike TorchRL's ``KLRewardTransform``, the score enters once, at the last response token, and
     nothing is put on prompt tokens.
@@ -368,7 +370,7 @@ class KLRewardShaper(TensorDictModuleBase):
         self.whiten_scores = whiten_scores
         self.score_clip = score_clip
         self.in_keys = [K.LOG_PROB, K.REF_LOG_PROB, K.RESPONSE_MASK, K.SCORE]
-        self.out_keys = [K.KL, K.REWARD, K.NON_SCORE_REWARD, K.DONE, K.TERMINATED]
+        self.out_keys = [K.KL, K.REWARD, K.NON_SCORE_REWARD, K.DONE, K.TERMINATED, K.SHAPED_SCORE]
 
     @property
     def kl_coef(self) -> float:
@@ -383,10 +385,16 @@ class KLRewardShaper(TensorDictModuleBase):
             score = score.clamp(-self.score_clip, self.score_clip)
         kl = F.kl_estimate(td.get(K.LOG_PROB), td.get(K.REF_LOG_PROB), self.kl_estimator) * mask
         reward, non_score = F.per_token_rewards(score, kl, mask, self.kl_coef)
+        shaped_score = torch.where(mask.any(-1), score, torch.zeros_like(score))  # as in the reward
         turn_reward = td.get(K.TURN_REWARD, None)
         if turn_reward is not None:  # a multi-turn episode: the tools' rewards, turn by turn
-            reward = reward + torch.where(mask, turn_reward, torch.zeros_like(turn_reward))
+            turn_reward = torch.where(mask, turn_reward, torch.zeros_like(turn_reward))
+            reward = reward + turn_reward
+            shaped_score = shaped_score + turn_reward.sum(-1)
         done = F.last_token_mask(mask).unsqueeze(-1)
+        # summed here, not recovered as reward - KL: (s + k) - k rounds, and equal scores must stay
+        # equal for the group baselines and the group filter
+        td.set(K.SHAPED_SCORE, shaped_score)
         td.set(K.KL, kl)
         td.set(K.REWARD, reward.unsqueeze(-1))
         td.set(K.NON_SCORE_REWARD, non_score.unsqueeze(-1))

@@ -19,6 +19,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -54,14 +55,14 @@ def reuse_freed_memory() -> bool:
     return applied
 
 
-def _busy_ticks(cpus: set[int]) -> tuple[int, int] | None:
-    """(busy, total) clock ticks summed over ``cpus`` since boot, from ``/proc/stat``.
+def _busy_ticks(cpus: set[int], stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """(busy, total) clock ticks summed over ``cpus`` since boot, from ``stat`` (``/proc/stat``).
 
     Busy counts user, system, irq, softirq and steal time; nice time (processes that yield to
     normal-priority work) and idle/iowait count as free.
     """
     try:
-        with open("/proc/stat") as f:
+        with open(stat) as f:
             lines = f.readlines()
     except OSError:
         return None
@@ -88,7 +89,8 @@ class ThreadTuner:
     they yield), and sets ``torch.set_num_threads`` to the cores left, between ``1`` and
     ``max_threads`` (torch's default, i.e. ``OMP_NUM_THREADS`` or the core count). Call it between
     iterations. Where ``/proc/stat`` is missing (not Linux), or with ``adapt=False``, it keeps
-    ``max_threads``.
+    ``max_threads``. ``stat``, ``cpus`` and ``cpu_time`` (this process's CPU seconds) are where it
+    reads; a test gives fixed ones.
 
     Example:
         >>> tuner = ThreadTuner()
@@ -96,19 +98,24 @@ class ThreadTuner:
         ...     tuner.update()  # threads for this iteration
     """
 
-    def __init__(self, max_threads: int | None = None, adapt: bool = True):
+    def __init__(self, max_threads: int | None = None, adapt: bool = True, *,
+                 stat: str = "/proc/stat", cpus: set[int] | None = None,
+                 cpu_time: Callable[[], float] = time.process_time):
         self.max_threads = max_threads or torch.get_num_threads()
-        self.adapt = adapt
-        try:
-            self.cpus = os.sched_getaffinity(0)
-        except AttributeError:  # not Linux
-            self.cpus = set(range(os.cpu_count() or 1))
+        self.adapt, self.stat, self.cpu_time = adapt, stat, cpu_time
+        if cpus is not None:
+            self.cpus = set(cpus)
+        else:
+            try:
+                self.cpus = os.sched_getaffinity(0)
+            except AttributeError:  # not Linux
+                self.cpus = set(range(os.cpu_count() or 1))
         self.threads = self.max_threads
         self._last = self._sample()
 
     def _sample(self):
-        ticks = _busy_ticks(self.cpus)
-        return None if ticks is None else (*ticks, time.process_time())
+        ticks = _busy_ticks(self.cpus, self.stat)
+        return None if ticks is None else (*ticks, self.cpu_time())
 
     def others_busy(self) -> float | None:
         """Cores kept busy by other processes since the last call (None without ``/proc/stat``)."""

@@ -102,9 +102,9 @@ class InverseCDFSampler:
         out = model.generate(**inputs, do_sample=False, logits_processor=[sampler])
         log_probs = sampler.pop()[0]  # (B, T) log-probs of the generated tokens
 
-    With ``record=True`` each step's sampled-token log-probs (under the temperature-scaled,
-    untruncated distribution: the one PPO's ratio uses) are kept, and with ``record_entropy``
-    the exact entropies of those distributions. :meth:`pop` returns them stacked as (B, T) fp32
+    With ``record=True`` each step's sampled-token log-probs under the distribution they were
+    drawn from are kept (temperature-scaled; renormalised over the tokens top-k/top-p leave, when
+    set), and with ``record_entropy`` the exact entropies of those distributions. :meth:`pop` returns them stacked as (B, T) fp32
     and clears the record. Rows that already finished keep being recorded: the caller masks them.
 
     Random numbers come from ``generator`` (torch's global one by default), or, after
@@ -195,10 +195,14 @@ class InverseCDFSampler:
         tokens = sample_inverse_cdf(weights_kept, self.generator,
                                     self._uniforms(weights.shape[0], weights.device))
         if self.record:
-            log_norm = total.log()  # logsumexp(shifted)
+            # the distribution the token was drawn from: the truncated one where top-k/top-p cut it
+            # (PPO's loss computes the full one: the on-policy check then fails, as it should)
+            kept_total = weights_kept.sum(-1) if self.truncate else total
+            log_norm = kept_total.log()  # logsumexp(shifted) over the tokens that could be drawn
             self._log_probs.append(shifted.gather(1, tokens[:, None]).squeeze(1) - log_norm)
             if self.record_entropy:
-                mean_shifted = (weights * shifted).sum(-1) / total
+                kept_shifted = shifted.masked_fill(weights_kept == 0, 0.0)
+                mean_shifted = (weights_kept * kept_shifted).sum(-1) / kept_total
                 self._entropies.append(log_norm - mean_shifted)
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
 
@@ -307,6 +311,24 @@ def warn_ignored_generation_settings(model, temperature: float) -> dict:
     return ignored
 
 
+def check_full_distribution(top_k: int, top_p: float, *, where: str = "") -> None:
+    """Refuse top-k/top-p truncation for the responses PPO trains on.
+
+    PPO's ratio, the KL to the reference and the on-policy check are taken under the policy's
+    full temperature-scaled distribution. Tokens drawn from a truncated one came from another
+    policy: the first ratio would not be 1, and a token the truncation could never draw under
+    the updated policy has no finite log-ratio. So training samples from the full distribution
+    (as TRL's PPO and the N+ implementation details pin ``top_k=0, top_p=1.0``); the temperature
+    is the one sampling setting both sides follow. ``where`` prefixes the setting names
+    (``"generation."`` for the recipe's).
+    """
+    if top_k or top_p < 1:
+        raise ConfigError(
+            f"{where}top_k={top_k} / {where}top_p={top_p}: PPO's ratio and KL use the policy's full "
+            "distribution, so responses drawn from a truncated one are off-policy; train with "
+            f"{where}top_k=0 and {where}top_p=1.0 (the temperature is the sampling setting PPO follows).")
+
+
 class OffPolicyError(RuntimeError):
     """Recorded log-probs disagree with the training forward: tokens were not drawn on-policy."""
 
@@ -385,14 +407,19 @@ def low_precision(*, autocast: str | None = None, dtype: str = "float32") -> boo
 
 
 def log_probs_from_sampling(*, backend: str = "transformers", autocast: str | None = None,
-                            dtype: str = "float32", setting: bool | None = None) -> bool:
+                            dtype: str = "float32", overlap: int | None = None,
+                            setting: bool | None = None) -> bool:
     """Whether PPO's old log-probs can be those recorded while sampling (``setting`` decides when
-    given). By default yes for the transformers backend in fp32: its sampling forward is the
-    training forward, so they are equal; no for vLLM or bf16/fp16, whose kernels round
-    differently, so PPO's first ratio would not be 1: a training forward recomputes them."""
+    given). By default yes for the transformers backend in fp32, sampling with the weights being
+    trained: its sampling forward is the training forward, so they are equal. No for vLLM or
+    bf16/fp16, whose kernels round differently, and no when a sampler runs ``overlap`` >= 1
+    updates ahead (its weights are older than the trainer's): PPO's first ratio would not be 1,
+    so the trainer's forward recomputes them and the sampler's weight the loss (TIS; decoupled
+    PPO, Hilton et al. 2021: the trust region is anchored at the policy being updated)."""
     if setting is not None:
         return bool(setting)
-    return not low_precision(autocast=autocast, dtype=dtype) and backend == "transformers"
+    return (not low_precision(autocast=autocast, dtype=dtype) and backend == "transformers"
+            and not overlap)
 
 
 def on_policy_tolerance(*, autocast: str | None = None, dtype: str = "float32",

@@ -3,10 +3,9 @@
 A tool is a Python callable taking keyword arguments and returning what the policy reads back
 (anything ``str()`` turns into text), or a :class:`ToolResult` that also carries a per-turn reward
 or ends the episode. ``env.tools`` names them: the built-ins ``calculator`` (arithmetic
-expressions, evaluated from their syntax tree: no code runs) and ``python`` (a sandboxed
-interpreter: its own process with CPU-time, wall-clock, memory and file-size limits, no network,
-no subprocesses), or any function by dotted path (``my_pkg.tools.lookup``), as reward functions
-are named.
+expressions, evaluated from their syntax tree: no code runs) and ``python`` (the policy's
+program, run in an operating-system sandbox: :mod:`rlhf_torchrl.sandbox`), or any function by
+dotted path (``my_pkg.tools.lookup``), as reward functions are named.
 
 Calls are written in the assistant's text as TorchRL's ``XMLBlockParser`` reads them::
 
@@ -23,18 +22,18 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures
+import contextvars
 import inspect
 import json
 import math
 import operator
-import os
-import subprocess
-import sys
-import tempfile
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .sandbox import SandboxSpec
 
 #: the longest tool output the policy reads back (longer ones are cut, saying so)
 MAX_OUTPUT_CHARS = 1000
@@ -121,53 +120,45 @@ def _evaluate(node: ast.AST):
     raise ValueError(f"only numbers and + - * / // % ** are allowed, not {type(node).__name__}")
 
 
-# the sandbox's first statements, run before the policy's code in the child process: no network,
-# no new processes, no native libraries (the interpreter's audit hook cannot be removed)
-_SANDBOX = r"""
-import resource, sys
-cpu, memory, files = (int(a) for a in sys.argv[1:4])
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-resource.setrlimit(resource.RLIMIT_FSIZE, (files, files))
-_BLOCKED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-            "os.fork", "os.forkpty", "pty.", "ctypes.", "os.kill", "os.killpg")
-def _guard(event, args):
-    if event.startswith(_BLOCKED):
-        raise PermissionError(f"the python tool's sandbox forbids {event}")
-sys.addaudithook(_guard)
-del _guard
-code = sys.stdin.read()
-exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
-"""
+class PythonTool:
+    """Run Python code in a sandbox and return what it printed (stdout and stderr).
 
+    The policy's program is untrusted: it runs where ``sandbox`` says
+    (:class:`~rlhf_torchrl.sandbox.SandboxSpec`, the ``env.python_*`` settings; default: a
+    bubblewrap sandbox with no network, no view of the trainer's files or processes, and limits on
+    processes, time, memory and output; ``docs/security.md``). The policy sends only ``code``:
+    a call that also names limits (``{"code": ..., "timeout": 600}``) is refused, as any unknown
+    argument is. A Markdown code fence (three backticks) around the code is removed. Building it
+    raises :class:`~rlhf_torchrl.errors.ConfigError` where the sandbox cannot run here.
 
-def python(code: str, *, timeout: float = 5.0, memory_mb: int = 512) -> ToolResult:
-    """Run Python ``code`` in a sandbox and return what it printed (stdout, then stderr).
+    Example::
 
-    The code runs in a new interpreter (``python -I``: no user site, no environment variables,
-    a fresh temporary working directory) with limits on CPU time (``timeout``), wall-clock time
-    (``timeout`` + 1 s, then the process group is killed), address space (``memory_mb``) and
-    file size (1 MB); an audit hook refuses sockets, subprocesses, ``os.system``/``exec``/
-    ``fork`` and ``ctypes``. A Markdown code fence (three backticks) around the code is removed.
-    Linux and macOS.
+        >>> PythonTool(SandboxSpec(timeout=5.0))("print(6 * 7)").content
+        '42'
     """
-    code = _strip_fence(str(code))
-    with tempfile.TemporaryDirectory(prefix="rlhf_tool_") as workdir:
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-I", "-c", _SANDBOX, str(max(1, math.ceil(timeout))),
-                 str(memory_mb * 2**20), str(2**20)],
-                input=code, capture_output=True, text=True, cwd=workdir, timeout=timeout + 1.0,
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, start_new_session=True,
-            )
-        except subprocess.TimeoutExpired:
-            return ToolResult(f"Error: the code ran longer than {timeout:g} s and was stopped.", ok=False)
-    out = (proc.stdout + proc.stderr).strip()
-    if proc.returncode != 0:
-        reason = {-9: "was killed (CPU time or memory limit)", -24: "ran out of CPU time"}.get(
-            proc.returncode, f"exited with status {proc.returncode}")
-        return ToolResult(f"Error: the code {reason}.\n{out}".strip(), ok=False)
-    return ToolResult(out or "(no output)")
+
+    def __init__(self, sandbox: SandboxSpec | None = None):
+        from .sandbox import make_sandbox
+
+        self.spec = sandbox or SandboxSpec()
+        self.sandbox = make_sandbox(self.spec)
+
+    def __call__(self, code: str) -> ToolResult:
+        deadline = TOOL_DEADLINE.get()  # run_tool's: the sandbox stops by then
+        left = None if deadline is None else max(0.0, deadline[0] - time.monotonic())
+        run = self.sandbox.run(_strip_fence(str(code)), timeout=left)
+        if run.end == "exit" and run.returncode == 0:
+            return ToolResult(run.output or "(no output)")
+        limit = self.spec.timeout if deadline is None else min(self.spec.timeout, deadline[1])
+        reason = {
+            "timeout": f"ran longer than {limit:g} s and was stopped",
+            "output_limit": f"printed more than {self.spec.max_output_bytes} bytes and was stopped",
+            "error": f"could not run: {run.message}",
+        }.get(run.end) or _EXIT_REASONS.get(run.returncode, f"exited with status {run.returncode}")
+        return ToolResult(f"Error: the code {reason}.\n{run.output}".strip(), ok=False)
+
+
+_EXIT_REASONS = {-9: "was killed (CPU time or memory limit)", -24: "ran out of CPU time"}
 
 
 def _strip_fence(code: str) -> str:
@@ -178,12 +169,16 @@ def _strip_fence(code: str) -> str:
     return text
 
 
-BUILTIN_TOOLS: dict[str, Callable] = {"calculator": calculator, "python": python}
+#: the built-in tools' names: ``calculator`` (:func:`calculator`), ``python`` (:class:`PythonTool`)
+BUILTIN_TOOLS = ("calculator", "python")
 
 
-def load_tools(names: Sequence[str]) -> dict[str, Callable]:
+def load_tools(names: Sequence[str], *, python_sandbox: SandboxSpec | None = None) -> dict[str, Callable]:
     """The tools ``env.tools`` names: a built-in (:data:`BUILTIN_TOOLS`) or a dotted path to a
-    function (``my_pkg.tools.lookup``, called by its last component: ``lookup``)."""
+    function (``my_pkg.tools.lookup``, called by its last component: ``lookup``). ``python`` runs
+    its code as ``python_sandbox`` says (default :class:`~rlhf_torchrl.sandbox.SandboxSpec`);
+    where that sandbox cannot run here, a :class:`~rlhf_torchrl.errors.ConfigError` says how to
+    install one or opt out."""
     from .rewards import load_callable
 
     tools: dict[str, Callable] = {}
@@ -194,7 +189,8 @@ def load_tools(names: Sequence[str]) -> dict[str, Callable]:
                 f"Unknown tool {name!r} in env.tools: the built-in tools are "
                 f"{', '.join(BUILTIN_TOOLS)}; name a function of your own by its dotted path "
                 "(my_pkg.tools.lookup).")
-        fn = BUILTIN_TOOLS.get(name) or load_callable(name, what="Tool")
+        fn = (calculator if name == "calculator" else PythonTool(python_sandbox) if name == "python"
+              else load_callable(name, what="Tool"))
         key = name if name in BUILTIN_TOOLS else name.replace(":", ".").rsplit(".", 1)[-1]
         if key in tools:
             raise ConfigError(f"Two tools are called {key!r} (env.tools={list(names)}): rename one.")
@@ -213,24 +209,42 @@ def describe_tools(tools: Mapping[str, Callable]) -> str:
     return "\n".join(lines)
 
 
-# a call that never returns keeps its thread: 16 of them leave room for the rest to run
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tool")
+#: when the tool call running in this context must have answered: ``(time.monotonic() deadline,
+#: timeout in seconds)``, set by :func:`run_tool` from the config; the python tool stops by then
+TOOL_DEADLINE: contextvars.ContextVar[tuple[float, float] | None] = contextvars.ContextVar(
+    "tool_deadline", default=None)
+#: seconds past its timeout that a call may take to report its own stop (the python tool's sandbox
+#: is killed at the deadline and reaped before the call returns)
+ANSWER_GRACE = 1.0
 
 
 def run_tool(tools: Mapping[str, Callable], call: ToolCall, *, timeout: float = 10.0) -> ToolResult:
     """Call ``call.name`` with ``call.arguments``; whatever happens, a :class:`ToolResult`.
 
     A dict of arguments is passed as keywords, anything else as the single positional argument.
-    A call that has not returned after ``timeout`` seconds is abandoned (its thread is left to
-    finish; the ``python`` tool stops its own process) and reported as timed out.
+    Each call runs in a daemon thread of its own (a call that never returns cannot hold up
+    other calls or the trainer's exit) with a deadline ``timeout`` seconds away
+    (:data:`TOOL_DEADLINE`): the ``python`` tool stops its code by then. A call that has not
+    answered :data:`ANSWER_GRACE` seconds after the deadline is abandoned (a user tool's thread is
+    left to finish) and reported as timed out.
     """
     fn = tools.get(call.name)
     if fn is None:
         return ToolResult(f"Error: there is no tool {call.name!r} (tools: {', '.join(tools)}).", ok=False)
     args, kwargs = ((), call.arguments) if isinstance(call.arguments, dict) else ((call.arguments,), {})
-    future = _POOL.submit(fn, *args, **kwargs)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    context = contextvars.copy_context()
+    context.run(TOOL_DEADLINE.set, (time.monotonic() + timeout, timeout))
+
+    def call_tool():
+        try:
+            future.set_result(context.run(fn, *args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            future.set_exception(e)
+
+    threading.Thread(target=call_tool, name=f"tool-{call.name}", daemon=True).start()
     try:
-        out = future.result(timeout=timeout)
+        out = future.result(timeout=timeout + ANSWER_GRACE)
     except concurrent.futures.TimeoutError:
         return ToolResult(f"Error: {call.name} did not answer within {timeout:g} s.", ok=False)
     except Exception as e:  # noqa: BLE001 - a tool's failure is the policy's observation

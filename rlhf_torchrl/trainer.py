@@ -20,15 +20,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from tensordict import TensorDictBase
 from torch import nn
 
 from . import keys as K
-from .advantages import group_metrics, informative_groups
-from .checkpoint import load_checkpoint, load_rollouts, rng_state, set_rng_state
+from .advantages import compares_groups, group_metrics, informative_groups
+from .checkpoint import load_checkpoint, load_rng_state, load_rollouts, rng_state, set_rng_state
 from .distributed import DataParallel
 from .errors import ConfigError
 from .guards import NonFiniteError, check_finite
@@ -66,10 +66,11 @@ class PPOTrainer:
     (per-token KL rewards, owns the KL coefficient); ``advantage`` (a TensorDict module writing
     ``"advantage"``, and ``"value_target"`` for a critic: :mod:`~rlhf_torchrl.advantages`);
     ``loss_module`` (``ClipPPOLoss``); ``filter_groups``: drop the groups of responses whose
-    scores are all equal before the update (DAPO's dynamic filtering; logged as
-    ``group/filtered_frac``); ``reward_transform``: applied to each scored rollout before the old
-    quantities (a TorchRL ``Transform`` or any TensorDict -> TensorDict callable that reshapes
-    ``"score"``: a length penalty, a format bonus; ``examples/reward_transform.py``); ``optimizer`` and ``scheduler``;
+    scores are all equal before the advantages (DAPO's dynamic filtering, with a group estimator
+    and no critic; logged as ``group/filtered_frac``); ``reward_transform``: applied to each
+    scored rollout before the old quantities (a TorchRL ``Transform`` or any TensorDict ->
+    TensorDict callable that reshapes ``"score"``: a length penalty, a format bonus;
+    ``examples/reward_transform.py``); ``optimizer`` and ``scheduler``;
     ``replay_buffer`` (the minibatch sampler, :func:`~rlhf_torchrl.objectives.make_minibatch_buffer`
     with a seed of its own; None: one per update, shuffled by torch's global generator); ``parallel`` (this process's place in a torchrun
     job; None: one process).
@@ -84,7 +85,8 @@ class PPOTrainer:
     ``state_dict()`` holds everything an exact resume needs besides the weights, the optimiser and
     the rollouts sampled ahead (which :meth:`load_checkpoint` restores too, each process its own):
     iterations done, scheduler, gradient scaler, KL coefficient, minibatch shuffle, RNG states, and
-    each registered hook's state.
+    each registered hook's state. The RNG states (each process's own, from a checkpoint) are set
+    when :meth:`fit` starts, after the collector is built: building it may draw random numbers.
     """
 
     def __init__(
@@ -138,11 +140,19 @@ class PPOTrainer:
         # what a NaN/inf does: on_non_finite(error, iteration, batch) raises (stop) or returns
         # (skip: no further optimiser step this iteration); None: the NonFiniteError propagates
         self.on_non_finite = on_non_finite
+        if filter_groups and (critic is not None or not compares_groups(advantage)):
+            with_critic = " with a critic" if critic is not None else ""
+            raise ConfigError(
+                f"filter_groups drops the groups whose scores are all equal, which lack a signal "
+                f"only under a group baseline: give a group estimator (GRPOAdvantage, "
+                f"RLOOAdvantage: 'group' in its in_keys) and no critic, not "
+                f"{type(advantage).__name__}{with_critic}.")
         self.filter_groups = filter_groups
         self.reward_transform = reward_transform
         self.iteration = 0  # iterations done
         self.first_iteration = 0  # where this process started (a resumed run: the checkpoint's)
         self.pending: list = []  # rollouts sampled ahead, restored from a checkpoint
+        self.restored_rng: Mapping | None = None  # a checkpoint's RNG states, set when fit() starts
         self.metrics: dict = {}  # the current iteration's row
         self.report: dict = {}  # the run's summary, filled by the RunLog hook at the end
         self.stop_error: Exception | None = None  # request_stop(): raised once the row is logged
@@ -207,6 +217,11 @@ class PPOTrainer:
             self.register_hook("weight_push", WeightPush())
         self._run("setup")
         rollouts = iter(self.collector)
+        if self.restored_rng is not None:
+            # after the collector and the hooks' setup, which may draw random numbers: the first
+            # iteration starts from the states the checkpointed run had at that point
+            set_rng_state(self.restored_rng)
+            self.restored_rng = None
         for iteration in range(self.iteration, self.num_iterations):
             self.metrics, start = {}, time.perf_counter()
             self._run("pre_collect")  # thread tuning
@@ -250,22 +265,24 @@ class PPOTrainer:
 
     def optimise(self, rollout: TensorDictBase, iteration: int) -> tuple[TensorDictBase, dict | None]:
         """Phases 4-6 on the global batch (every process's rows): KL-shaped rewards, advantages
-        (whitened over the whole batch), PPO epochs (each process runs its slice of each
-        minibatch). A NaN/inf is caught where it appears (the same decision on every process);
-        returns the batch and the update's statistics (None: a skipped iteration; empty: every
-        group filtered out, no update)."""
+        (whitened over the whole batch, or the rows the group filter keeps), PPO epochs (each
+        process runs its slice of each minibatch). A NaN/inf is caught where it appears (the same
+        decision on every process); returns the batch and the update's statistics (None: a
+        skipped iteration; empty: every group filtered out, no update)."""
         batch = stats = None
         try:
             with self.timed("advantages"):
                 batch = self.parallel.gather_rollout(rollout, self.pad_token_id)
                 check_finite(batch, ("scores", "log-probs", "sampler log-probs",
                                      "reference log-probs", "values"))
-                self.shaper(batch)
-                self.advantage(batch)
-                check_finite(batch, ("rewards", "advantages", "returns"))
+                self.shaper(batch)  # every row's rewards (the metrics and the KL controller's)
+                check_finite(batch, ("rewards",))
+                # DAPO's filter before the advantages: their statistics are the kept rows' alone
                 train_batch = self.informative_rows(batch) if self.filter_groups else batch
-            if train_batch.shape[0] == 0:
-                return batch, {}  # no group has a signal: no update
+                if train_batch.shape[0] == 0:
+                    return batch, {}  # no group has a signal: no update
+                self.advantage(train_batch)
+                check_finite(train_batch, ("advantages", "returns"))
             with self.timed("update"):
                 stats = ppo_update(
                     train_batch, self.loss_module, self.optimizer, num_ppo_epochs=self.num_ppo_epochs,
@@ -282,11 +299,16 @@ class PPOTrainer:
         return batch, stats
 
     def informative_rows(self, batch: TensorDictBase) -> TensorDictBase:
-        """The rows of ``batch`` whose group's scores are not all equal (DAPO's dynamic
-        filtering); the share of rows dropped goes to ``group/filtered_frac``."""
+        """The rows of the shaped ``batch`` whose group's scores, as the group baseline compares
+        them (:func:`~rlhf_torchrl.advantages.group_scores`), are not all equal (DAPO's dynamic
+        filtering), shaped again on their own (a whitened score's statistics are then the kept
+        rows'); the share of rows dropped goes to ``group/filtered_frac``."""
         keep = informative_groups(batch)
         self.metrics["group/filtered_frac"] = 1.0 - float(keep.float().mean())
-        return batch[keep]
+        kept = batch[keep]
+        if kept.shape[0]:
+            self.shaper(kept)
+        return kept
 
     def log_iteration(self, batch: TensorDictBase, stats: dict | None, iteration: int,
                       start: float) -> None:
@@ -310,7 +332,10 @@ class PPOTrainer:
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["episode"] = self.iteration * batch.shape[0]
         self._run("post_steps_log", batch)  # evaluation, the KL ceiling, the report's samples
-        self._run("checkpoint")  # (timed: in time/total)
+        # a background sampler of the trained model itself (overlap=0) waits: under FSDP2 its
+        # forwards and a sharded checkpoint are both collectives (AsyncCollector.paused)
+        with getattr(self.collector, "paused", nullcontext)():
+            self._run("checkpoint")  # (timed: in time/total)
         metrics["time/total"] = time.perf_counter() - start
         self._run("log", metrics)
         if self.stop_error is not None:
@@ -370,7 +395,7 @@ class PPOTrainer:
             self.shaper.kl_controller.coef = state["kl_coef"]
         if state["minibatch_rng"] is not None and getattr(self.replay_buffer, "_rng", None) is not None:
             self.replay_buffer._rng.set_state(state["minibatch_rng"])
-        set_rng_state(state["rng"])
+        self.restored_rng = state["rng"]  # set by fit(), once the collector is built
         for name, hook_state in state["hooks"].items():
             if name in self.hooks:
                 self.hooks[name].load_state_dict(hook_state)
@@ -384,6 +409,9 @@ class PPOTrainer:
                 f"Checkpoint {path} holds rollouts sampled ahead by each of {state['world_size']} "
                 f"processes; resume it with {state['world_size']} (now {self.parallel.world_size}).")
         self.load_state_dict(state)
+        own = load_rng_state(path, self.parallel.rank)  # this process's (None: an older checkpoint)
+        if own is not None:
+            self.restored_rng = own
         self.pending = load_rollouts(path, self.parallel.rank, module_device(self.actor.model))
         log.info("Resumed from %s: %d of %d iterations done", path, self.iteration,
                  self.num_iterations)

@@ -19,6 +19,7 @@ from rlhf_torchrl.advantages import (
     needs_critic,
 )
 from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
 
 
 def _batch(seed=0, groups=(5, 5, 2, 9, 2, 9, 5, 9, 2), width=6, with_kl=True):
@@ -165,6 +166,37 @@ def test_group_statistics_and_dynamic_filter():
     assert group_metrics(TensorDict({K.SCORE: torch.ones(3), K.GROUP: torch.arange(3)}, [3])) == {}
 
 
+def test_group_filter_reads_the_scores_the_baseline_compares():
+    """DAPO's filter compares each row's score as the group baseline does: clipped (raw 2 and 3
+    under score_clip=1 are both 1: dropped), with a multi-turn episode's turn rewards (equal
+    scores 0.5, a tool's 0.5 in one row: kept), and not rounded apart by the KL in the reward
+    (0.7 and 0.7: recovered as (0.7 - 0.05 * KL) + 0.05 * KL, fp32 rounds them apart: dropped)."""
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    score = torch.tensor([2.0, 3.0, 0.5, 0.5, 0.0, 1.0, 0.7, 0.7])
+    mask = torch.ones(8, 3, dtype=torch.bool)
+    turn_reward = torch.zeros(8, 3)
+    turn_reward[2, 1] = 0.5  # a tool's reward at the end of row 2's first turn
+    log_prob = torch.full((8, 3), -1.0)
+    ref_log_prob = log_prob.clone()
+    ref_log_prob[:, -1] = torch.tensor([-1.1] * 6 + [-1.37, -1.1])  # KL 0.1 (0.37) at the end
+    td = TensorDict({K.SCORE: score, K.GROUP: groups, K.RESPONSE_MASK: mask,
+                     K.TURN_REWARD: turn_reward, K.LOG_PROB: log_prob,
+                     K.REF_LOG_PROB: ref_log_prob}, [8])
+    KLRewardShaper(make_kl_controller(0.05), score_clip=1.0)(td)
+    assert informative_groups(td).tolist() == [False, False, True, True, True, True, False, False]
+    assert group_metrics(td)["group/equal_score_frac"] == 0.5
+    from rlhf_torchrl.advantages import group_scores
+
+    assert group_scores(td).tolist() == pytest.approx([1.0, 1.0, 1.0, 0.5, 0.0, 1.0, 0.7, 0.7])
+    assert group_scores(td)[6] == group_scores(td)[7]
+    # the baseline reads the same scores: the dropped groups have no score advantage, only KL
+    kl_to_go = F.returns_to_go(td.get(K.NON_SCORE_REWARD).squeeze(-1), mask)
+    advantage = RLOOAdvantage()(td).get(K.ADVANTAGE).squeeze(-1)
+    dropped = [0, 1, 6, 7]
+    torch.testing.assert_close(advantage[dropped], kl_to_go[dropped], rtol=0, atol=0)
+    assert advantage[2, 0] - kl_to_go[2, 0] == pytest.approx(0.5)  # 1.0 (0.5 + the tool's) - 0.5
+
+
 def test_estimator_registry():
     assert isinstance(make_advantage("gae"), ResponseGAE) and needs_critic(make_advantage("gae"))
     for name, cls in (("grpo", GRPOAdvantage), ("rloo", RLOOAdvantage),
@@ -172,5 +204,9 @@ def test_estimator_registry():
         module = make_advantage(name)
         assert isinstance(module, cls) and not needs_critic(module)
     assert not make_advantage("grpo", scale_by_std=False).scale_by_std
+    from rlhf_torchrl.advantages import compares_groups  # where DAPO's group filter applies
+
+    assert [compares_groups(make_advantage(name)) for name in ("gae", "grpo", "rloo", "reinforce_pp")
+            ] == [False, True, True, False]
     with pytest.raises(ConfigError, match="grpo, rloo"):
         make_advantage("ppo")

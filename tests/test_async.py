@@ -84,12 +84,32 @@ def test_overlap_zero_is_the_synchronous_run(tmp_path, tiny_llama_dir):
     assert [m["async/staleness"] for m in overlapped] == [0, 0, 0]
 
 
-def test_overlap_one_with_truncated_importance_sampling(tmp_path, tiny_llama_dir):
-    """A generation copy samples batch k + 1 while the trainer updates on batch k; old log-probs are
-    recomputed and the behaviour gap is corrected by TIS."""
-    lines = _run(tmp_path, tiny_llama_dir, "collection.overlap=1",
-                 "generation.log_probs_from_sampling=false", "ppo.tis_cap=2.0")
+def test_overlap_one_anchors_the_trust_region_at_the_current_policy(tmp_path, tiny_llama_dir):
+    """A generation copy samples batch k + 1 while the trainer updates on batch k. By default the
+    old log-probs are recomputed by the policy being updated (PPO's ratio is 1 at the first
+    minibatch of every iteration, stale batches included) and the sampler's weight the surrogate
+    by TIS, capped at 2 (decoupled PPO)."""
+    from test_recipe import _cfg
+
+    from rlhf_torchrl.config.builders import build_trainer
+
+    trainer = build_trainer(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=3",
+                                 "collection.overlap=1", "ppo.num_mini_batches=2"))
+    first = {}  # iteration -> the first minibatch's losses and diagnostics
+    forward = trainer.loss_module.forward
+
+    def recording(td):
+        out = forward(td)
+        first.setdefault(trainer.iteration, out.detach().clone())
+        return out
+
+    trainer.loss_module.forward = recording
+    trainer.fit()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["async/staleness"] for m in lines] == [0, 1, 1]
+    for iteration in range(3):  # stale batches (1, 2) too
+        assert float(first[iteration]["ratio"]) == pytest.approx(1.0, abs=1e-5)
+        assert float(first[iteration]["approxkl"]) < 1e-10
     assert lines[0]["policy/behaviour_approxkl"] < 1e-8  # batch 0: the trainer's own weights
     assert lines[1]["policy/behaviour_approxkl"] > 1e-6  # batch 1: sampled before update 0
     for m in lines:
@@ -160,3 +180,34 @@ def test_evaluation_never_runs_beside_the_background_sampler(tiny_llama_dir, tok
     trainer.fit()
     assert len(set(threads)) == 2  # the sampler's thread and the trainer's (evaluation, forwards)
     assert not overlaps
+
+
+def test_checkpoint_waits_for_the_background_samplers_batch(tiny_llama_dir):
+    """overlap=0 with the transformers backend samples with the trained model in a background
+    thread. Under FSDP2 the sampler's forwards and a sharded checkpoint are both collectives:
+    the checkpoint stage runs only once the batch the current weights owe is sampled, with the
+    sampler held, so every process runs the two in the same order (never from two threads at
+    once). tests/test_distributed.py runs FSDP2 with overlap=0 and checkpoints on 2 processes."""
+    import threading
+
+    from test_trainer import build
+
+    trainer = build(tiny_llama_dir, num_iterations=3)
+    inner = trainer.collector
+    trainer.collector = lambda start, pending: AsyncCollector(inner(start, pending), overlap=0,
+                                                              start_version=start)
+    policy = trainer.actor.model
+    sampling = set()  # threads inside a policy forward
+    policy.register_forward_pre_hook(lambda m, args: sampling.add(threading.get_ident()))
+    policy.register_forward_hook(lambda m, args, out: sampling.discard(threading.get_ident()))
+    seen = []  # at each checkpoint: (batches sampled, weights version, forwards under way)
+
+    def checkpoint():
+        collector = trainer.collector
+        seen.append((collector._sampled, collector.version, set(sampling)))
+
+    trainer.register_op("checkpoint", checkpoint)
+    trainer.fit()
+    # weights of version v owe batch v: it is sampled, and no forward runs, at every checkpoint
+    # (the last update's weights are not pushed: the run ends)
+    assert seen == [(2, 1, set()), (3, 2, set()), (3, 2, set())]

@@ -13,7 +13,7 @@ from conftest import _save_tiny, _tiny_llama
 from test_recipe import IN_PROCESS, RECIPES, TINY, _cfg, ppo
 
 from rlhf_torchrl.cli import USER_ERRORS
-from rlhf_torchrl.config import compose
+from rlhf_torchrl.config import builders, compose
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +58,17 @@ CASES = {
     "autocast-bf16-weights": (["model.autocast=bfloat16", "model.dtype=bfloat16"], r"master weights"),
     "critic-from-missing-rm": (["value_model.init=reward_model"], r"needs reward.model"),
     "tis-with-sampled-log-probs": (["ppo.tis_cap=2"], r"generation.log_probs_from_sampling=false"),
+    # truncated sampling is off-policy for PPO's ratio: refused (docs/concepts.md)
+    "top-k-in-training": (["generation.top_k=50"], r"generation.top_k=50 .*full distribution.*generation.top_k=0"),
+    "top-p-in-training": (["generation.top_p=0.9"], r"generation.top_p=0.9: .*off-policy.*generation.top_p=1.0"),
     "estimator": (["advantage.estimator=ppo"], r"advantage.estimator='ppo' .*gae, grpo, rloo, reinforce_pp"),
     "samples-per-prompt-0": (["generation.samples_per_prompt=0"], r"generation.samples_per_prompt=0 is out of range"),
     "kl-loss-negative": (["ppo.kl_loss_coef=-0.1"], r"ppo.kl_loss_coef=-0.1 is out of range"),
     "grpo-one-sample": (["advantage.estimator=grpo"], r"advantage.estimator=grpo compares responses .*samples_per_prompt >= 2"),
     "rloo-one-sample": (["advantage.estimator=rloo"], r"samples_per_prompt >= 2"),
     "filter-one-sample": (["advantage.filter_groups=true"], r"advantage.filter_groups .*samples_per_prompt >= 2"),
+    "filter-without-group-baseline": (["advantage.filter_groups=true", "generation.samples_per_prompt=2"],
+                                      r"advantage.filter_groups .*advantage.estimator=grpo or rloo \(now gae\)"),
     "batch-not-whole-groups": (["generation.samples_per_prompt=3"], r"ppo.batch_size=4 responses do not make whole groups of generation.samples_per_prompt=3"),
     "ray-workers-split": (["collection.ray_workers=3"], r"collection.ray_workers=3: .*divisor"),
     "device": (["device=abacus"], r"not a device"),
@@ -131,16 +136,97 @@ COMPOSE_CASES = {  # wrong types and unknown keys: Hydra refuses them while comp
 
 @pytest.mark.parametrize("override,match", COMPOSE_CASES.values(), ids=COMPOSE_CASES.keys())
 def test_wrong_types_are_refused_while_composing(override, match):
+    from rlhf_torchrl.cli import override_error
+
     with pytest.raises(Exception) as info:
         compose([override])
-    # what the command line prints: the error and its cause
     error = info.value
     assert re.search(match, f"{error}\n{error.__cause__ or ''}"), (error, error.__cause__)
+    # what the command line prints: one line naming the key
+    line, key = override_error(error), override.split("=")[0]
+    assert "\n" not in line and line.startswith((f"{override} is not", f"{key} is not a setting")), line
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("ppo.nope=1", "Error: ppo.nope is not a setting: check its spelling; `rlhf-torchrl ppo --cfg job` "
+                   "prints every setting."),
+    ("ppo.batchsize=3", "Error: ppo.batchsize is not a setting: did you mean ppo.batch_size? "),
+    ("ppo.batch_size=abc", "Error: ppo.batch_size=abc is not an integer: give an integer, e.g. "
+                           "ppo.batch_size=32 (its value now)."),
+    ("generation.check_on_policy=maybe", "Error: generation.check_on_policy=maybe is not true or false"),
+    ("ppo=3", "Error: ppo=3: ppo is a group of settings, not a value"),
+], ids=["unknown-key", "typo", "int-abc", "bool-maybe", "group"])
+def test_unknown_keys_and_wrong_types_print_one_line(tmp_path, monkeypatch, capsys, override, expected):
+    """`rlhf-torchrl ppo ...` and `python recipes/ppo.py ...` (in process): exit status 1, one line
+    on stderr naming the key and the fix (Hydra printed six, with a HYDRA_FULL_ERROR hint)."""
+    import runpy
+
+    from rlhf_torchrl.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["recipes/ppo.py", override, f"hydra.run.dir={tmp_path}"])
+    for run in (lambda: main(["ppo", *sys.argv[1:]]),
+                lambda: runpy.run_path(str(RECIPES / "ppo.py"), run_name="__main__")):
+        with pytest.raises(SystemExit) as info:
+            run()
+        assert info.value.code == 1
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith(expected), err
+
+
+@pytest.fixture(scope="module")
+def short_gpt2_dir(tmp_path_factory, tokenizer) -> str:
+    """A tiny GPT-2 with 128 learned positions: a token past them is an IndexError."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    return _save_tiny(tmp_path_factory.mktemp("short_gpt2"), GPT2LMHeadModel(config), tokenizer)
+
+
+def test_prompt_plus_response_past_the_models_positions_is_one_line(tmp_path, short_gpt2_dir, capsys):
+    """128 positions and generation.max_new_tokens=128 (task=custom's default): refused before
+    any weights load, naming both numbers and the fix (it was an IndexError from the position
+    embedding in the first evaluation)."""
+    from rlhf_torchrl.cli import run
+
+    cfg = _cfg(tmp_path, short_gpt2_dir, "generation.max_new_tokens=128")
+    with pytest.raises(SystemExit) as info:
+        run(ppo.train, cfg)
+    assert info.value.code == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    longest = re.search(r"The longest prompt \((\d+) tokens, chat template included\) plus 128 "
+                        r"response tokens \(generation.max_new_tokens=128\) is (\d+) tokens, more "
+                        r"than the 128 positions of model.policy=.*short_gpt2.*: set "
+                        r"generation.max_new_tokens=(\d+) or less\.$", line)
+    assert longest, line
+    prompt, total, most = map(int, longest.groups())
+    assert total == prompt + 128 and most == 128 - prompt > 0
+    assert not (tmp_path / "metrics.jsonl").exists()
+    # prompts that fit with the response: accepted, though data.max_prompt_length=128 would not
+    cfg = _cfg(tmp_path, short_gpt2_dir, f"generation.max_new_tokens={most}")
+    tokenizer = builders.make_tokenizer(cfg)
+    builders.check_sequence_length(cfg, builders.make_prompts(cfg, tokenizer), tokenizer)
+    for overrides, fix in [
+        # episodes of up to 3 turns of 50 tokens, without an episode budget
+        (["env.max_turns=3", "env.tools=[calculator]", "env.describe_tools=false",
+          "generation.max_new_tokens=50"],
+         r"plus 150 response tokens \(env.max_turns=3 x generation.max_new_tokens=50, the tool "
+         r"messages on top\) .*: set env.max_tokens=\d+ or less\.$"),
+        # whole reviews (up to 75 tokens): the prompts could be cut to fit too
+        (["generation.max_new_tokens=64", "data.max_words=null"],
+         r"set generation.max_new_tokens=\d+ or less, or cut the prompts "
+         r"\(data.max_prompt_length=64 data.truncate_prompts=true\)\.$"),
+    ]:
+        cfg = _cfg(tmp_path, short_gpt2_dir, *overrides)
+        with pytest.raises(USER_ERRORS, match=fix):
+            builders.check_sequence_length(cfg, builders.make_prompts(cfg, tokenizer), tokenizer)
 
 
 @pytest.mark.parametrize("overrides,expected", [
     (["ppo.clip_epsilon=-0.2"], "Error: ppo.clip_epsilon=-0.2 is out of range"),
-    (["ppo.batch_size=abc"], "could not be converted to Integer"),
+    (["ppo.batch_size=abc"], "Error: ppo.batch_size=abc is not an integer"),
     (["data.source={d}/bad_json.jsonl"], "bad_json.jsonl:3: not valid JSON"),
 ], ids=["range", "type", "data"])
 def test_cli_prints_errors_without_traceback(tmp_path, tiny_llama_dir, files, overrides, expected):

@@ -202,3 +202,82 @@ def test_gae_and_returns_to_go_skip_the_holes_of_a_multi_turn_mask():
     assert (g[~mask] == 0).all()
     # a right-padded mask is left as it is
     assert torch.equal(packing_order(mask[2:]), torch.arange(7).expand(1, 7))
+
+
+# ---- PPO policy-loss variants and loss aggregation ----------------------------------------------
+
+def test_aggregate_loss_hand_computed():
+    """Two responses of 3 and 1 valid tokens (9s are padding; a NaN there must not leak)."""
+    loss = torch.tensor([[1.0, 2.0, 6.0, float("nan")], [4.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    assert F.aggregate_loss(loss, mask, "token_mean").item() == pytest.approx(13 / 4)
+    # per response: means 3 and 4, sums 9 and 4
+    assert F.aggregate_loss(loss, mask, "seq_mean_token_mean").item() == pytest.approx((3 + 4) / 2)
+    assert F.aggregate_loss(loss, mask, "seq_mean_token_sum").item() == pytest.approx((9 + 4) / 2)
+    # Dr. GRPO: the sums over a constant (the generation budget, 10), then the mean over responses
+    assert F.aggregate_loss(loss, mask, "seq_mean_token_sum_norm", 10).item() == \
+        pytest.approx((9 / 10 + 4 / 10) / 2)
+    # a response with no valid token counts in none of the means; an empty batch gives 0
+    padded, padded_mask = torch.cat([loss, torch.ones(1, 4)]), torch.cat([mask, torch.zeros(1, 4)])
+    for mode in F.LOSS_AGGREGATIONS:
+        assert F.aggregate_loss(padded, padded_mask, mode, 10) == F.aggregate_loss(loss, mask, mode, 10)
+        assert F.aggregate_loss(loss, torch.zeros_like(mask), mode, 10).item() == 0.0
+    assert F.aggregation_size(padded_mask, "token_mean").item() == 4
+    assert F.aggregation_size(padded_mask, "seq_mean_token_sum").item() == 2
+    assert F.aggregation_size(padded_mask, "seq_mean_token_sum_norm", 10).item() == 20
+    with pytest.raises(ValueError, match="token_mean.*seq_mean_token_mean"):
+        F.aggregate_loss(loss, mask, "seq-mean")
+    with pytest.raises(ValueError, match="constant"):
+        F.aggregate_loss(loss, mask, "seq_mean_token_sum_norm")
+
+
+def _aggregate_loop(loss, mask, mode, constant=None):
+    rows = [[float(v) for v, m in zip(lr, mr) if m] for lr, mr in zip(loss, mask)]
+    rows = [r for r in rows if r]
+    if mode == "token_mean":
+        return sum(map(sum, rows)) / sum(map(len, rows))
+    per_row = {"seq_mean_token_mean": lambda r: sum(r) / len(r), "seq_mean_token_sum": sum,
+               "seq_mean_token_sum_norm": lambda r: sum(r) / constant}[mode]
+    return sum(per_row(r) for r in rows) / len(rows)
+
+
+@pytest.mark.parametrize("mode", F.LOSS_AGGREGATIONS)
+def test_aggregate_loss_against_loop_and_exact_over_any_split(mode):
+    """Against a plain loop; and parts weighted by their share of the whole batch's aggregation size
+    add up to the whole batch's loss, for uneven splits (what ppo_update relies on)."""
+    g = torch.Generator().manual_seed(0)
+    loss = torch.randn(7, 5, dtype=torch.float64, generator=g)
+    mask = torch.arange(5).expand(7, 5) < torch.tensor([[3], [5], [1], [0], [2], [5], [4]])
+    whole = F.aggregate_loss(loss, mask, mode, 6)
+    assert whole.item() == pytest.approx(_aggregate_loop(loss, mask, mode, 6), rel=1e-12)
+    size = F.aggregation_size(mask, mode, 6)
+    for parts in ([[0, 1, 2, 3, 4, 5, 6]], [[0, 1], [2, 3, 4, 5, 6]], [[6], [3], [0, 2, 4], [1, 5]]):
+        total = sum(F.aggregation_size(mask[p], mode, 6) / size * F.aggregate_loss(loss[p], mask[p], mode, 6)
+                    for p in parts)
+        torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-14)
+
+
+def test_clip_higher_and_dual_clip_hand_computed():
+    """Six tokens of known ratio r and advantage A, clipped to [1 - 0.2, 1 + 0.28], dual clip c = 3."""
+    ratio = torch.tensor([1.5, 1.25, 0.5, 0.5, 1.5, 4.0])
+    adv = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, -2.0])
+    clipped = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28))
+    # A > 0: r = 1.5 stops at 1.28; r = 1.25 is inside clip-higher's range (a symmetric 0.2 would
+    # stop it at 1.2); r = 0.5 keeps -0.5 (the min of the surrogate). A < 0: r = 0.5 stops at 0.8
+    # (loss 0.8); r = 1.5 keeps 1.5; r = 4 gives 2 * 4 = 8, which the dual clip caps at 2 * 3 = 6
+    torch.testing.assert_close(clipped, torch.tensor([-1.28, -1.25, -0.5, 0.8, 1.5, 8.0]))
+    torch.testing.assert_close(F.dual_clip(clipped, adv, 3.0),
+                               torch.tensor([-1.28, -1.25, -0.5, 0.8, 1.5, 6.0]))
+    # with an importance weight w on the surrogate the cap is w * -A * c
+    w = torch.full((6,), 0.5)
+    torch.testing.assert_close(F.dual_clip(w * clipped, adv, 3.0, w),
+                               torch.tensor([-0.64, -0.625, -0.25, 0.4, 0.75, 3.0]))
+    high, low, dual = F.clip_binds(ratio, adv, 0.2, 0.28, dual_clip=3.0)
+    assert high.tolist() == [True, False, False, False, False, False]
+    assert low.tolist() == [False, False, False, True, False, False]
+    assert dual.tolist() == [False, False, False, False, False, True]
+    # the two bounds add up to where the clip binds (TRL's pg_clipfrac)
+    binds = -adv * ratio.clamp(0.8, 1.28) > -adv * ratio
+    assert (binds == (high | low)).all()
+    with pytest.raises(ValueError, match="> 1"):
+        F.dual_clip(clipped, adv, 1.0)

@@ -12,6 +12,7 @@ from rlhf_torchrl.modules import (
     evaluate_rollout,
     load_causal_lm,
     make_critic,
+    model_inputs,
 )
 
 
@@ -305,6 +306,40 @@ def test_autocast_actor_and_critic_stay_fp32_at_the_output(tiny_llama_dir, token
     torch.testing.assert_close(out[torch.bfloat16][0], out[None][0], atol=0.05, rtol=0)
     torch.testing.assert_close(out[torch.bfloat16][1], out[None][1], atol=0.02, rtol=0)
     assert not torch.equal(out[torch.bfloat16][0], out[None][0])  # bf16 really ran
+
+
+def test_autocast_runs_the_lm_head_and_log_softmax_in_fp32(tiny_llama_dir, tokenizer):
+    """Under bf16 autocast the trunk's matmuls run in bf16 but the LM head in fp32, in the
+    training forward and in the sampler alike: the log-probs are those of fp32 logits over the
+    trunk's hidden states, not of bf16-rounded logits."""
+    from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+    from rlhf_torchrl.modules.lora import trunk
+
+    model = load_causal_lm(tiny_llama_dir, tokenizer)
+    head_dtypes = []
+    model.lm_head.register_forward_hook(lambda m, args, out: head_dtypes.append(out.dtype))
+    td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    actor = TokenLevelActor(model, temperature=0.7, autocast_dtype=torch.bfloat16)
+    with torch.no_grad():
+        log_probs = actor(td.clone()).get(K.LOG_PROB)
+        inputs = model_inputs(td)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = trunk(model)(**inputs).last_hidden_state  # (B, P + R, H), bf16 matmuls
+    assert head_dtypes == [torch.float32]
+    P, R = td.get(K.PROMPT_TOKENS).shape[1], td.get(K.RESPONSE_TOKENS).shape[1]
+    logits = hidden[:, P - 1:P - 1 + R].float() @ model.lm_head.weight.T  # fp32 head
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, td.get(K.RESPONSE_TOKENS)[..., None])[..., 0]
+    mask = td.get(K.RESPONSE_MASK)
+    torch.testing.assert_close(log_probs[mask], expected[mask], atol=2e-5, rtol=0)
+    # the sampler's forwards: every step's head output is fp32 too
+    head_dtypes.clear()
+    env = make_generation_env(["A prompt", "Another prompt"], tokenizer, batch_size=2, seed=0)
+    gen = make_generation_policy(model, tokenizer, max_new_tokens=3, record_log_probs=True,
+                                 autocast_dtype=torch.bfloat16)
+    collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=2, seed=0)
+    next(iter(collector))
+    collector.shutdown()
+    assert head_dtypes and set(head_dtypes) == {torch.float32}
 
 
 @pytest.mark.parametrize("init", ["policy", "shared"])

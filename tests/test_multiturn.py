@@ -21,18 +21,20 @@ T = 0.5  # the taught answers, nearly surely (at 1.0 a row strays about once in 
 
 
 def _collect(model, tokenizer, tools, *, batch_size=8, world_size=1, max_turns=3, critic=None,
-             max_tokens=None, batches=1):
+             max_tokens=None, batches=1, prompts=PROMPTS):
+    """Each process's batches (``tools``: one dict for all, or a list of one per process)."""
     out = []
     for rank in range(world_size):
         local = batch_size // world_size
-        env = make_generation_env(PROMPTS, tokenizer, batch_size=batch_size, shuffle=False,
+        env = make_generation_env(prompts, tokenizer, batch_size=batch_size, shuffle=False,
                                   rank=rank, world_size=world_size)
         policy = make_generation_policy(model, tokenizer, max_new_tokens=16, temperature=T,
                                         record_log_probs=True,
                                         value_head=None if critic is None else critic.head)
         first = RolloutCollector(env, policy, tokenizer=tokenizer, batch_size=local, seed=5,
                                  row_offset=rank * local, total_batches=batches)
-        collector = MultiTurnCollector(first, policy, tokenizer=tokenizer, tools=tools,
+        collector = MultiTurnCollector(first, policy, tokenizer=tokenizer,
+                                       tools=tools[rank] if isinstance(tools, list) else tools,
                                        max_turns=max_turns, max_new_tokens=16, max_tokens=max_tokens)
         out.append(list(collector))
         collector.shutdown()
@@ -147,6 +149,48 @@ def test_two_processes_sample_the_episodes_one_does(tool_llama_dir, tokenizer):
             assert part.get(K.RESPONSE_TEXT).tolist() == rows.get(K.RESPONSE_TEXT).tolist()
             width = part.get(K.RESPONSE_MASK).shape[1]
             torch.testing.assert_close(rows.get(K.LOG_PROB)[:, :width], part.get(K.LOG_PROB))
+
+
+def scripted(*replies: str) -> dict:
+    """A calculator that answers its calls with ``replies``, in the order they come."""
+    answers = iter(replies)
+    return {"calculator": lambda expression: next(answers)}
+
+
+def test_each_row_keeps_its_own_token_budget(tool_llama_dir, tokenizer):
+    """Two calculator episodes (call: 15 tokens; tool message "5": 11; answer: 7) under
+    max_tokens=43. The first row's tool answers at length (26 tokens), leaving its episode 2: it
+    is cut there, mid-answer. The second row, sampled beside it, still gives the whole answer it
+    gives alone (rank 1 of 2), token for token; the cut row's recorded log-probs and values are
+    those of its kept tokens."""
+    model = load_causal_lm(tool_llama_dir, tokenizer)
+    critic = make_critic(policy=model, tokenizer=tokenizer, init="shared")
+    torch.nn.init.normal_(critic.head.weight)
+    long_reply = "5 " * 8
+    settings = dict(batch_size=2, max_tokens=43, critic=critic, prompts=[TOOL_QUESTION] * 2)
+    ((together,),) = _collect(model, tokenizer, scripted(long_reply, "5"), **settings)
+    (_, (alone,)) = _collect(model, tokenizer, [scripted(long_reply), scripted("5")],
+                             world_size=2, **settings)
+    ends = [END_REASONS[e] for e in together.get(K.EPISODE_END).tolist()]
+    width = (together.get(K.RESPONSE_MASK) | together.get(K.OBSERVATION_MASK)).sum(-1).tolist()
+    assert ends == ["max_tokens", "answer"] and width == [43, 33], (ends, width)
+    assert together.get(K.HAS_STOP).tolist() == [False, True]
+    texts = together.get(K.RESPONSE_TEXT).tolist()
+    assert texts[1] == alone.get(K.RESPONSE_TEXT).tolist()[0] and texts[1].endswith("is 5.")
+    # the rewards read the policy's own turns: the tool's "5 5 ..." before the cut answer is no
+    # answer of the policy's (a last-number verifier would credit it); the transcript keeps it
+    assert TOOL_CALL in texts[0] and long_reply.strip() not in texts[0]
+    assert long_reply.strip() in together.get(K.EPISODE_TEXT).tolist()[0]
+    for key in (K.RESPONSE_TOKENS, K.RESPONSE_MASK, K.OBSERVATION_MASK):
+        assert torch.equal(together.get(key)[1, :33], alone.get(key)[0, :33]), key
+    for key in (K.LOG_PROB, K.VALUE):  # up to the rounding of another batch's padding
+        torch.testing.assert_close(together.get(key)[1, :33], alone.get(key)[0, :33],
+                                   atol=1e-4, rtol=1e-4)
+    policy = together.get(K.RESPONSE_MASK)
+    assert (together.get(K.LOG_PROB)[~policy] == 0).all() and policy[0].sum() == 15 + 2
+    actor = TokenLevelActor(model, temperature=T, trunk_critic=critic)
+    stats = check_on_policy(together, actor, num_rows=2, atol=1e-4, critic=critic)
+    assert stats["tokens"] == int(policy.sum()) and stats["value_max_abs_diff"] < 1e-4
 
 
 def says_five(prompts, responses):

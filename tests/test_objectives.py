@@ -33,7 +33,8 @@ def _rollout(tokenizer, B=8, P=5, R=6, seed=0):
     }, batch_size=[B])
 
 
-def _setup(model_dir, tokenizer, critic_init="policy", vf_coef=0.1, clip_value=0.2, dtype="float32"):
+def _setup(model_dir, tokenizer, critic_init="policy", vf_coef=0.1, clip_value=0.2, dtype="float32",
+           **loss_kwargs):
     torch.manual_seed(0)
     policy = load_causal_lm(model_dir, tokenizer, dtype=dtype)
     reference = load_causal_lm(model_dir, tokenizer, dtype=dtype).requires_grad_(False)
@@ -42,7 +43,8 @@ def _setup(model_dir, tokenizer, critic_init="policy", vf_coef=0.1, clip_value=0
     actor = TokenLevelActor(policy, temperature=0.7,
                             trunk_critic=critic if critic.shares_trunk else None)
     ref = TokenLevelActor(reference, temperature=0.7, out_key=K.REF_LOG_PROB)
-    loss = make_ppo_loss(actor, critic, clip_epsilon=0.2, clip_value=clip_value, vf_coef=vf_coef)
+    loss = make_ppo_loss(actor, critic, clip_epsilon=0.2, clip_value=clip_value, vf_coef=vf_coef,
+                         **loss_kwargs)
     return policy, actor, ref, critic, loss
 
 
@@ -330,3 +332,187 @@ def test_kl_shaper_rewards_and_done(tokenizer):
     assert (done.float().argmax(-1) == mask.sum(-1) - 1).all()
     with pytest.raises(ValueError, match="k1.*k2.*k3"):
         KLRewardShaper(make_kl_controller(0.2), kl_estimator="kl")
+
+
+# ---- clip-higher, dual clip, loss aggregation ---------------------------------------------------
+
+# tokens of known ratio r and advantage A, and the per-token loss by hand with the ratio clipped to
+# [1 - 0.2, 1 + 0.28] and the dual clip c = 3 (tests/test_functional.py works the same six out)
+RATIOS = [1.5, 1.25, 0.5, 0.5, 1.5, 4.0]
+ADVANTAGES = [1.0, 1.0, 1.0, -1.0, -1.0, -2.0]
+CLIP_HIGHER_DUAL = [-1.28, -1.25, -0.5, 0.8, 1.5, 6.0]
+SYMMETRIC = [-1.2, -1.2, -0.5, 0.8, 1.5, 8.0]  # clip_epsilon=0.2, no dual clip (the default)
+
+
+def _known_ratios(tiny_llama_dir, tokenizer):
+    """A rollout whose old log-probs give the tokens the ratios of RATIOS (cyclically) under the
+    current policy, with the advantages of ADVANTAGES; ``idx`` maps each token to its case."""
+    policy, _, _, td = _prepared(tiny_llama_dir, tokenizer)
+    actor = TokenLevelActor(policy, temperature=0.7)
+    with torch.no_grad():
+        new = actor.get_dist(td.clone()).log_prob(td[K.RESPONSE_TOKENS])
+    idx = torch.arange(new.numel()).reshape(new.shape) % len(RATIOS)
+    td.set(K.LOG_PROB, new - torch.tensor(RATIOS).log()[idx])
+    td.set(K.ADVANTAGE, torch.tensor(ADVANTAGES)[idx].unsqueeze(-1))
+    return actor, td, idx
+
+
+def test_clip_higher_and_dual_clip_match_hand_values(tiny_llama_dir, tokenizer):
+    """loss_objective is the token-mean of the hand-computed per-token losses, for clip-higher with
+    a dual clip and for today's symmetric clip; the bound fractions count the right tokens."""
+    actor, td, idx = _known_ratios(tiny_llama_dir, tokenizer)
+    mask = td[K.RESPONSE_MASK]
+    tuned = make_ppo_loss(actor, clip_epsilon=0.2, clip_epsilon_high=0.28, dual_clip=3.0)
+    out = tuned(td)
+    expected = torch.tensor(CLIP_HIGHER_DUAL)[idx][mask].mean()
+    torch.testing.assert_close(out["loss_objective"], expected, atol=1e-5, rtol=1e-5)
+    share = [float((idx[mask] == case).float().mean()) for case in range(len(RATIOS))]
+    assert float(out["pg_clipfrac_high"]) == pytest.approx(share[0])  # A > 0, r = 1.5 > 1.28
+    assert float(out["pg_clipfrac_low"]) == pytest.approx(share[3])  # A < 0, r = 0.5 < 0.8
+    assert float(out["pg_clipfrac_dual"]) == pytest.approx(share[5])  # A < 0, r = 4 > 3
+    assert float(out["pg_clipfrac"]) == pytest.approx(share[0] + share[3])
+    # truncated importance sampling weights each token's surrogate by w = 0.5: the cap scales too
+    weighted = td.clone()
+    weighted.set(K.BEHAVIOUR_LOG_PROB, td[K.LOG_PROB] - math.log(0.5))
+    tis = make_ppo_loss(actor, clip_epsilon=0.2, clip_epsilon_high=0.28, dual_clip=3.0, tis_cap=2.0)
+    torch.testing.assert_close(tis(weighted)["loss_objective"], 0.5 * expected, atol=1e-5, rtol=1e-5)
+    plain = make_ppo_loss(actor, clip_epsilon=0.2)(td)
+    torch.testing.assert_close(plain["loss_objective"], torch.tensor(SYMMETRIC)[idx][mask].mean(),
+                               atol=1e-5, rtol=1e-5)
+    assert "pg_clipfrac_dual" not in plain.keys()
+    assert float(plain["pg_clipfrac_high"]) == pytest.approx(share[0] + share[1])  # 1.25 > 1.2 too
+    # per response first: each row's mean of its tokens' losses, then the mean over rows
+    seq = make_ppo_loss(actor, clip_epsilon_low=0.2, clip_epsilon_high=0.28, dual_clip=3.0,
+                        loss_aggregation="seq_mean_token_mean")(td)
+    rows = [torch.tensor(CLIP_HIGHER_DUAL)[i][m].mean() for i, m in zip(idx, mask)]
+    torch.testing.assert_close(seq["loss_objective"], torch.stack(rows).mean(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="clip_epsilon_low must be in"):
+        make_ppo_loss(actor, clip_epsilon_low=1.0)
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        make_ppo_loss(actor, dual_clip=0.9)
+    with pytest.raises(ValueError, match="constant"):
+        make_ppo_loss(actor, loss_aggregation="seq_mean_token_sum_norm")
+
+
+@pytest.mark.parametrize("mode", ["seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
+def test_every_loss_term_follows_the_aggregation(mode, tiny_llama_dir, tokenizer):
+    """Policy, value, entropy and KL terms are each the mode's average of their per-token values."""
+    policy, loss, critic, td = _prepared(tiny_llama_dir, tokenizer, entropy_coef=0.01,
+                                         kl_loss_coef=0.3, loss_aggregation=mode,
+                                         loss_aggregation_constant=6)
+    mask = td[K.RESPONSE_MASK]
+    g = torch.Generator().manual_seed(1)
+    for key in (K.LOG_PROB, K.REF_LOG_PROB):  # the ratio moves, the reference differs
+        td.set(key, td[key] + 0.3 * torch.randn(mask.shape, generator=g))
+    out = loss(td)
+    with torch.no_grad():
+        dist = TokenLevelActor(policy, temperature=0.7).get_dist(td.clone())
+        new_lp = dist.log_prob(td[K.RESPONSE_TOKENS])
+        ratio, adv = (new_lp - td[K.LOG_PROB]).exp(), td[K.ADVANTAGE].squeeze(-1)
+        pg = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+        v = critic(td.clone())[K.VALUE].squeeze(-1)
+        v_old, ret = td[K.VALUE].squeeze(-1), td[K.VALUE_TARGET].squeeze(-1)
+        vf = 0.5 * torch.max((v - ret) ** 2, (v_old + (v - v_old).clamp(-0.2, 0.2) - ret) ** 2)
+        log_r = td[K.REF_LOG_PROB] - new_lp
+        k3 = log_r.exp() - 1 - log_r
+        entropy = dist.entropy()
+    for key, per_token in (("loss_objective", pg), ("loss_critic", 0.1 * vf),
+                           ("loss_entropy", -0.01 * entropy), ("loss_kl", 0.3 * k3)):
+        expected = F.aggregate_loss(per_token, mask, mode, 6)
+        torch.testing.assert_close(out[key].detach(), expected, atol=1e-6, rtol=1e-5, msg=key)
+        if key != "loss_entropy":  # (the tiny model's entropy is the same at every token)
+            assert not torch.allclose(expected, F.masked_mean(per_token, mask)), key
+
+
+def test_micro_batches_keep_every_aggregation(tiny_llama_dir, tokenizer):
+    """For every aggregation, with clip-higher, the dual clip and a KL term on: equal row slices and
+    token-budget micro-batches give the whole minibatch's gradient and losses (fp64; verl #6957
+    normalised per micro-batch). (No entropy term: the entropy is computed in fp32 whatever the
+    model's dtype, too coarse for this check; its aggregation is checked above.)"""
+    _, loss, critic, td = _prepared(tiny_llama_dir, tokenizer, dtype="float64", kl_loss_coef=0.1,
+                                    clip_epsilon_high=0.28, dual_clip=1.5)
+    mask = torch.arange(6).expand(8, 6) < (1 + torch.arange(8) % 6)[:, None]  # 1..6 tokens a row
+    td.set(K.RESPONSE_MASK, mask)
+    td = td.apply(lambda x: x.double() if x.is_floating_point() else x)
+    critic.head.double()
+    g = torch.Generator().manual_seed(3)
+    td.set(K.LOG_PROB, td[K.LOG_PROB] + 0.5 * torch.randn(mask.shape, generator=g, dtype=torch.float64))
+    params = [p for p in loss.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.0)  # leaves the gradient of the one step in .grad
+    splits = {"rows=1": {}, "rows=3 (uneven)": {"gradient_accumulation_steps": 3},
+              "tokens=24": {"micro_batch_tokens": 24}}
+    first = None
+    for mode in (*F.LOSS_AGGREGATIONS[1:], "token_mean"):
+        loss.loss_aggregation, loss.loss_aggregation_constant = mode, 6
+        grads, stats = {}, {}
+        for name, split in splits.items():
+            stats[name] = ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=1,
+                                     max_grad_norm=None, **split)
+            grads[name] = [p.grad.clone() for p in params]
+        for name in splits:
+            for a, b in zip(grads["rows=1"], grads[name]):
+                torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-9, msg=(mode, name))
+            for key in ("loss/policy_avg", "loss/value_avg", "policy/dual_clipfrac_avg",
+                        "policy/clipfrac_high_avg", "policy/clipfrac_low_avg"):
+                assert stats[name][key] == pytest.approx(stats["rows=1"][key], rel=1e-9, abs=1e-12)
+        assert stats["rows=1"]["policy/dual_clipfrac_avg"] > 0  # the dual clip acts
+        out = loss(td)
+        assert stats["rows=1"]["loss/policy_avg"] == pytest.approx(float(out["loss_objective"].detach()), rel=1e-9)
+        if first is None:
+            first = grads["rows=1"]
+        else:  # the modes differ from token_mean's gradient
+            assert not all(torch.allclose(a, b) for a, b in zip(first, grads["rows=1"]))
+
+
+@pytest.mark.parametrize("mode", F.LOSS_AGGREGATIONS)
+def test_micro_batch_weights_over_two_processes(mode, tokenizer):
+    """Two simulated processes, each its slice of a minibatch of 7 rows (one row has no valid
+    token), in micro-batches: the weighted micro-batch losses of both add up to the minibatch's
+    (ppo_update scales each by the world size, which DDP's average over processes undoes)."""
+    from rlhf_torchrl.objectives import micro_batches
+
+    td = _rollout(tokenizer, B=7)
+    mask = torch.arange(6).expand(7, 6) < torch.tensor([[3], [6], [0], [1], [5], [2], [4]])
+    td.set(K.RESPONSE_MASK, mask)
+    td.set("token_loss", torch.randn(7, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    whole = F.aggregate_loss(td["token_loss"], mask, mode, 6)
+    for split in ({}, {"gradient_accumulation_steps": 3}, {"micro_batch_tokens": 20},
+                  {"micro_batch_tokens": 20, "max_parts": lambda n: n + 3}):  # halved, then empty
+        total, weights = 0.0, []
+        for rank in range(2):
+            parts = micro_batches(td, rank=rank, world_size=2, loss_aggregation=mode,
+                                  loss_aggregation_constant=6, **split)
+            for micro_batch, weight in parts:
+                total += weight * F.aggregate_loss(micro_batch["token_loss"],
+                                                   micro_batch[K.RESPONSE_MASK], mode, 6)
+                weights.append(weight)
+        torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-14, msg=str(split))
+        if "max_parts" in split:
+            assert 0.0 in weights  # a process with fewer micro-batches runs an empty one
+
+
+def test_config_keys_reach_the_loss(tmp_path, tiny_llama_dir):
+    """ppo.clip_epsilon_low/high, dual_clip and loss_aggregation go from the config to the loss
+    (the Dr. GRPO constant defaults to the generation budget); bad values get one clear line."""
+    from rlhf_torchrl.config import builders, compose, schema
+    from rlhf_torchrl.errors import ConfigError
+
+    base = [f"output_dir={tmp_path}", f"model.policy={tiny_llama_dir}", "generation.max_new_tokens=6"]
+    actor = TokenLevelActor(load_causal_lm(tiny_llama_dir), temperature=0.7)
+    default = builders.make_loss(compose(base), actor, None)
+    assert float(default.clip_epsilon) == pytest.approx(0.2) and default.dual_clip is None
+    assert default.loss_aggregation == "token_mean"
+    cfg = compose([*base, "ppo.clip_epsilon_high=0.28", "ppo.dual_clip=3",
+                   "ppo.loss_aggregation=seq_mean_token_sum_norm", "env.max_turns=2"])
+    schema.validate(cfg)
+    loss = builders.make_loss(cfg, actor, None)
+    assert (float(loss.clip_epsilon_low), float(loss.clip_epsilon_high)) == pytest.approx((0.2, 0.28))
+    assert loss.dual_clip == 3 and loss.loss_aggregation == "seq_mean_token_sum_norm"
+    assert loss.loss_aggregation_constant == 12  # max_new_tokens x max_turns
+    for bad, message in (("ppo.dual_clip=1", r"ppo.dual_clip=1.0 is out of range: it must be > 1"),
+                         ("ppo.clip_epsilon_low=1", r"ppo.clip_epsilon_low=1.0 is out of range: "
+                                                    r"it must be in \(0, 1\)"),
+                         ("ppo.loss_aggregation=seq_mean", r"ppo.loss_aggregation='seq_mean' is not "
+                                                           r"one of the allowed values: token_mean")):
+        with pytest.raises(ConfigError, match=message):
+            schema.validate(compose([*base, bad]))

@@ -60,7 +60,8 @@ def test_recipe_runs_and_trains(tmp_path, tiny_llama_dir, overrides):
 @pytest.mark.parametrize("overrides", [
     ["advantage.estimator=rloo", "ppo.kl_coef=0", "ppo.kl_loss_coef=0.01",
      "advantage.filter_groups=true"],
-    ["advantage.estimator=grpo", "advantage.scale_by_std=false"],
+    ["advantage.estimator=grpo", "advantage.scale_by_std=false",
+     "ppo.loss_aggregation=seq_mean_token_sum_norm"],
     ["advantage.estimator=reinforce_pp", "ppo.num_mini_batches=4"],
 ], ids=["rloo-kl-in-loss-filtered", "dr-grpo", "reinforce-pp"])
 def test_critic_free_estimators_train_without_a_value_model(tmp_path, tiny_llama_dir, overrides):

@@ -56,8 +56,9 @@ def finished_run(tmp_path_factory, tiny_llama_dir):
     """A finished tiny run with every plot (groups, KL in the loss, tool episodes, evaluation)."""
     run_dir = tmp_path_factory.mktemp("browser_run")
     report = ppo.train(_cfg(run_dir, tiny_llama_dir, "ppo.num_iterations=3", "eval.every=2",
-                            "generation.samples_per_prompt=2", "advantage.filter_groups=true",
-                            "ppo.kl_loss_coef=0.01", "env.max_turns=2", "env.tools=[calculator]"))
+                            "generation.samples_per_prompt=2", "advantage.estimator=rloo",
+                            "advantage.filter_groups=true", "ppo.kl_loss_coef=0.01",
+                            "env.max_turns=2", "env.tools=[calculator]"))
     return run_dir, report
 
 

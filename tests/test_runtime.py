@@ -1,4 +1,5 @@
-"""reuse_freed_memory: freed large tensors are reused without new page faults (in a subprocess)."""
+"""reuse_freed_memory: freed large tensors are reused without new page faults (in a subprocess);
+the thread tuner on fixed /proc/stat contents; devices and precision."""
 
 import os
 import subprocess
@@ -38,50 +39,46 @@ def test_reuse_freed_memory_avoids_page_faults():
     assert faults_on < pages // 20, faults_on
 
 
-def _spinner(nice: int = 0) -> subprocess.Popen:
-    cmd = [sys.executable, "-c", "while True: pass"]
-    return subprocess.Popen(["nice", "-n", str(nice), *cmd] if nice else cmd)
+def _write_stat(path, ticks: dict[int, tuple[int, int, int, int]]) -> None:
+    """A ``/proc/stat`` with each core's (user, nice, system, idle) ticks (iowait, irq, softirq,
+    steal: 0), the all-cores line first and other counters after, as Linux writes it."""
+    total = [sum(t[i] for t in ticks.values()) for i in range(4)]
+    lines = ["cpu  " + " ".join(map(str, [*total, 0, 0, 0, 0, 0, 0]))]
+    lines += [f"cpu{k} " + " ".join(map(str, [*t, 0, 0, 0, 0, 0, 0])) for k, t in ticks.items()]
+    path.write_text("\n".join([*lines, "intr 12345 0 0", "ctxt 999", "processes 42"]) + "\n")
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) < 2,
-                    reason="reads /proc/stat; needs 2 cores to have one to give up")
-def test_thread_tuner_gives_a_busy_core_back():
-    """A normal-priority busy process takes a core: one thread fewer. A niced one yields: all."""
-    import time
-
+def test_thread_tuner_gives_a_busy_core_back(tmp_path):
+    """Fixed /proc/stat contents 1 s apart on 4 cores: this process keeps core 0 busy; another
+    normal-priority process on core 1 takes it (one thread fewer), a niced one yields it (all 4
+    threads); core 4, outside the affinity set, is not counted."""
     import torch
 
     from rlhf_torchrl.runtime import ThreadTuner
 
+    hz = os.sysconf("SC_CLK_TCK")
+    idle, user, nice = (1000, 1000, 1000, 1000 + hz), (1000 + hz, 1000, 1000, 1000), (1000, 1000 + hz, 1000, 1000)
+    stat, cpu_seconds = tmp_path / "stat", [10.0]  # this process's CPU time
+
+    def tuner_after(core_1) -> ThreadTuner:
+        _write_stat(stat, {k: (1000, 1000, 1000, 1000) for k in range(5)})
+        cpu_seconds[0] = 10.0
+        tuner = ThreadTuner(max_threads=4, stat=str(stat), cpus={0, 1, 2, 3},
+                            cpu_time=lambda: cpu_seconds[0])
+        _write_stat(stat, {0: user, 1: core_1, 2: idle, 3: idle, 4: user})
+        cpu_seconds[0] = 11.0  # core 0's second of user time is ours
+        return tuner
+
     threads = torch.get_num_threads()
-    tuner = ThreadTuner(max_threads=len(os.sched_getaffinity(0)))
     try:
-        time.sleep(0.5)
-        baseline = tuner.others_busy()
-        for nice, expect_busy in ((0, True), (19, False)):
-            spinner = _spinner(nice)
-            try:
-                time.sleep(0.3)
-                tuner.others_busy()  # start measuring once the spinner runs
-                time.sleep(1.0)
-                busy = tuner.others_busy()
-            finally:
-                spinner.kill()
-                spinner.wait()
-            if expect_busy:
-                assert busy > baseline + 0.7, (busy, baseline)
-            else:
-                assert busy < baseline + 0.3, (busy, baseline)
-        spinner = _spinner()
-        try:
-            time.sleep(0.3)
-            tuner.others_busy()
-            time.sleep(1.0)
-            assert tuner.update() == tuner.max_threads - 1 == torch.get_num_threads()
-        finally:
-            spinner.kill()
-            spinner.wait()
-        assert ThreadTuner(max_threads=2, adapt=False).update() == 2
+        for core_1, busy, expected_threads in ((user, 1.0, 3), (nice, 0.0, 4), (idle, 0.0, 4)):
+            tuner = tuner_after(core_1)
+            assert tuner.others_busy() == pytest.approx(busy)
+            assert tuner.others_busy() is None  # no tick since: no measurement
+            assert tuner_after(core_1).update() == expected_threads == torch.get_num_threads()
+        missing = ThreadTuner(max_threads=3, stat=str(tmp_path / "none"), cpus={0, 1})
+        assert missing.others_busy() is None and missing.update() == 3  # no /proc/stat: all
+        assert ThreadTuner(max_threads=2, adapt=False, stat=str(stat)).update() == 2
     finally:
         torch.set_num_threads(threads)
 

@@ -69,12 +69,12 @@ def test_sampler_matches_the_temperature_scaled_distribution(top_k, top_p):
     draws = scores.argmax(-1)  # what greedy generate emits
     assert torch.isinf(scores).sum(-1).eq(499).all()
     _assert_matches(draws, probs)
-    # recorded: log-probs and entropy of the untruncated tempered distribution (PPO's)
+    # recorded: log-probs and entropy of the distribution drawn from (truncated where set)
     log_probs, entropies = sampler.pop()
-    full = torch.log_softmax(logits / temperature, -1)[0]
-    torch.testing.assert_close(log_probs[:, 0], full[draws], atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropies[:, 0], -(full.exp() * full).sum().expand(rows),
-                               atol=1e-5, rtol=0)
+    drawn = torch.log_softmax(expected, -1)[0]
+    torch.testing.assert_close(log_probs[:, 0], drawn[draws], atol=1e-5, rtol=0)
+    entropy = -(probs * drawn.masked_fill(probs == 0, 0.0)).sum()
+    torch.testing.assert_close(entropies[:, 0], entropy.expand(rows), atol=1e-5, rtol=0)
     assert sampler.pop() == (None, None)
 
 
@@ -157,11 +157,11 @@ def test_evaluation_keeps_recorded_log_probs(tiny_llama_dir, tokenizer):
     torch.testing.assert_close(recomputed.get(K.LOG_PROB), marked + 1.0, atol=1e-4, rtol=0)
 
 
-def _collect_once(model, tokenizer, n_rows=16, temperature=1.0, max_new_tokens=6):
+def _collect_once(model, tokenizer, n_rows=16, temperature=1.0, max_new_tokens=6, **sampling):
     env = make_generation_env([f"Prompt number {i}" for i in range(n_rows)], tokenizer,
                               batch_size=n_rows, seed=0)
     gen = make_generation_policy(model, tokenizer, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, record_log_probs=True)
+                                 temperature=temperature, record_log_probs=True, **sampling)
     # per-row streams: the same draws whatever ran before in this process
     collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=n_rows, seed=0)
     rollout = next(iter(collector))
@@ -199,6 +199,17 @@ def test_on_policy_check_stops_on_a_mismatch(tiny_llama_dir, tokenizer):
         check_on_policy(rollout, TokenLevelActor(model, temperature=0.7), atol=1e-3)
     with pytest.raises(KeyError, match="record_log_probs=True"):
         check_on_policy(rollout.exclude(K.LOG_PROB), TokenLevelActor(model), atol=1e-3)
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 3}, {"top_p": 0.5}])
+def test_truncated_sampling_fails_the_on_policy_check(tiny_llama_dir, tokenizer, truncation):
+    """Tokens drawn by top-k/top-p carry the truncated distribution's log-probs (what was
+    sampled), so the check against the full-distribution forward PPO trains with stops the run;
+    the recipe refuses the settings before any work (tests/test_bad_inputs.py)."""
+    model = load_causal_lm(tiny_llama_dir, tokenizer)
+    rollout = _collect_once(model, tokenizer, n_rows=4, **truncation)
+    with pytest.raises(OffPolicyError, match="differ from the training forward's"):
+        check_on_policy(rollout, TokenLevelActor(model, temperature=1.0), atol=1e-3)
 
 
 def _shard_rollouts(model, tokenizer, prompts, *, batch_size, world_size, batches=2, group=1):

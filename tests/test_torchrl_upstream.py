@@ -20,7 +20,8 @@ def llama(tiny_llama_dir, tokenizer):
 
 
 @pytest.mark.xfail(strict=True, reason="TransformersWrapper log-probs: first response token forced "
-                   "to 0 and temperature ignored; we recompute them (TokenLevelActor).")
+                   "to 0 and temperature ignored; we recompute them (TokenLevelActor).",
+                   raises=AssertionError)
 def test_transformers_wrapper_log_probs_are_ppo_log_probs(llama, tokenizer):
     from torchrl.modules.llm import TransformersWrapper
 
@@ -46,7 +47,7 @@ def test_transformers_wrapper_log_probs_are_ppo_log_probs(llama, tokenizer):
 
 
 @pytest.mark.xfail(strict=True, reason="ChatEnv(input_mode='tokens') cannot stack prompts of "
-                   "different lengths; we use input_mode='text'.")
+                   "different lengths; we use input_mode='text'.", raises=RuntimeError)
 def test_chat_env_tokens_mode_with_ragged_prompts(tokenizer):
     from torchrl.envs.llm import ChatEnv
 
@@ -54,7 +55,7 @@ def test_chat_env_tokens_mode_with_ragged_prompts(tokenizer):
                         collate_fn=lambda b: {"query": list(b)})
     env = ChatEnv.from_dataloader(loader, batch_size=(2,), tokenizer=tokenizer,
                                   input_mode="tokens", data_key="query")
-    env.reset()
+    assert env.reset().batch_size == torch.Size([2])  # one row per prompt, each its own length
 
 
 @pytest.mark.xfail(strict=True, reason="TransformersWrapper rejects top_k=0, the HF way to turn "
@@ -62,13 +63,14 @@ def test_chat_env_tokens_mode_with_ragged_prompts(tokenizer):
 def test_transformers_wrapper_accepts_top_k_zero(llama, tokenizer):
     from torchrl.modules.llm import TransformersWrapper
 
-    TransformersWrapper(llama, tokenizer=tokenizer, input_mode="text", generate=True,
-                        generate_kwargs={"max_new_tokens": 2, "do_sample": True, "top_k": 0})
+    wrapper = TransformersWrapper(llama, tokenizer=tokenizer, input_mode="text", generate=True,
+                                  generate_kwargs={"max_new_tokens": 2, "do_sample": True, "top_k": 0})
+    assert wrapper.generate_kwargs.get("top_k") == 0
 
 
 @pytest.mark.xfail(strict=True, reason="transformers 5 reads generation_config.top_k=None as "
                    "'unset' and samples with its global default top_k=50; our sampler draws from "
-                   "the full distribution.")
+                   "the full distribution.", raises=AssertionError)
 def test_generate_top_k_none_samples_the_full_distribution(llama, tokenizer):
     torch.manual_seed(0)
     llama.generation_config.top_k = None
@@ -79,7 +81,8 @@ def test_generate_top_k_none_samples_the_full_distribution(llama, tokenizer):
 
 
 @pytest.mark.xfail(strict=True, reason="TransformersWrapper silently drops generate_kwargs it does "
-                   "not list, logits_processor among them; we set it on the built wrapper.")
+                   "not list, logits_processor among them; we set it on the built wrapper.",
+                   raises=AssertionError)
 def test_transformers_wrapper_keeps_logits_processor(llama, tokenizer):
     from torchrl.modules.llm import TransformersWrapper
     from transformers import LogitsProcessorList
@@ -91,7 +94,8 @@ def test_transformers_wrapper_keeps_logits_processor(llama, tokenizer):
 
 
 @pytest.mark.xfail(strict=True, reason="LazyTensorStorage fails when the padded response width "
-                   "changes between iterations; we use LazyStackStorage and empty it each time.")
+                   "changes between iterations; we use LazyStackStorage and empty it each time.",
+                   raises=RuntimeError)
 def test_lazy_tensor_storage_with_changing_width():
     from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -125,7 +129,8 @@ def test_kl_reward_transform_outside_env(llama, tokenizer):
 
 
 @pytest.mark.xfail(strict=True, reason="History.apply_chat_template ignores the tokenizer's own chat "
-                   "template and picks one from the model's name; we pass chat_template explicitly.")
+                   "template and picks one from the model's name; we pass chat_template explicitly.",
+                   raises=AssertionError)
 def test_history_uses_the_tokenizers_chat_template(tiny_llama_dir, tokenizer):
     from torchrl.data.llm import History
 
@@ -187,7 +192,8 @@ def test_chat_env_takes_collated_message_lists(tokenizer):
     loader = DataLoader(chats, batch_size=2, collate_fn=lambda b: {"query": list(b)})
     env = ChatEnv.from_dataloader(loader, batch_size=(2,), tokenizer=tokenizer,
                                   input_mode="text", data_key="query")
-    env.reset()
+    prompts = env.reset().get(("text", "prompt")).tolist()
+    assert "hi" in prompts[0] and "hello there" in prompts[1], prompts
 
 
 @pytest.mark.xfail(strict=True, reason="LLMCollector resets the env once more than it serves: "
@@ -219,7 +225,8 @@ def test_llm_collector_serves_the_loaders_first_batch_first(llama, tokenizer):
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="TorchRL's PythonInterpreter runs the policy's code in a plain subprocess: "
                    "no memory or CPU limit, network and subprocesses allowed, the caller's "
-                   "environment inherited; rlhf_torchrl.tools.python is the sandboxed replacement")
+                   "environment inherited; rlhf_torchrl.tools.PythonTool (rlhf_torchrl.sandbox) is "
+                   "the sandboxed replacement")
 def test_python_interpreter_sandboxes_the_policys_code():
     from torchrl.envs.llm.transforms import PythonInterpreter
 

@@ -6,12 +6,15 @@ import math
 
 import pytest
 import torch
+from tensordict import TensorDict
 from tensordict.nn import TensorDictModuleBase
 
 from rlhf_torchrl import (
     KLRewardShaper,
     PPOTrainer,
+    ReinforcePPAdvantage,
     ResponseGAE,
+    RLOOAdvantage,
     RolloutCollector,
     Scorer,
     TokenLevelActor,
@@ -21,6 +24,8 @@ from rlhf_torchrl import (
     make_kl_controller,
     make_ppo_loss,
 )
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.hooks import Checkpointer, OnPolicyCheck
 from rlhf_torchrl.modules import load_causal_lm, load_tokenizer
 from rlhf_torchrl.objectives import make_minibatch_buffer
@@ -123,3 +128,51 @@ def test_checkpoint_and_load_checkpoint_resume_exactly(tmp_path, tiny_llama_dir)
     second.tag = "cut"
     tail = run(second)
     assert json.dumps(tail) == json.dumps(expected[2:])
+
+
+def _phases(**components) -> PPOTrainer:
+    """A trainer for its shaping, filtering and advantage phases alone (no model, no collector)."""
+    return PPOTrainer(collector=[], scorer=None, actor=None, reference=None, loss_module=None,
+                      optimizer=None, num_iterations=1, pad_token_id=0, **components)
+
+
+def test_group_filter_needs_a_group_estimator_and_no_critic():
+    for advantage, critic in ((ResponseGAE(), object()), (ReinforcePPAdvantage(), None),
+                              (RLOOAdvantage(), object())):
+        with pytest.raises(ConfigError, match="filter_groups .*give a group estimator"):
+            _phases(critic=critic, shaper=None, advantage=advantage, filter_groups=True)
+    assert _phases(critic=None, shaper=None, advantage=RLOOAdvantage(), filter_groups=True)
+
+
+def test_group_filter_runs_before_the_advantages(monkeypatch):
+    """Groups of 2 with scores (1, 1), (0, 2), (1, 5), whitened (mean kept), RLOO, the KL in the
+    loss: the equal group is dropped before the advantages, so the whitening's spread is the
+    kept rows' alone, x = (0, 2, 1, 5): var = 14/3 and A = (x_i - x_j) / sqrt(14/3) on each
+    token. Shaping and RLOO on those 4 rows alone give the same."""
+    import rlhf_torchrl.trainer as trainer_module
+
+    def rollout():
+        lengths = torch.tensor([3, 2, 3, 1, 2, 3])
+        return TensorDict({K.SCORE: torch.tensor([1.0, 1.0, 0.0, 2.0, 1.0, 5.0]),
+                           K.GROUP: torch.tensor([0, 0, 1, 1, 2, 2]),
+                           K.RESPONSE_MASK: torch.arange(3) < lengths[:, None],
+                           K.LOG_PROB: torch.zeros(6, 3), K.REF_LOG_PROB: torch.zeros(6, 3)}, [6])
+
+    updated = []
+    monkeypatch.setattr(trainer_module, "ppo_update",
+                        lambda batch, *args, **kwargs: updated.append(batch) or {"loss": 0.0})
+    shaper = KLRewardShaper(make_kl_controller(0.0), whiten_scores=True)
+    trainer = _phases(critic=None, shaper=shaper, advantage=RLOOAdvantage(), filter_groups=True)
+    batch, stats = trainer.optimise(rollout(), iteration=0)
+    (kept,) = updated
+    assert trainer.metrics["group/filtered_frac"] == pytest.approx(1 / 3)
+    assert kept.get(K.GROUP).tolist() == [1, 1, 2, 2]
+    advantage, mask = kept.get(K.ADVANTAGE).squeeze(-1), kept.get(K.RESPONSE_MASK)
+    expected = torch.tensor([-2.0, 2.0, -4.0, 4.0]) / math.sqrt(14 / 3)
+    torch.testing.assert_close(advantage, expected[:, None] * mask)
+    alone = rollout()[2:]
+    RLOOAdvantage()(shaper(alone))
+    torch.testing.assert_close(advantage, alone.get(K.ADVANTAGE).squeeze(-1))
+    # every row is shaped (the metrics and the KL controller read them), whitened over all 6
+    assert batch.shape[0] == 6 and float(batch.get(K.SHAPED_SCORE)[0]) == pytest.approx(
+        (1 - 10 / 6) / math.sqrt(46 / 15) + 10 / 6, rel=1e-5)

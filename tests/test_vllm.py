@@ -247,7 +247,7 @@ def test_recipe_with_vllm_resumes_exactly(tmp_path, tokenizer):
 
 @pytest.mark.xfail(strict=True, reason="vLLMWrapper drops generate_kwargs it does not list, seed "
                    "among them, and sends one SamplingParams for every row: rows cannot have their "
-                   "own random streams (VLLMGenerator replaces it)")
+                   "own random streams (VLLMGenerator replaces it)", raises=AssertionError)
 def test_vllm_wrapper_keeps_the_seed(engine, tokenizer):
     from torchrl.modules.llm import vLLMWrapper
 

@@ -125,8 +125,20 @@ class AsyncCollector:
     @contextmanager
     def paused(self):
         """No batch is sampled inside the block: the one under way finishes first. For whatever
-        else uses the sampling model meanwhile (a held-out evaluation with the live policy)."""
+        else uses the sampling model meanwhile (a held-out evaluation with the live policy, a
+        checkpoint of its shards).
+
+        Where the sampler runs the trained model itself (no ``weight_sync``: ``overlap=0``), the
+        block also waits until the batches the current weights owe are sampled. Under FSDP2 the
+        sampler's forwards are collectives, and so is the block's work (a sharded checkpoint, an
+        evaluation): every process must run them in the same order, never interleaved from two
+        threads. Without this wait one process could enter the block before its sampler starts
+        the batch while another's sampler is already in it, and both would wait for each other.
+        """
         with self._turn:
+            if self.weight_sync is None:
+                self._turn.wait_for(lambda: self._done or self._stop
+                                    or self._sampled > self.version + self.overlap)
             yield
 
     def pending(self) -> list[TensorDict]:

@@ -180,7 +180,8 @@ def make_generation_policy(
     requested: they are wrong for PPO (see :mod:`rlhf_torchrl.modules.actor_critic`).
 
     Prompts are tokenised onto ``device`` (default: the model's); ``autocast_dtype`` runs
-    ``generate`` under ``torch.autocast`` (the sampler still works in fp32).
+    ``generate`` under ``torch.autocast``, with the LM head in fp32
+    (:func:`~rlhf_torchrl.modules.models.lm_head_in_fp32`): the sampler reads fp32 logits.
 
     ``samples_per_prompt`` (N): batches come in groups of N consecutive rows with one prompt
     (:func:`make_generation_env`); each group's prompt is prefilled once and its KV cache repeated
@@ -194,6 +195,7 @@ def make_generation_policy(
     from transformers import LogitsProcessorList
 
     from ..modules.lora import trunk
+    from ..modules.models import lm_head_in_fp32
     from ..runtime import module_device
     from ..sampling import (
         InverseCDFSampler,
@@ -203,6 +205,8 @@ def make_generation_policy(
     )
 
     stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
+    if autocast_dtype is not None:  # the trunk in bf16/fp16, the logits the sampler reads in fp32
+        lm_head_in_fp32(model)
     sampler = InverseCDFSampler(temperature, top_k, top_p, record=record_log_probs,
                                 record_entropy=record_entropy)
     warn_ignored_generation_settings(model, temperature)

@@ -23,6 +23,8 @@ import torch
 from ..distributed import DataParallel
 from ..errors import ConfigError
 from ..runtime import resolve_device
+from ..sampling import check_full_distribution
+from ..sandbox import SandboxSpec
 from .asynchronous import AsyncCollector, ModelCopy
 from .base import RolloutCollector, make_generation_env, make_generation_policy
 from .weight_sync import SyncedCollector, WeightSync
@@ -58,7 +60,8 @@ class CollectorSpec:
     ``samples_per_prompt``: responses sampled for each prompt (a group; ``batch_size`` counts
     responses); vLLM draws a group as one request with ``n`` samples. ``max_turns``, ``tools``
     (names, :func:`~rlhf_torchrl.tools.load_tools`), ``max_tokens``, ``tool_timeout``: episodes of
-    several turns with tools (:class:`~rlhf_torchrl.collectors.MultiTurnCollector`).
+    several turns with tools (:class:`~rlhf_torchrl.collectors.MultiTurnCollector`);
+    ``python_sandbox``: where the ``python`` tool runs code (None: the default sandbox).
     """
 
     batch_size: int
@@ -85,6 +88,7 @@ class CollectorSpec:
     tools: tuple[str, ...] = ()
     max_tokens: int | None = None
     tool_timeout: float = 10.0
+    python_sandbox: SandboxSpec | None = None
 
 
 def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=None,
@@ -124,10 +128,7 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
     env = make_generation_env(prompts, tokenizer, batch_size=spec.batch_size, seed=spec.seed,
                               rank=rank, world_size=world, start_batch=first,
                               samples_per_prompt=spec.samples_per_prompt)
-    if spec.top_k or spec.top_p < 1:
-        log.warning("generation.top_k=%s / top_p=%s: responses come from a truncated distribution "
-                    "while PPO's ratio and KL use the full one (off-policy; the on-policy check "
-                    "compares full-distribution log-probs and cannot see it).", spec.top_k, spec.top_p)
+    check_full_distribution(spec.top_k, spec.top_p)  # PPO trains on full-distribution samples
     sync = None
     if spec.backend == "vllm":
         gen_policy = make_vllm_policy(spec, policy, tokenizer, device)
@@ -161,7 +162,7 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
         from .multiturn import MultiTurnCollector
 
         collector = MultiTurnCollector(
-            collector, gen_policy, tokenizer=tokenizer, tools=load_tools(spec.tools),
+            collector, gen_policy, tokenizer=tokenizer, tools=load_tools(spec.tools, python_sandbox=spec.python_sandbox),
             max_turns=spec.max_turns, max_new_tokens=spec.max_new_tokens,
             max_tokens=spec.max_tokens, tool_timeout=spec.tool_timeout)
     return in_background(collector, sync)

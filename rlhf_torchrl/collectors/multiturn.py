@@ -16,11 +16,14 @@ next assistant header, as the tokenizer's chat template renders them. The model 
 Every policy token keeps the log-prob (and value) recorded when it was sampled, so the on-policy
 check and PPO's first ratio hold across turns. A tool's reward
 (:class:`~rlhf_torchrl.tools.ToolResult`) goes to ``"turn_reward"`` at the last token of the turn
-that called it; the verifier scores the whole episode at its end, as a single response is scored.
+that called it; the verifier scores the episode at its end, as a single response is scored, from
+the policy's own turns (``("text", "response")``: a tool's output never passes for the policy's
+answer); ``("text", "episode")`` is the whole transcript, tool messages included.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -64,9 +67,10 @@ class MultiTurnCollector:
     (:func:`~rlhf_torchrl.tools.parse_tool_calls`) run (:func:`~rlhf_torchrl.tools.run_tool`:
     errors and timeouts become the tool's message); a row goes on if it made a call, no tool said
     stop, and the next turn fits: at most ``max_new_tokens`` per turn and ``max_tokens`` response
-    tokens (policy and observation) in all. The rows going on are sampled together; row ``i`` of
-    batch ``k``'s turn ``t`` from its own stream (``row_stream_seeds(seed, k, row, turn=t)``), so
-    a run stays world-size invariant.
+    tokens (policy and observation) in all, each row's own. The rows going on are sampled
+    together; row ``i`` of batch ``k``'s turn ``t`` from its own stream
+    (``row_stream_seeds(seed, k, row, turn=t)``) and cut at its own budget, so its episode does
+    not depend on the rows beside it and a run stays world-size invariant.
 
     Adds to each rollout (besides the layout above): ``("episode", "turns")``,
     ``("episode", "tool_calls")``, ``("episode", "tool_errors")`` (B,) int64, and
@@ -114,8 +118,9 @@ class MultiTurnCollector:
         """Run the calls of ``row``'s last turn; whether it goes on to another turn."""
         if row.end is not None:
             return False
-        if not row.stopped:
-            row.end = "length"  # cut at max_new_tokens mid-turn: no tool runs on half a call
+        if not row.stopped:  # cut mid-turn: no tool runs on half a call
+            spent = self.max_tokens is not None and len(row.tokens) >= self.max_tokens
+            row.end = "max_tokens" if spent else "length"  # the episode's budget, or the turn's
             return False
         text = self.tokenizer.decode(row.last_turn_tokens(), skip_special_tokens=True)
         row.conversation.append({"role": "assistant", "content": text})
@@ -144,7 +149,11 @@ class MultiTurnCollector:
         return True
 
     def _sample_turn(self, going: list[_Episode], rollout: TensorDict, batch: int, turn: int) -> None:
-        """The next turn of the rows in ``going``, sampled in one batch."""
+        """The next turn of the rows in ``going``, sampled in one batch.
+
+        Each row has its own budget: ``max_new_tokens``, or less where the episode's
+        ``max_tokens`` is nearly spent. The batch runs for the largest and each row is cut to its
+        own, so a row's turn (drawn from its own stream) does not depend on the rows beside it."""
         from ..sampling import row_stream_seeds
 
         pad = self.tokenizer.pad_token_id
@@ -152,24 +161,27 @@ class MultiTurnCollector:
         input_ids = pad_sequence(sequences, batch_first=True, padding_value=pad, padding_side="left")
         attention = pad_sequence([torch.ones_like(s) for s in sequences], batch_first=True,
                                  padding_side="left")
-        budget = self.max_new_tokens
-        if self.max_tokens is not None:
-            budget = min(budget, self.max_tokens - max(len(row.tokens) for row in going))
+        budgets = [self.max_new_tokens if self.max_tokens is None
+                   else min(self.max_new_tokens, self.max_tokens - len(row.tokens))
+                   for row in going]
         collector = self.collector
         if collector.seed is not None:
             global_rows = [collector.row_offset + row.index for row in going]
             self.sampler.set_streams(row_stream_seeds(collector.seed, batch, global_rows, turn=turn))
-        new = self.policy.generate_tokens(input_ids, attention, max(budget, 1))
+        new = self.policy.generate_tokens(input_ids, attention, max(max(budgets), 1))
         log_probs, entropies = self.sampler.pop() if collector.records else (None, None)
         values = self.value_recorder.pop() if self.value_recorder is not None else None
+        # (B, T) right-padded, cut after each row's first stop token
         new, mask, stopped = F.truncate_after_stop(new, self.stop_token_ids, pad)
         for j, row in enumerate(going):
-            n = int(mask[j].sum())
+            n, stop = int(mask[j].sum()), bool(stopped[j])  # up to and with the stop token
+            if n > budgets[j]:  # past the row's own budget: cut there, before any stop token
+                n, stop = budgets[j], False
             row.append(new[j, :n].tolist(), policy=True,
                        log_probs=None if log_probs is None else log_probs[j, :n].tolist(),
                        entropies=None if entropies is None else entropies[j, :n].tolist(),
                        values=None if values is None else values[j, :n].tolist())
-            row.stopped = bool(stopped[j])
+            row.stopped = stop
             row.turns += 1
 
     def _to_rollout(self, rows: list[_Episode], rollout: TensorDict) -> TensorDict:
@@ -197,9 +209,14 @@ class MultiTurnCollector:
                                                  for row in rows])})
         for key, values in recorded.items():
             out.set(key, values.unsqueeze(-1) if key == K.VALUE else values)
-        # the whole episode (tool results included): a verifier reads the final answer at its end
-        text = [self.tokenizer.decode(row.tokens, skip_special_tokens=True) for row in rows]
-        out.set(K.RESPONSE_TEXT, NonTensorStack(*(NonTensorData(t) for t in text)))
+        # what the rewards read: the policy's own turns, so that a tool's output (a calculator's
+        # "5" before a turn cut at its budget) never passes for the policy's answer; the whole
+        # transcript, tool messages included, for reading
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=True)
+        own = ["\n".join(decode(turn) for turn in row.policy_turns()) for row in rows]
+        whole = [decode(row.tokens) for row in rows]
+        out.set(K.RESPONSE_TEXT, NonTensorStack(*(NonTensorData(t) for t in own)))
+        out.set(K.EPISODE_TEXT, NonTensorStack(*(NonTensorData(t) for t in whole)))
         return out
 
 
@@ -228,6 +245,16 @@ class _Episode:
 
     def last_turn_tokens(self) -> list[int]:
         return self.tokens[self._turn_start:]
+
+    def policy_turns(self) -> list[list[int]]:
+        """The policy's tokens, turn by turn (the runs between observations)."""
+        turns: list[list[int]] = []
+        for i, (token, own) in enumerate(zip(self.tokens, self.policy)):
+            if own:
+                if i == 0 or not self.policy[i - 1]:
+                    turns.append([])
+                turns[-1].append(token)
+        return turns
 
     def last_policy_index(self) -> int:
         return len(self.tokens) - 1

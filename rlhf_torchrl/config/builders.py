@@ -23,7 +23,7 @@ from ..advantages import make_advantage as advantage_module
 from ..collectors import probe_rollout
 from ..collectors.base import check_group_sizes
 from ..collectors.factory import CollectorSpec, VLLMSpec, make_collector
-from ..data import Prompt, check_prompts, load_prompts
+from ..data import Prompt, check_prompts, load_prompts, templated_length
 from ..distributed import DataParallel, init_data_parallel
 from ..errors import ConfigError
 from ..guards import NonFiniteAction
@@ -38,6 +38,8 @@ from ..rewards import (
     make_kl_controller,
 )
 from ..runtime import ThreadTuner, native_bf16, resolve_device
+from ..sampling import check_full_distribution
+from ..sandbox import SandboxSpec
 from . import schema
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ def check_config(cfg: DictConfig) -> Sizes:
                       "num_mini_batches / processes) must split into "
                       "ppo.gradient_accumulation_steps micro-batches")
     g, a, e = cfg.generation, cfg.advantage, cfg.env
+    check_full_distribution(g.top_k, g.top_p, where="generation.")
     if e.max_turns > 1 and not e.tools:
         raise ConfigError(f"env.max_turns={e.max_turns}: an episode goes on only after a tool call, "
                          "and env.tools is empty: name the tools (env.tools=[calculator]).")
@@ -91,6 +94,12 @@ def check_config(cfg: DictConfig) -> Sizes:
     if a.filter_groups and g.samples_per_prompt < 2:
         raise ConfigError("advantage.filter_groups drops groups of responses with equal scores: set "
                          "generation.samples_per_prompt >= 2.")
+    if a.filter_groups and a.estimator not in GROUP_ESTIMATORS:
+        raise ConfigError(f"advantage.filter_groups drops the groups whose scores are all equal, "
+                          f"which carry no signal only under a group baseline (gae's critic and "
+                          f"reinforce_pp's batch baseline still learn from them): set "
+                          f"advantage.estimator={' or '.join(GROUP_ESTIMATORS)} (now "
+                          f"{a.estimator}), or drop the filter.")
     # whole groups; with groups of 2 or more, whole groups on each process or Ray worker too (the
     # row split of one response per prompt is checked with the minibatches and workers below)
     check_group_sizes(p.batch_size, g.samples_per_prompt)
@@ -143,6 +152,11 @@ def check_config(cfg: DictConfig) -> Sizes:
                              "trainer process; run the recipe without torchrun.")
         if importlib.util.find_spec("ray") is None:
             raise ConfigError("collection.ray_workers needs Ray: pip install 'ray==2.60.0'.")
+    if overlap and g.log_probs_from_sampling:
+        log.warning("generation.log_probs_from_sampling=true with collection.overlap=%d: PPO's ratio "
+                    "is taken against the sampler's weights, up to %d update(s) old, not the "
+                    "policy being updated (the default recomputes them and weights the loss by "
+                    "TIS).", overlap, overlap)
     if p.tis_cap is not None and log_probs_from_sampling(cfg):
         raise ConfigError("ppo.tis_cap corrects recomputed old log-probs towards the sampler's: set "
                          "generation.log_probs_from_sampling=false (or drop ppo.tis_cap).")
@@ -221,7 +235,19 @@ def log_probs_from_sampling(cfg: DictConfig) -> bool:
     from ..sampling import log_probs_from_sampling as from_sampling
 
     return from_sampling(backend=cfg.generation.backend, autocast=cfg.model.autocast,
-                         dtype=cfg.model.dtype, setting=cfg.generation.log_probs_from_sampling)
+                         dtype=cfg.model.dtype, overlap=cfg.collection.overlap,
+                         setting=cfg.generation.log_probs_from_sampling)
+
+
+def tis_cap(cfg: DictConfig) -> float | None:
+    """``ppo.tis_cap``; when null, :data:`AUTO_TIS_CAP` under ``collection.overlap`` >= 1 with
+    recomputed old log-probs (the sampler's, one or more updates old, weight the loss: decoupled
+    PPO), else off."""
+    if cfg.ppo.tis_cap is not None:
+        return float(cfg.ppo.tis_cap)
+    if cfg.collection.overlap and not log_probs_from_sampling(cfg):
+        return AUTO_TIS_CAP
+    return None
 
 
 def on_policy_tolerance(cfg: DictConfig) -> float:
@@ -254,10 +280,19 @@ def make_reward_functions(cfg: DictConfig) -> dict:
 
 
 def make_tools(cfg: DictConfig) -> dict:
-    """The tools of ``env.tools`` (:func:`rlhf_torchrl.tools.load_tools`), loaded before any model."""
+    """The tools of ``env.tools`` (:func:`rlhf_torchrl.tools.load_tools`), loaded before any model
+    (the ``python`` tool checks its sandbox runs here)."""
     from ..tools import load_tools
 
-    return load_tools(list(cfg.env.tools))
+    return load_tools(list(cfg.env.tools), python_sandbox=python_sandbox(cfg))
+
+
+def python_sandbox(cfg: DictConfig) -> SandboxSpec:
+    """Where and with which limits the ``python`` tool runs code (``env.python_*``)."""
+    e = cfg.env
+    return SandboxSpec(kind=e.python_sandbox, url=e.sandbox_url, timeout=e.tool_timeout,
+                       memory_mb=e.python_memory_mb, max_processes=e.python_max_processes,
+                       max_output_bytes=e.python_max_output_bytes, scratch_mb=e.python_scratch_mb)
 
 
 def system_prompt(cfg: DictConfig) -> str | None:
@@ -397,7 +432,7 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
         ray_address=c.ray_address, ray_cpus_per_worker=c.ray_cpus_per_worker,
         ray_gpus_per_worker=c.ray_gpus_per_worker, samples_per_prompt=g.samples_per_prompt,
         max_turns=cfg.env.max_turns, tools=tuple(cfg.env.tools), max_tokens=cfg.env.max_tokens,
-        tool_timeout=cfg.env.tool_timeout,
+        tool_timeout=cfg.env.tool_timeout, python_sandbox=python_sandbox(cfg),
         vllm=VLLMSpec(
             max_model_len=v.max_model_len or cfg.data.max_prompt_length + g.max_new_tokens,
             dtype=v.dtype or cfg.model.dtype, gpu_memory_utilization=v.gpu_memory_utilization,
@@ -452,9 +487,13 @@ def make_advantage(cfg: DictConfig):
 
 def make_loss(cfg: DictConfig, actor, critic):
     p = cfg.ppo
+    # Dr. GRPO's constant normaliser: the most policy tokens a response can hold
+    budget = p.loss_aggregation_constant or cfg.generation.max_new_tokens * cfg.env.max_turns
     return make_ppo_loss(actor, critic, clip_epsilon=p.clip_epsilon, clip_value=p.clip_value,
-                         vf_coef=p.vf_coef, entropy_coef=p.entropy_coef, tis_cap=p.tis_cap,
-                         kl_loss_coef=p.kl_loss_coef)
+                         vf_coef=p.vf_coef, entropy_coef=p.entropy_coef, tis_cap=tis_cap(cfg),
+                         kl_loss_coef=p.kl_loss_coef, clip_epsilon_low=p.clip_epsilon_low,
+                         clip_epsilon_high=p.clip_epsilon_high, dual_clip=p.dual_clip,
+                         loss_aggregation=p.loss_aggregation, loss_aggregation_constant=budget)
 
 
 def make_replay_buffer(cfg: DictConfig, sizes: Sizes):
@@ -658,6 +697,53 @@ def check_models(cfg: DictConfig) -> None:
         _model_config("value_model.name_or_path", v.name_or_path)
 
 
+def response_budget(cfg: DictConfig) -> tuple[int, str, str]:
+    """The most tokens a response (an episode's, tool messages included) may take, what bounds
+    it, and the setting that lowers it. Evaluation samples with ``generation.max_new_tokens`` too."""
+    g, e = cfg.generation, cfg.env
+    if e.max_turns > 1 and e.max_tokens is not None and e.max_tokens > g.max_new_tokens:
+        return e.max_tokens, f"env.max_tokens={e.max_tokens}", "env.max_tokens"
+    if e.max_turns > 1 and e.max_tokens is None:
+        return (e.max_turns * g.max_new_tokens, f"env.max_turns={e.max_turns} x generation."
+                f"max_new_tokens={g.max_new_tokens}, the tool messages on top", "env.max_tokens")
+    return g.max_new_tokens, f"generation.max_new_tokens={g.max_new_tokens}", "generation.max_new_tokens"
+
+
+def check_sequence_length(cfg: DictConfig, prompts, tokenizer) -> None:
+    """The longest prompt (chat template included, after ``data.truncate_prompts``) plus the
+    longest response fits the positions of each model that reads the policy's tokens (policy,
+    reference, a critic of its own), where its config gives a limit: past it a learned position
+    embedding (GPT-2's ``n_positions``) fails deep inside the first forward with an IndexError,
+    and a rotary model (``max_position_embeddings``) reads positions it was never trained on."""
+    m, v = cfg.model, cfg.value_model
+    models = [("model.policy", m.policy), ("model.reference", m.reference)]
+    if v.init == "model" and v.name_or_path:
+        models.append(("value_model.name_or_path", v.name_or_path))
+    # (GPT-2's config maps max_position_embeddings to n_positions)
+    limits = [(getattr(_model_config(setting, name), "max_position_embeddings", None), setting, name)
+              for setting, name in models if name]
+    limits = [limit for limit in limits if isinstance(limit[0], int)]
+    if not limits:
+        return
+    positions, setting, name = min(limits)
+    response, bound, lower = response_budget(cfg)
+    if cfg.data.max_prompt_length + response <= positions:
+        return  # every prompt fits data.max_prompt_length (check_prompts)
+    longest = max(templated_length(tokenizer, prompt) for prompt in prompts)
+    if longest + response <= positions:
+        return
+    fixes = []
+    if positions > longest:
+        fixes.append(f"set {lower}={positions - longest} or less")
+    if positions > response:
+        fixes.append(f"cut the prompts (data.max_prompt_length={positions - response} "
+                     "data.truncate_prompts=true)")
+    raise ConfigError(
+        f"The longest prompt ({longest} tokens, chat template included) plus {response} response "
+        f"tokens ({bound}) is {longest + response} tokens, more than the {positions} positions of "
+        f"{setting}={name}: {', or '.join(fixes) or 'use a model with more positions'}.")
+
+
 # ---- the trainer ----------------------------------------------------------------------------------
 def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     """The :class:`~rlhf_torchrl.trainer.PPOTrainer` of ``cfg`` with its hooks, resumed from the
@@ -698,6 +784,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
 
     tokenizer = make_tokenizer(cfg)
     prompts, held_out = split_eval_prompts(cfg, make_prompts(cfg, tokenizer))
+    check_sequence_length(cfg, [*prompts, *held_out], tokenizer)
     stop_ids = stop_token_ids(cfg, tokenizer)
     advantage = advantage if advantage is not None else make_advantage(cfg)
     values_sampled = values_from_sampling(cfg, parallel, critic=needs_critic(advantage))
@@ -869,6 +956,7 @@ def evaluate_policy(cfg: DictConfig) -> dict:
     tokenizer = make_tokenizer(cfg)
     prompts = make_prompts(cfg, tokenizer)
     held_out = prompts[-cfg.eval.num_prompts:]
+    check_sequence_length(cfg, held_out, tokenizer)
     stop_ids = stop_token_ids(cfg, tokenizer)
     scorer = make_scorer(cfg, reward_functions, device)
     scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids))

@@ -110,6 +110,12 @@ class Env:
     max_tokens: int | None = MISSING
     tool_timeout: float = MISSING
     describe_tools: bool = MISSING
+    python_sandbox: str = MISSING
+    sandbox_url: str | None = MISSING
+    python_memory_mb: int = MISSING
+    python_max_processes: int = MISSING
+    python_max_output_bytes: int = MISSING
+    python_scratch_mb: int = MISSING
 
 
 @dataclass
@@ -149,6 +155,11 @@ class PPO:
     lmbda: float = MISSING
     whiten_advantages: bool = MISSING
     clip_epsilon: float = MISSING
+    clip_epsilon_low: float | None = MISSING
+    clip_epsilon_high: float | None = MISSING
+    dual_clip: float | None = MISSING
+    loss_aggregation: str = MISSING
+    loss_aggregation_constant: float | None = MISSING
     clip_value: float | None = MISSING
     vf_coef: float = MISSING
     entropy_coef: float = MISSING
@@ -242,8 +253,11 @@ CHOICES = {
     "reward.model_dtype": DTYPES,
     "value_model.init": ("shared", "policy", "reward_model", "model"),
     "generation.backend": ("transformers", "vllm"),
+    "env.python_sandbox": ("bubblewrap", "remote", "none"),
     "vllm.dtype": (None, *DTYPES),
     "ppo.kl_estimator": ("k1", "k2", "k3"),
+    "ppo.loss_aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                             "seq_mean_token_sum_norm"),
     "advantage.estimator": ("gae", "grpo", "rloo", "reinforce_pp"),
     "optim.lr_schedule": ("linear", "constant"),
     "guards.non_finite": ("stop", "skip"),
@@ -277,6 +291,10 @@ RANGES = {
     "env.max_turns": (1, _INF, True, True),
     "env.max_tokens": (1, _INF, True, True),
     "env.tool_timeout": (0, _INF, False, True),
+    "env.python_memory_mb": (32, _INF, True, True),
+    "env.python_max_processes": (2, _INF, True, True),
+    "env.python_max_output_bytes": (1, _INF, True, True),
+    "env.python_scratch_mb": (1, _INF, True, True),
     "collection.overlap": (0, _INF, True, True),
     "collection.ray_workers": (0, _INF, True, True),
     "collection.ray_cpus_per_worker": (0, _INF, True, True),
@@ -298,6 +316,10 @@ RANGES = {
     "ppo.gamma": (0, 1, True, True),
     "ppo.lmbda": (0, 1, True, True),
     "ppo.clip_epsilon": (0, _INF, False, True),
+    "ppo.clip_epsilon_low": (0, 1, False, False),  # 1 - eps_low > 0
+    "ppo.clip_epsilon_high": (0, _INF, False, True),
+    "ppo.dual_clip": (1, _INF, False, True),
+    "ppo.loss_aggregation_constant": (0, _INF, False, True),
     "ppo.clip_value": (0, _INF, False, True),
     "ppo.vf_coef": (0, _INF, True, True),
     "ppo.entropy_coef": (0, _INF, True, True),

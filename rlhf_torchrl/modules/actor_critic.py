@@ -29,6 +29,7 @@ from .. import functional as F
 from .. import keys as K
 from ..errors import ConfigError
 from ..runtime import autocast
+from .models import lm_head_in_fp32
 
 _IN_KEYS = [K.PROMPT_TOKENS, K.PROMPT_MASK, K.RESPONSE_TOKENS, K.RESPONSE_MASK]
 _OPTIONAL_IN_KEYS = [K.OBSERVATION_MASK]  # multi-turn episodes: tokens the environment wrote
@@ -133,8 +134,9 @@ class TokenLevelActor(TensorDictModuleBase):
     :class:`ResponseTokenDistribution` of the response tokens at the sampling ``temperature``
     (the distribution the tokens were drawn from; log-probs in fp32). The LM head runs only on the
     ``R`` positions that predict response tokens (``logits_to_keep``). ``forward`` writes the
-    log-probs of the response tokens to ``out_key``. With ``autocast_dtype`` (bf16/fp16) the model runs
-    under ``torch.autocast`` and the log-probs are still computed in fp32 from its logits. With
+    log-probs of the response tokens to ``out_key``. With ``autocast_dtype`` (bf16/fp16) the trunk runs
+    under ``torch.autocast``, and the LM head and the log-probs in fp32
+    (:func:`~rlhf_torchrl.modules.models.lm_head_in_fp32`). With
     ``adapters_off`` (a PEFT model) it runs with the LoRA adapters disabled: the base model, used
     as the reference without a second copy (:mod:`rlhf_torchrl.modules.lora`). With
     ``trunk_critic`` (a :class:`TokenCritic`
@@ -165,6 +167,8 @@ class TokenLevelActor(TensorDictModuleBase):
             raise ConfigError(f"temperature must be > 0, got {temperature}.")
         if adapters_off and not is_peft(model):
             raise ConfigError("adapters_off=True needs a PEFT model (modules.lora.add_lora).")
+        if autocast_dtype is not None:  # the trunk in bf16/fp16, the logits in fp32
+            lm_head_in_fp32(model)
         self.model = model
         self.temperature = temperature
         self.autocast_dtype = autocast_dtype

@@ -7,6 +7,7 @@ on the left and get a pad token distinct from EOS.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -115,6 +116,31 @@ def disable_dropout(model: nn.Module) -> nn.Module:
             if isinstance(getattr(config, attr, None), float):
                 setattr(config, attr, 0.0)
     return model
+
+
+def lm_head_in_fp32(model: nn.Module) -> nn.Module:
+    """Make ``model``'s LM head compute its logits in fp32, outside ``torch.autocast``.
+
+    Under bf16 autocast a plain ``nn.Linear`` head would round every logit to bf16 (8 bits of
+    mantissa: steps of 0.0625 at a logit of 10), and the log-softmax PPO's ratio, the KL and the
+    on-policy check read would inherit it. With this, the trunk still runs in bf16 and the head
+    is ``hidden.float() @ W.float().T`` in fp32 (verl and OpenRLHF keep the logits in fp32 for the
+    same reason). Outside autocast, with fp32 weights, it computes exactly what the head did.
+    Idempotent; a head that is not a plain ``nn.Linear`` (an adapter on it) is left as it is.
+    Returns ``model``.
+    """
+    from .lora import hf_model
+
+    head = hf_model(model).get_output_embeddings()
+    if type(head) is nn.Linear and not isinstance(head.forward, functools.partial):
+        head.forward = functools.partial(_linear_in_fp32, head)  # deepcopy carries it to copies
+    return model
+
+
+def _linear_in_fp32(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(hidden.device.type, enabled=False):
+        bias = None if head.bias is None else head.bias.float()
+        return nn.functional.linear(hidden.float(), head.weight.float(), bias)
 
 
 def load_tokenizer(name_or_path: str, padding_side: str = "left"):

@@ -1,0 +1,120 @@
+"""A sandbox service over HTTP: SandboxFusion's ``run_code`` API, as verl's client speaks it.
+
+Request (JSON, ``POST`` to the endpoint, e.g. ``http://HOST:8080/run_code``)::
+
+    {"code": "...", "language": "python", "compile_timeout": 10, "run_timeout": 10,
+     "memory_limit_MB": 512, "stdin": "", "files": {}, "fetch_files": []}
+
+Answer: ``{"status": "Success" | "Failed" | "SandboxError", "message": "...",
+"run_result": {"status": "Finished" | "TimeLimitExceeded" | "Error", "return_code": 0,
+"stdout": "...", "stderr": "...", "execution_time": 0.01}, ...}``. The service runs the code in
+its own isolation (SandboxFusion: containers); processes, scratch space and network are its
+settings, not this request's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+
+from ..errors import ConfigError
+from . import Execution, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+#: answers worth another try: the service is busy, restarting, or behind a gateway that gave up
+RETRY_STATUSES = (429, 500, 502, 503, 504)
+#: seconds past the run's own limit the service may take to answer (queueing, start-up, network)
+ANSWER_SLACK = 1.0
+
+
+class RemoteSandbox:
+    """Runs Python code on a SandboxFusion-compatible service at ``spec.url``.
+
+    A call's HTTP request gets the run's limit plus :data:`ANSWER_SLACK`; a refused connection,
+    a dropped one or an answer in :data:`RETRY_STATUSES` is tried again, ``retries`` times in all,
+    after ``backoff``, ``2 * backoff``, ... seconds, as long as the run's time allows. A service
+    that stays down gives an :class:`~.Execution` ending in ``"error"`` whose message says so (and
+    a warning in the log, once until it answers again). Example::
+
+        >>> RemoteSandbox(SandboxSpec(kind="remote", url="http://localhost:8080/run_code"))
+    """
+
+    def __init__(self, spec: SandboxSpec, *, retries: int = 3, backoff: float = 0.5):
+        if not spec.url:
+            raise ConfigError("env.python_sandbox=remote needs the service's run_code endpoint: "
+                              "set env.sandbox_url (http://HOST:8080/run_code).")
+        if not spec.url.startswith(("http://", "https://")):
+            raise ConfigError(f"env.sandbox_url={spec.url!r} is not an http:// or https:// URL "
+                              "(SandboxFusion's endpoint: http://HOST:8080/run_code).")
+        self.spec, self.retries, self.backoff = spec, retries, backoff
+        self._down = False  # warned that the service is down; cleared by its next answer
+
+    def request(self, code: str, timeout: float) -> bytes:
+        """The ``run_code`` request body for ``code`` with the config's limits."""
+        return json.dumps({"code": code, "language": "python", "compile_timeout": timeout,
+                           "run_timeout": timeout, "memory_limit_MB": self.spec.memory_mb,
+                           "stdin": "", "files": {}, "fetch_files": []}).encode("utf-8")
+
+    def run(self, code: str, timeout: float | None = None) -> Execution:
+        """Run ``code`` on the service; ``timeout`` (seconds, at most ``spec.timeout``) sooner."""
+        timeout = self.spec.timeout if timeout is None else min(self.spec.timeout, timeout)
+        deadline = time.monotonic() + timeout + ANSWER_SLACK
+        body = self.request(code, timeout)
+        failure, attempts = "no time left", 0
+        for attempt in range(self.retries):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            attempts += 1
+            request = urllib.request.Request(self.spec.url, data=body, method="POST", headers={
+                "Content-Type": "application/json", "Accept": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=left) as response:
+                    # the service's JSON escapes its output: a few times the bound, at most
+                    answer = response.read(4 * self.spec.max_output_bytes + 65536 + 1)
+            except urllib.error.HTTPError as e:
+                failure = f"HTTP {e.code} {e.reason}"
+                if e.code not in RETRY_STATUSES:
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                failure = str(getattr(e, "reason", e)) or type(e).__name__
+            else:
+                if self._down:
+                    log.warning("The sandbox service at %s answers again.", self.spec.url)
+                self._down = False
+                return self._execution(answer)
+            if attempt + 1 < self.retries:
+                time.sleep(max(0.0, min(self.backoff * 2**attempt, deadline - time.monotonic())))
+        message = (f"the sandbox service at {self.spec.url} did not answer ({attempts} "
+                   f"attempt{'s' * (attempts != 1)}; last: {failure})")
+        if not self._down:
+            log.warning("The python tool's %s: its calls fail until it answers.", message)
+        self._down = True
+        return Execution("", "error", message=message)
+
+    def _execution(self, answer: bytes) -> Execution:
+        if len(answer) > 4 * self.spec.max_output_bytes + 65536:
+            return Execution("", "output_limit")
+        try:
+            result = json.loads(answer)
+            run = result.get("run_result") or {}
+            output = ((run.get("stdout") or "") + (run.get("stderr") or "")).encode("utf-8")
+        except (ValueError, AttributeError, TypeError):
+            return Execution("", "error", message=f"the sandbox service at {self.spec.url} "
+                             "answered with something other than run_code's JSON")
+        text = output[:self.spec.max_output_bytes].decode("utf-8", "replace").strip()
+        if len(output) > self.spec.max_output_bytes:
+            return Execution(text, "output_limit")
+        if result.get("status") == "SandboxError" or not run:
+            return Execution(text, "error", message="the sandbox service failed: "
+                             f"{result.get('message') or result.get('status')}")
+        if run.get("status") == "TimeLimitExceeded":
+            return Execution(text, "timeout")
+        returncode = run.get("return_code")
+        if returncode is None:  # "Error": it could not run
+            returncode = 0 if run.get("status") == "Finished" else 1
+        return Execution(text, "exit", returncode=int(returncode))
