@@ -36,6 +36,9 @@ def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
     keys = td.keys(True)
     if K.VALUE in keys:  # (a critic-free run has none)
         out["val/value_mean"] = float(F.masked_mean(td.get(K.VALUE).squeeze(-1), mask))
+    if K.VALUE in keys and K.VALUE_TARGET in keys:  # the old values against the targets
+        out["val/explained_variance"] = float(F.explained_variance(
+            td.get(K.VALUE).squeeze(-1), td.get(K.VALUE_TARGET).squeeze(-1), mask))
     if K.RAW_SCORE in keys:  # a Scorer's score before the missing-EOS penalty
         out["objective/raw_scores"] = float(td.get(K.RAW_SCORE).mean())
     if K.ENTROPY in keys:

@@ -1,4 +1,5 @@
-"""The optimiser of policy and critic: parameter groups, learning-rate warm-up, critic warm-up.
+"""The optimiser of policy and critic: parameter groups, learning-rate warm-up, critic warm-up
+(a fixed number of iterations, or until the critic's fit stops improving: :class:`CriticWarmup`).
 
 Example:
     >>> optimizer, scheduler = make_optimizer(policy, critic, lr=1e-5, value_head_lr=1e-3,
@@ -6,6 +7,9 @@ Example:
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -64,12 +68,15 @@ def schedule_multiplier(step: int, *, total_steps: int, schedule: str = "linear"
 def make_optimizer(policy: nn.Module, critic: nn.Module | None, *, lr: float, total_steps: int,
                    critic_lr: float | None = None, value_head_lr: float | None = None,
                    weight_decay: float = 0.0, eps: float = 1e-5, schedule: str = "linear",
-                   warmup_steps: int = 0, critic_warmup_steps: int = 0):
+                   warmup_steps: int = 0,
+                   critic_warmup_steps: int | Callable[[], float] = 0):
     """AdamW over :func:`parameter_groups` and its ``LambdaLR`` schedule; returns both.
 
     ``critic_warmup_steps``: the first optimiser steps train the critic alone
-    (:func:`policy_lr_multiplier`); the critic's groups follow ``schedule`` from step 0.
-    ``critic=None``: the policy alone (critic-free estimators).
+    (:func:`policy_lr_multiplier`), or a callable read at every step that gives their number (a
+    warm-up that ends on its own: :attr:`CriticWarmup.frozen_steps`, infinite while it runs); the
+    critic's groups follow ``schedule`` from step 0. ``critic=None``: the policy alone
+    (critic-free estimators).
     """
     if critic is None and critic_warmup_steps:
         raise ConfigError("A critic warm-up needs a critic: set optim.critic_warmup=0 with a "
@@ -79,8 +86,9 @@ def make_optimizer(policy: nn.Module, critic: nn.Module | None, *, lr: float, to
     optimizer = torch.optim.AdamW(groups, weight_decay=weight_decay, eps=eps, fused=True)
 
     def policy_rate(step: int) -> float:
+        frozen = critic_warmup_steps() if callable(critic_warmup_steps) else critic_warmup_steps
         return policy_lr_multiplier(step, total_steps=total_steps, schedule=schedule,
-                                    warmup_steps=warmup_steps, frozen_steps=critic_warmup_steps)
+                                    warmup_steps=warmup_steps, frozen_steps=frozen)
 
     def critic_rate(step: int) -> float:
         return schedule_multiplier(step, total_steps=total_steps, schedule=schedule)
@@ -111,3 +119,120 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float | None) -> 
         if not torch.isfinite(still_norm):
             return still_norm
     return norm
+
+
+#: ``CriticWarmup``'s signals: the metric each reads and whether it improves upwards
+WARMUP_SIGNALS = {"explained_variance": ("val/explained_variance", True),
+                  "value_loss": ("loss/value_avg", False)}
+
+
+class CriticWarmup:
+    """The critic trains alone for the first iterations: a fixed number, or until its fit stops
+    improving (value pretraining that ends on its own).
+
+    VC-PPO pretrains the value model on the initial policy's samples before PPO starts, so that
+    the first advantages come from a critic that already knows the returns (Yuan et al. 2025,
+    "VC-PPO", arXiv 2503.01491, value pretraining; VAPO keeps it; verl ``critic_warmup``, slime
+    ``--num-critic-only-steps`` and OpenRLHF ``freezing_actor_steps`` run a fixed number of steps,
+    NeMo-RL ``policy_training_start_step``). Here the policy's learning rate is 0 while the warm-up
+    runs (:func:`make_optimizer` reads :attr:`frozen_steps`), as for a fixed count.
+
+    ``max_iterations``: the warm-up's iterations (its most, with ``until``). ``until``: None (all
+    of them), or a signal of :data:`WARMUP_SIGNALS` read from each warm-up iteration's metrics:
+
+    - ``explained_variance``: ``val/explained_variance``, ``1 - Var(R - V) / Var(R)`` of the
+      values the critic gave the iteration's batch, before its update, against the value targets
+      (:func:`~rlhf_torchrl.functional.explained_variance`): the fit on responses it has not
+      trained on. Improves when it rises by at least ``min_delta``.
+    - ``value_loss``: ``loss/value_avg`` of the iteration's update. Improves when it falls by at
+      least ``min_delta`` of the best so far.
+
+    The warm-up ends after ``patience`` iterations in a row without an improvement on the best,
+    or after ``max_iterations``.
+
+    Example:
+        >>> warmup = CriticWarmup(10, until="explained_variance", patience=2)
+        >>> optimizer, scheduler = make_optimizer(policy, critic, lr=1e-5, total_steps=400,
+        ...                                       critic_warmup_steps=warmup.frozen_steps)
+        >>> trainer = PPOTrainer(..., optimizer=optimizer, scheduler=scheduler, critic_warmup=warmup)
+    """
+
+    def __init__(self, max_iterations: int, *, until: str | None = None, patience: int = 2,
+                 min_delta: float = 0.01):
+        if until is not None and until not in WARMUP_SIGNALS:
+            raise ConfigError(f"critic_warmup_until={until!r}: choose one of "
+                              f"{', '.join(WARMUP_SIGNALS)}, or None (a fixed number of iterations).")
+        if max_iterations < 0 or patience < 1 or min_delta < 0:
+            raise ConfigError(f"CriticWarmup needs max_iterations >= 0, patience >= 1 and min_delta "
+                              f">= 0, got {max_iterations}, {patience} and {min_delta}.")
+        self.max_iterations, self.until = max_iterations, until
+        self.patience, self.min_delta = patience, min_delta
+        self.iterations = 0  # warm-up iterations done
+        self.ended_at_step: int | None = None if max_iterations else 0  # optimiser steps then
+        self.best: float | None = None
+        self.stale = 0  # iterations in a row without an improvement
+
+    @property
+    def running(self) -> bool:
+        """Whether the next iteration trains the critic alone (with ``until``; a fixed warm-up
+        ends by the iteration count: :meth:`trains_critic_alone`)."""
+        return self.ended_at_step is None
+
+    @property
+    def warmup_iterations(self) -> int | None:
+        """The number of warm-up iterations: ``max_iterations`` for a fixed warm-up; with
+        ``until``, those it ran once it ended (None while it runs)."""
+        if self.until is None:
+            return self.max_iterations
+        return None if self.running else self.iterations
+
+    def trains_critic_alone(self, iteration: int) -> bool:
+        """Whether iteration ``iteration`` (0 first) is a warm-up iteration."""
+        done = self.warmup_iterations
+        return iteration < done if done is not None else True
+
+    def frozen_steps(self) -> float:
+        """The optimiser steps in which the policy's learning rate is 0: infinite while the
+        warm-up runs, then the steps taken when it ended."""
+        return math.inf if self.running else self.ended_at_step
+
+    def observe(self, metrics: Mapping[str, float], steps_done: int) -> bool:
+        """Count one warm-up iteration from its ``metrics`` (``steps_done``: optimiser steps taken
+        so far); returns True when the warm-up ends with it."""
+        if not self.running:
+            return False
+        self.iterations += 1
+        if self.until is not None:
+            name, upwards = WARMUP_SIGNALS[self.until]
+            value = metrics.get(name)
+            if value is None or not math.isfinite(value):
+                raise ConfigError(f"critic_warmup_until={self.until} reads {name}, which this "
+                                  f"iteration's metrics lack (a critic and a value loss are needed).")
+            if self.best is None or self._improves(value, upwards):
+                self.best, self.stale = value, 0
+            else:
+                self.stale += 1
+        if self.iterations >= self.max_iterations or self.stale >= self.patience:
+            self.ended_at_step = steps_done
+            return True
+        return False
+
+    def _improves(self, value: float, upwards: bool) -> bool:
+        if upwards:
+            return value >= self.best + self.min_delta
+        return value <= self.best - self.min_delta * abs(self.best)
+
+    def state_dict(self) -> dict:
+        return {"iterations": self.iterations, "ended_at_step": self.ended_at_step,
+                "best": self.best, "stale": self.stale}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.iterations, self.ended_at_step = state["iterations"], state["ended_at_step"]
+        self.best, self.stale = state["best"], state["stale"]
+
+
+def refresh_lr(scheduler) -> None:
+    """Set each group's learning rate for the next step again from ``scheduler``'s schedule (a
+    ``LambdaLR``), after something it reads has changed (a warm-up that ended)."""
+    scheduler.last_epoch -= 1
+    scheduler.step()  # the same step again: lr = base_lr * lambda(step)

@@ -26,6 +26,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
+from . import functional as F
 from . import keys as K
 from .advantages import compares_groups, group_metrics, informative_groups
 from .checkpoint import load_checkpoint, load_rng_state, load_rollouts, rng_state, set_rng_state
@@ -35,6 +36,7 @@ from .guards import NonFiniteError, check_finite
 from .metrics import rollout_metrics, sampler_metrics
 from .modules import evaluate_rollout
 from .objectives import ppo_update
+from .optim import CriticWarmup, refresh_lr
 from .runtime import module_device, placed
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,12 @@ class PPOTrainer:
     ``examples/reward_transform.py``); ``optimizer`` and ``scheduler``;
     ``replay_buffer`` (the minibatch sampler, :func:`~rlhf_torchrl.objectives.make_minibatch_buffer`
     with a seed of its own; None: one per update, shuffled by torch's global generator); ``parallel`` (this process's place in a torchrun
-    job; None: one process).
+    job; None: one process). ``critic_warmup``: the first N iterations train the critic alone (the
+    optimiser's schedule holds the policy: :func:`~rlhf_torchrl.optim.make_optimizer`'s
+    ``critic_warmup_steps``), or a :class:`~rlhf_torchrl.optim.CriticWarmup` that ends when the
+    critic's fit stops improving; ``critic_epochs``: passes over each rollout that train the
+    critic, those after the PPO epochs the value loss alone
+    (:func:`~rlhf_torchrl.update.ppo_update`).
 
     Where TorchRL's ``Trainer`` does not fit, and why: an iteration is one rollout of whole
     responses, not a frame count; minibatches are split into token-weighted micro-batches
@@ -117,7 +124,8 @@ class PPOTrainer:
         keep_sampler_log_probs: bool = False,
         exact_entropy: bool = True,
         offload_reference: bool = False,
-        critic_warmup: int = 0,
+        critic_warmup: int | CriticWarmup = 0,
+        critic_epochs: int | None = None,
         on_non_finite: Callable | None = None,
         filter_groups: bool = False,
         reward_transform: Callable | None = None,
@@ -136,7 +144,14 @@ class PPOTrainer:
         # old log-probs from a training forward (vLLM, bf16) instead of those recorded while sampling;
         # keep_sampler_log_probs keeps the recorded ones beside them (TIS, the mismatch metric)
         self.recompute_log_probs, self.keep_sampler_log_probs = recompute_log_probs, keep_sampler_log_probs
-        self.offload_reference, self.critic_warmup = offload_reference, critic_warmup
+        self.offload_reference, self.critic_epochs = offload_reference, critic_epochs
+        # the critic trains alone first: N iterations, or a CriticWarmup that ends on its own
+        self.critic_warmup = (critic_warmup if isinstance(critic_warmup, CriticWarmup)
+                              else CriticWarmup(critic_warmup))
+        if self.critic_warmup.until is not None and scheduler is None:
+            raise ConfigError("A CriticWarmup with `until` holds the policy through the learning-"
+                              "rate schedule: pass the scheduler of make_optimizer(..., "
+                              "critic_warmup_steps=warmup.frozen_steps).")
         # what a NaN/inf does: on_non_finite(error, iteration, batch) raises (stop) or returns
         # (skip: no further optimiser step this iteration); None: the NonFiniteError propagates
         self.on_non_finite = on_non_finite
@@ -291,7 +306,9 @@ class PPOTrainer:
                     micro_batch_tokens=self.micro_batch_tokens, max_grad_norm=self.max_grad_norm,
                     scheduler=self.scheduler, replay_buffer=self.replay_buffer,
                     grad_scaler=self.grad_scaler, parallel=self.parallel,
+                    critic_epochs=self.critic_epochs,
                 )
+            self.follow_critic_warmup(train_batch, stats, iteration)
         except NonFiniteError as error:
             if self.on_non_finite is None:
                 raise
@@ -341,13 +358,35 @@ class PPOTrainer:
         if self.stop_error is not None:
             raise self.stop_error
 
+    def follow_critic_warmup(self, batch: TensorDictBase, stats: dict, iteration: int) -> None:
+        """After an update: mark a critic warm-up iteration (``critic_warmup``: 1) and let a
+        warm-up that ends on its own read its signal (the explained variance of the batch's old
+        values, :func:`~rlhf_torchrl.functional.explained_variance`, or the update's value loss);
+        when it ends, the policy's learning rate is set for the next step."""
+        warmup = self.critic_warmup
+        if not warmup.max_iterations:
+            return
+        self.metrics["critic_warmup"] = float(warmup.trains_critic_alone(iteration))
+        if warmup.until is None or not warmup.running:
+            return
+        signals = dict(stats)
+        if K.VALUE_TARGET in batch.keys():
+            signals["val/explained_variance"] = float(F.explained_variance(
+                batch.get(K.VALUE).squeeze(-1), batch.get(K.VALUE_TARGET).squeeze(-1),
+                batch.get(K.RESPONSE_MASK)))
+        if warmup.observe(signals, steps_done=self.scheduler.last_epoch):
+            refresh_lr(self.scheduler)
+            log.info("Critic warm-up ended after %d iterations (%s %.4g at best).",
+                     warmup.iterations, warmup.until, warmup.best)
+
     def update_kl_coef(self, batch: TensorDictBase, iteration: int) -> None:
         """The adaptive KL coefficient's step. A batch sampled by the policy of the critic
         warm-up (updates 0..warm-1 left it as it was) has a KL of 0, which says nothing about the
-        coefficient: it waits."""
+        coefficient: it waits (for a warm-up that ends on its own, until it has ended)."""
         sampled_by = (int(batch.get(K.POLICY_VERSION).min()) if K.POLICY_VERSION in batch.keys()
                       else iteration)  # asynchronous rows record their version
-        if sampled_by > self.critic_warmup or not self.critic_warmup:
+        warm = self.critic_warmup.warmup_iterations  # None while a warm-up runs on
+        if warm is not None and (sampled_by > warm or not warm):
             self.shaper.update_kl_coef(batch)
 
     # ---- state ----------------------------------------------------------------------------------
@@ -383,6 +422,7 @@ class PPOTrainer:
             "pending": len(self.pending_rollouts()),  # (the rollouts: one folder per process)
             "world_size": self.parallel.world_size,
             "hooks": {name: hook.state_dict() for name, hook in self.hooks.items()},
+            "critic_warmup": self.critic_warmup.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -396,6 +436,8 @@ class PPOTrainer:
         if state["minibatch_rng"] is not None and getattr(self.replay_buffer, "_rng", None) is not None:
             self.replay_buffer._rng.set_state(state["minibatch_rng"])
         self.restored_rng = state["rng"]  # set by fit(), once the collector is built
+        if state.get("critic_warmup") is not None:  # (checkpoints of earlier versions: none)
+            self.critic_warmup.load_state_dict(state["critic_warmup"])
         for name, hook_state in state["hooks"].items():
             if name in self.hooks:
                 self.hooks[name].load_state_dict(hook_state)

@@ -326,9 +326,9 @@ def ppo_update(
     ``ClipPPOLoss``) over all its rows, whatever the split: micro-batch ``j``'s loss is weighted by
     its share of the minibatch's aggregation size (``token_mean``: ``n_j / n``, its share of the
     valid tokens; :func:`micro_batches`), so the split changes the memory, never the gradient. A
-    loss with a ``prepare_minibatch(minibatch)`` method (:class:`~rlhf_torchrl.objectives.
-    TokenPPOLoss`: the positive-example NLL's per-response weights) sees each whole minibatch
-    before it is split.
+    loss with a ``prepare_minibatch(minibatch)`` method
+    (:class:`~rlhf_torchrl.objectives.TokenPPOLoss`: the positive-example NLL's per-response
+    weights) sees each whole minibatch before it is split.
 
     ``critic_epochs`` (None: ``num_ppo_epochs``): passes over the rollout that train the critic.
     The ``critic_epochs - num_ppo_epochs`` passes after the PPO epochs train the value loss alone

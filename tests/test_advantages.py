@@ -210,3 +210,82 @@ def test_estimator_registry():
             ] == [False, True, True, False]
     with pytest.raises(ConfigError, match="grpo, rloo"):
         make_advantage("ppo")
+
+
+def _with_values(td, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    mask = td.get(K.RESPONSE_MASK)
+    values = torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask
+    td.set(K.VALUE, values.unsqueeze(-1))
+    return td
+
+
+def _gae_rows(td, lmbdas, gamma=1.0):
+    """GAE by the recursive definition, row by row at each row's own lambda."""
+    out = []
+    for row, values, lmbda in zip(_rows(td), _value_rows(td), lmbdas):
+        adv, acc = [], 0.0
+        for t in reversed(range(len(row))):
+            next_v = values[t + 1] if t + 1 < len(row) else 0.0
+            acc = row[t] + gamma * next_v - values[t] + gamma * lmbda * acc
+            adv.append(acc)
+        out.append(adv[::-1])
+    return out
+
+
+def _check_close(td, expected):
+    """As _check, to float32 rounding: TorchRL's GAE takes its discount in float32."""
+    adv = td.get(K.ADVANTAGE).squeeze(-1)
+    for i, row in enumerate(expected):
+        assert adv[i, : len(row)].tolist() == pytest.approx(row, abs=1e-6)
+        assert (adv[i, len(row):] == 0).all()
+
+
+def _value_rows(td):
+    mask = td.get(K.RESPONSE_MASK)
+    return [[float(v) for v, m in zip(row, valid) if m]
+            for row, valid in zip(td.get(K.VALUE).squeeze(-1), mask)]
+
+
+def test_gae_critic_lambda_gives_the_value_targets():
+    """ppo.lmbda_critic: the value targets are GAE(lmbda_critic) + V (VC-PPO's 1.0: the Monte
+    Carlo return, whatever the values), the advantages stay GAE(lmbda), whitened."""
+    td = _with_values(_batch())
+    ResponseGAE(lmbda=0.95, lmbda_critic=1.0, whiten_advantages=False)(td)
+    targets = td.get(K.VALUE_TARGET).squeeze(-1)
+    for i, row in enumerate(_rows(td)):  # gamma 1, lambda 1: the return-to-go
+        assert targets[i, : len(row)].tolist() == pytest.approx(_to_go(row), abs=1e-9)
+    _check_close(td, _gae_rows(td, [0.95] * len(td)))
+    whitened = _with_values(_batch())
+    ResponseGAE(lmbda=0.95, lmbda_critic=1.0)(whitened)
+    mask = whitened.get(K.RESPONSE_MASK)
+    torch.testing.assert_close(whitened.get(K.ADVANTAGE).squeeze(-1),
+                               F.masked_whiten(td.get(K.ADVANTAGE).squeeze(-1), mask))
+    torch.testing.assert_close(whitened.get(K.VALUE_TARGET), td.get(K.VALUE_TARGET))
+    # the defaults: one lambda for both, as PPO has it
+    plain = _with_values(_batch())
+    ResponseGAE(lmbda=0.95, whiten_advantages=False)(plain)
+    values = plain.get(K.VALUE).squeeze(-1)
+    torch.testing.assert_close(plain.get(K.VALUE_TARGET).squeeze(-1),
+                               (plain.get(K.ADVANTAGE).squeeze(-1) + values) * mask)
+
+
+def test_gae_length_adaptive_policy_lambda():
+    """ppo.lmbda_length_alpha: each response's advantages use 1 - 1/(alpha * its length) (VAPO),
+    the value targets lmbda_critic (or lmbda when unset)."""
+    td = _with_values(_batch(width=30))
+    lengths = td.get(K.RESPONSE_MASK).sum(-1).tolist()
+    ResponseGAE(lmbda=0.95, lmbda_length_alpha=0.2, whiten_advantages=False)(td)
+    per_row = [max(0.0, 1 - 1 / (0.2 * n)) if n else 0.0 for n in lengths]
+    assert len(set(per_row)) > 2  # the rows differ
+    _check_close(td, _gae_rows(td, per_row))
+    targets = td.get(K.VALUE_TARGET).squeeze(-1)
+    for i, (adv, values) in enumerate(zip(_gae_rows(td, [0.95] * len(td)), _value_rows(td))):
+        expected = [a + v for a, v in zip(adv, values)]
+        assert targets[i, : len(adv)].tolist() == pytest.approx(expected, abs=1e-6)
+    with pytest.raises(ConfigError, match="lmbda_critic must be in"):
+        ResponseGAE(lmbda_critic=1.5)
+    with pytest.raises(ConfigError, match="lmbda_length_alpha must be > 0"):
+        make_advantage("gae", lmbda_length_alpha=0.0)
+    module = make_advantage("gae", lmbda_critic=1.0, lmbda_length_alpha=0.05)
+    assert (module.lmbda_critic, module.lmbda_length_alpha) == (1.0, 0.05)

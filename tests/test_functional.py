@@ -281,3 +281,76 @@ def test_clip_higher_and_dual_clip_hand_computed():
     assert (binds == (high | low)).all()
     with pytest.raises(ValueError, match="> 1"):
         F.dual_clip(clipped, adv, 1.0)
+
+
+# ---- separate lambdas, the critic's fit, the positive-example NLL -------------------------------
+
+def test_gae_with_a_lambda_per_row_against_recursive_definition():
+    """VAPO's length-adaptive lambda is one per response: each row of the vectorised GAE equals
+    the recursive definition at that row's own lambda (garbage in pads, a row of 0 tokens), also
+    where the mask has holes."""
+    torch.manual_seed(2)
+    B, R = 5, 7
+    mask = torch.arange(R).expand(B, R) < torch.tensor([[7], [4], [1], [0], [5]])
+    rewards, values = torch.randn(B, R), torch.randn(B, R)
+    lmbda = torch.tensor([0.0, 0.5, 0.9, 1.0, 0.3])
+    adv, ret = F.gae(rewards, values, mask, 0.9, lmbda)
+    for i in range(B):
+        exp_adv, exp_ret = _gae_loop(rewards[i:i + 1], (values * mask)[i:i + 1], mask[i:i + 1], 0.9,
+                                     float(lmbda[i]))
+        torch.testing.assert_close(adv[i:i + 1], exp_adv)
+        torch.testing.assert_close(ret[i:i + 1], exp_ret)
+    holes = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 1, 0, 0]]).bool()
+    two = torch.tensor([0.2, 0.7])
+    adv, _ = F.gae(rewards[:2], values[:2], holes, 1.0, two)
+    for i in range(2):
+        alone, _ = F.gae(rewards[i:i + 1], values[i:i + 1], holes[i:i + 1], 1.0, float(two[i]))
+        torch.testing.assert_close(adv[i:i + 1], alone)
+
+
+def test_length_adaptive_lambda_hand_computed():
+    """1 - 1 / (alpha * length), clamped to [0, 1]: alpha 0.05 (VAPO) gives 0 up to 20 tokens."""
+    lengths = torch.tensor([0, 10, 20, 25, 40, 100, 1000])
+    mask = torch.arange(1000).expand(7, 1000) < lengths[:, None]
+    lmbda = F.length_adaptive_lmbda(mask, 0.05)
+    torch.testing.assert_close(lmbda, torch.tensor([0.0, 0.0, 0.0, 0.2, 0.5, 0.8, 0.98]))
+    assert F.length_adaptive_lmbda(mask, 1.0)[1] == pytest.approx(0.9)  # 1 - 1/10
+    with pytest.raises(ValueError, match="lmbda_length_alpha must be > 0"):
+        F.length_adaptive_lmbda(mask, 0.0)
+
+
+def test_explained_variance_hand_computed():
+    """1 - Var(R - V) / Var(R) over valid tokens (pads hold garbage): a perfect critic 1, the mean
+    0, worse below; constant targets 0."""
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    returns = torch.tensor([[1.0, 2.0, 50.0], [3.0, 4.0, -9.0]])  # mean 2.5, Var 1.25
+    assert float(F.explained_variance(returns, returns, mask)) == pytest.approx(1.0)
+    assert float(F.explained_variance(torch.full((2, 3), 2.5), returns, mask)) == pytest.approx(0.0)
+    off = torch.tensor([[2.0, 1.0, 0.0], [4.0, 3.0, 0.0]])  # R - V = -1, 1, -1, 1: Var 1
+    assert float(F.explained_variance(off, returns, mask)) == pytest.approx(1 - 1 / 1.25)
+    assert float(F.explained_variance(returns, torch.ones(2, 3), mask)) == 0.0
+
+
+def test_positive_nll_hand_computed_and_exact_over_any_split():
+    """VAPO's positive-example NLL: the mean -log p over the tokens of the responses at or above
+    the threshold (here rows 0 and 2: 3 + 1 tokens); with positive_nll_weights, parts of the
+    batch, each normalised by its own aggregation size and weighted by its share of the batch's
+    (as ppo_update weights every loss term), add up to it for every aggregation mode."""
+    log_prob = torch.tensor([[-1.0, -2.0, -3.0, 9.0], [-5.0, -5.0, 9.0, 9.0],
+                             [-4.0, 9.0, 9.0, 9.0], [-7.0, -7.0, -7.0, -7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]).bool()
+    positive = torch.tensor([1.0, 0.5, 2.0, -1.0]) >= 1.0
+    whole = F.positive_nll(log_prob, mask, positive)
+    assert float(whole) == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert float(F.positive_nll(log_prob, mask, torch.zeros(4, dtype=torch.bool))) == 0.0
+    for mode in F.LOSS_AGGREGATIONS:
+        weights = F.positive_nll_weights(positive, mask, mode, 6)
+        size = F.aggregation_size(mask, mode, 6)
+        for parts in ([[0, 1, 2, 3]], [[0], [1, 2, 3]], [[3, 1], [2], [0]]):
+            total = 0.0
+            for p in parts:
+                m = mask[p]
+                part = torch.where(m, -log_prob[p] * weights[p, None], 0.0).sum() \
+                    / F.aggregation_size(m, mode, 6)
+                total += F.aggregation_size(m, mode, 6) / size * part
+            torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-14, msg=f"{mode} {parts}")

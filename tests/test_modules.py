@@ -312,7 +312,11 @@ def test_autocast_runs_the_lm_head_and_log_softmax_in_fp32(tiny_llama_dir, token
     """Under bf16 autocast the trunk's matmuls run in bf16 but the LM head in fp32, in the
     training forward and in the sampler alike: the log-probs are those of fp32 logits over the
     trunk's hidden states, not of bf16-rounded logits."""
-    from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+    from rlhf_torchrl.collectors import (
+        RolloutCollector,
+        make_generation_env,
+        make_generation_policy,
+    )
     from rlhf_torchrl.modules.lora import trunk
 
     model = load_causal_lm(tiny_llama_dir, tokenizer)

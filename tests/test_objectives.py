@@ -516,3 +516,65 @@ def test_config_keys_reach_the_loss(tmp_path, tiny_llama_dir):
                                                            r"one of the allowed values: token_mean")):
         with pytest.raises(ConfigError, match=message):
             schema.validate(compose([*base, bad]))
+
+
+def test_positive_nll_term_matches_hand_formula(tiny_llama_dir, tokenizer):
+    """ppo.positive_nll_coef: coef * the mean -log pi over the tokens of the responses scoring at
+    least the threshold (VAPO), with the policy's gradient; its diagnostics; 0 without positives."""
+    policy, loss, critic, td = _prepared(tiny_llama_dir, tokenizer, positive_nll_coef=0.1,
+                                         positive_nll_threshold=0.0)
+    mask, positive = td[K.RESPONSE_MASK], td[K.SCORE] >= 0.0
+    assert 0 < int(positive.sum()) < len(positive)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    out = loss(td)
+    got = torch.autograd.grad(out["loss_positive_nll"], params)
+    new_lp = loss.actor_network.get_dist(td.clone()).log_prob(td[K.RESPONSE_TOKENS])
+    expected = 0.1 * F.positive_nll(new_lp, mask, positive)
+    want = torch.autograd.grad(expected, params)
+    torch.testing.assert_close(out["loss_positive_nll"].detach(), expected.detach(), atol=1e-6, rtol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    assert float(out["positive_nll"]) == pytest.approx(float(expected) / 0.1, rel=1e-5)
+    share = F.masked_mean(positive[:, None].expand_as(mask).float(), mask)
+    assert float(out["positive_token_frac"]) == pytest.approx(float(share))
+    td.set(K.SCORE, torch.full_like(td[K.SCORE], -5.0))
+    assert float(loss(td)["loss_positive_nll"]) == 0.0
+    assert "loss_positive_nll" not in make_ppo_loss(loss.actor_network, critic)(td).keys()
+
+
+def test_positive_nll_is_normalised_once_per_minibatch(tiny_llama_dir, tokenizer):
+    """For every aggregation, micro-batches of rows and of token budgets give the whole minibatch's
+    gradient and positive-NLL (fp64): the term is normalised by the positive tokens of the whole
+    minibatch, not of each micro-batch (NeMo-RL's per-micro-batch normalisation grew it with the
+    number of micro-batches)."""
+    _, loss, critic, td = _prepared(tiny_llama_dir, tokenizer, dtype="float64", positive_nll_coef=0.5,
+                                    positive_nll_threshold=0.0)
+    mask = torch.arange(6).expand(8, 6) < (1 + torch.arange(8) % 6)[:, None]  # 1..6 tokens a row
+    td.set(K.RESPONSE_MASK, mask)
+    td = td.apply(lambda x: x.double() if x.is_floating_point() else x)
+    critic.head.double()
+    positive = td[K.SCORE] >= 0.0
+    with torch.no_grad():
+        new_lp = loss.actor_network.get_dist(td.clone()).log_prob(td[K.RESPONSE_TOKENS])
+    whole = float(F.positive_nll(new_lp, mask, positive))
+    params = [p for p in loss.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.0)  # leaves the gradient of the one step in .grad
+    splits = {"rows=1": {}, "rows=4": {"gradient_accumulation_steps": 4},
+              "rows=3 (uneven)": {"gradient_accumulation_steps": 3}, "tokens=16": {"micro_batch_tokens": 16}}
+    for mode in F.LOSS_AGGREGATIONS:
+        loss.loss_aggregation, loss.loss_aggregation_constant = mode, 6
+        grads = {}
+        for name, split in splits.items():
+            stats = ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=1, max_grad_norm=None,
+                               **split)
+            grads[name] = [p.grad.clone() for p in params]
+            assert stats["loss/positive_nll_avg"] == pytest.approx(whole, rel=1e-9), (mode, name)
+            assert stats["policy/positive_token_frac"] == pytest.approx(
+                float(F.masked_mean(positive[:, None].expand_as(mask).double(), mask)), rel=1e-9)
+        for name in splits:
+            for a, b in zip(grads["rows=1"], grads[name]):
+                torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-9, msg=(mode, name))
+    # what per-micro-batch normalisation would have given: another number
+    rows = torch.arange(8).tensor_split(4)
+    per_part = [float(F.positive_nll(new_lp[r], mask[r], positive[r])) for r in rows]
+    assert sum(per_part) / len(per_part) != pytest.approx(whole, rel=1e-3)

@@ -132,6 +132,7 @@ def check_config(cfg: DictConfig) -> Sizes:
     elif cfg.optim.critic_warmup >= p.num_iterations:
         raise ConfigError(f"optim.critic_warmup={cfg.optim.critic_warmup} iterations leave the policy "
                          f"none of ppo.num_iterations={p.num_iterations} to learn in: use fewer.")
+    check_critic_settings(cfg)
     if cfg.value_model.init == "reward_model" and not cfg.reward.model and not critic_free(cfg):
         raise ConfigError("value_model.init=reward_model needs reward.model to be set.")
     if g.backend == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -178,6 +179,53 @@ def check_config(cfg: DictConfig) -> Sizes:
 def critic_free(cfg: DictConfig) -> bool:
     """Whether the advantage estimator needs no critic (no value model is built)."""
     return cfg.advantage.estimator != "gae"
+
+
+#: settings of the critic and of GAE alone: a critic-free estimator ignores them (with a warning)
+CRITIC_SETTINGS = ("ppo.lmbda_critic", "ppo.lmbda_length_alpha", "ppo.critic_epochs",
+                   "optim.critic_warmup_until", "value_model.warm_start")
+
+
+def check_critic_settings(cfg: DictConfig) -> None:
+    """The critic's settings against each other (separate lambdas, critic passes, the warm-up
+    that ends on its own, the warm start), before any model is loaded."""
+    p, o = cfg.ppo, cfg.optim
+    if critic_free(cfg):
+        given = [f"{key}={OmegaConf.select(cfg, key)}" for key in CRITIC_SETTINGS
+                 if OmegaConf.select(cfg, key) is not None]
+        if given:
+            log.warning("%s ignored: advantage.estimator=%s has no critic.", ", ".join(given),
+                        cfg.advantage.estimator)
+        return
+    if p.critic_epochs is not None and p.critic_epochs < p.num_ppo_epochs:
+        raise ConfigError(f"ppo.critic_epochs={p.critic_epochs}: the critic trains in each of the "
+                          f"ppo.num_ppo_epochs={p.num_ppo_epochs} PPO epochs already; set it to "
+                          f"{p.num_ppo_epochs} or more (or null).")
+    if o.critic_warmup_until is not None and not o.critic_warmup:
+        raise ConfigError(f"optim.critic_warmup_until={o.critic_warmup_until} ends the critic "
+                          "warm-up early: set optim.critic_warmup=N > 0, its most iterations.")
+    if cfg.value_model.warm_start:
+        check_warm_start(cfg)
+
+
+def check_warm_start(cfg: DictConfig) -> None:
+    """``value_model.warm_start`` names a checkpoint whose run had a critic of this run's kind
+    (its config, read before any weights; :func:`rlhf_torchrl.checkpoint.load_critic` loads it)."""
+    from ..checkpoint import critic_checkpoint
+
+    path = critic_checkpoint(cfg.value_model.warm_start)
+    then = OmegaConf.load(os.path.join(path, "config.yaml"))
+    estimator = OmegaConf.select(then, "advantage.estimator", default="gae")
+    if estimator != "gae":
+        raise ConfigError(f"value_model.warm_start={path}: that run (advantage.estimator="
+                          f"{estimator}) has no critic; give a checkpoint of a run with a critic.")
+    init_then = OmegaConf.select(then, "value_model.init", default="shared")
+    if (init_then == "shared") != (cfg.value_model.init == "shared"):
+        raise ConfigError(
+            f"value_model.warm_start={path}: that run's critic (value_model.init="
+            f"{init_then}) and this one's (value_model.init={cfg.value_model.init}) are "
+            "not of the same kind: a shared trunk's head reads the policy's features, a separate "
+            "critic's its own trunk. Use the checkpoint's value_model.init.")
 
 
 def make_device(cfg: DictConfig) -> torch.device:
@@ -482,7 +530,8 @@ def make_advantage(cfg: DictConfig):
     p = cfg.ppo
     return advantage_module(cfg.advantage.estimator, gamma=p.gamma, lmbda=p.lmbda,
                             whiten_advantages=p.whiten_advantages,
-                            scale_by_std=cfg.advantage.scale_by_std)
+                            scale_by_std=cfg.advantage.scale_by_std, lmbda_critic=p.lmbda_critic,
+                            lmbda_length_alpha=p.lmbda_length_alpha)
 
 
 def make_loss(cfg: DictConfig, actor, critic):
@@ -493,7 +542,9 @@ def make_loss(cfg: DictConfig, actor, critic):
                          vf_coef=p.vf_coef, entropy_coef=p.entropy_coef, tis_cap=tis_cap(cfg),
                          kl_loss_coef=p.kl_loss_coef, clip_epsilon_low=p.clip_epsilon_low,
                          clip_epsilon_high=p.clip_epsilon_high, dual_clip=p.dual_clip,
-                         loss_aggregation=p.loss_aggregation, loss_aggregation_constant=budget)
+                         loss_aggregation=p.loss_aggregation, loss_aggregation_constant=budget,
+                         positive_nll_coef=p.positive_nll_coef,
+                         positive_nll_threshold=p.positive_nll_threshold)
 
 
 def make_replay_buffer(cfg: DictConfig, sizes: Sizes):
@@ -507,19 +558,35 @@ def make_grad_scaler(cfg: DictConfig, device: torch.device):
     return torch.amp.GradScaler(device.type) if cfg.model.autocast == "float16" else None
 
 
-def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes):
+def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes, warmup=None):
     """AdamW over the policy, the critic's own trunk and the value head, and its LR schedule
-    (:func:`rlhf_torchrl.optim.make_optimizer`)."""
+    (:func:`rlhf_torchrl.optim.make_optimizer`); with ``warmup`` (:func:`make_critic_warmup`) that
+    ends on its own, the schedule holds the policy until it has ended."""
     from ..optim import make_optimizer as optimizer_and_schedule
 
     o = cfg.optim
+    if warmup is not None and warmup.until is not None:
+        frozen = warmup.frozen_steps
+    else:  # the critic's steps alone: a fixed number of iterations'
+        frozen = (o.critic_warmup if critic is not None else 0) * sizes.optimizer_steps \
+            // cfg.ppo.num_iterations
     return optimizer_and_schedule(
         policy, critic, lr=o.lr, critic_lr=o.critic_lr, value_head_lr=o.value_head_lr,
         weight_decay=o.weight_decay, eps=o.eps, schedule=o.lr_schedule,
         warmup_steps=o.warmup_steps, total_steps=sizes.optimizer_steps,
-        # the critic's steps alone
-        critic_warmup_steps=(o.critic_warmup if critic is not None else 0)
-        * sizes.optimizer_steps // cfg.ppo.num_iterations)
+        critic_warmup_steps=frozen)
+
+
+def make_critic_warmup(cfg: DictConfig, critic):
+    """The critic warm-up of ``optim.critic_warmup*`` (:class:`~rlhf_torchrl.optim.CriticWarmup`;
+    none without a critic)."""
+    from ..optim import CriticWarmup
+
+    o = cfg.optim
+    if critic is None:
+        return CriticWarmup(0)
+    return CriticWarmup(o.critic_warmup, until=o.critic_warmup_until,
+                        patience=o.critic_warmup_patience, min_delta=o.critic_warmup_min_delta)
 
 
 # ---- checkpoints and resume ------------------------------------------------------------------
@@ -712,20 +779,26 @@ def response_budget(cfg: DictConfig) -> tuple[int, str, str]:
 def check_sequence_length(cfg: DictConfig, prompts, tokenizer) -> None:
     """The longest prompt (chat template included, after ``data.truncate_prompts``) plus the
     longest response fits the positions of each model that reads the policy's tokens (policy,
-    reference, a critic of its own), where its config gives a limit: past it a learned position
-    embedding (GPT-2's ``n_positions``) fails deep inside the first forward with an IndexError,
-    and a rotary model (``max_position_embeddings``) reads positions it was never trained on."""
+    reference, a critic of its own), where its config gives a limit. Past it a learned position
+    embedding (GPT-2's ``n_positions``) fails deep inside the first forward with an IndexError:
+    refused, one line. A rotary model (a ``rope_parameters``/``rope_scaling`` config) computes any
+    position, but reads positions it was never trained on: a warning."""
     m, v = cfg.model, cfg.value_model
     models = [("model.policy", m.policy), ("model.reference", m.reference)]
     if v.init == "model" and v.name_or_path:
         models.append(("value_model.name_or_path", v.name_or_path))
-    # (GPT-2's config maps max_position_embeddings to n_positions)
-    limits = [(getattr(_model_config(setting, name), "max_position_embeddings", None), setting, name)
-              for setting, name in models if name]
-    limits = [limit for limit in limits if isinstance(limit[0], int)]
+    limits = []
+    for setting, name in models:
+        config = _model_config(setting, name) if name else None
+        # (GPT-2's config maps max_position_embeddings to n_positions)
+        positions = getattr(config, "max_position_embeddings", None)
+        if isinstance(positions, int):
+            rotary = any(getattr(config, a, None) for a in ("rope_parameters", "rope_scaling",
+                                                            "rope_theta", "rotary_dim"))
+            limits.append((positions, not rotary, setting, name))
     if not limits:
         return
-    positions, setting, name = min(limits)
+    positions, learned, setting, name = min(limits)
     response, bound, lower = response_budget(cfg)
     if cfg.data.max_prompt_length + response <= positions:
         return  # every prompt fits data.max_prompt_length (check_prompts)
@@ -738,10 +811,14 @@ def check_sequence_length(cfg: DictConfig, prompts, tokenizer) -> None:
     if positions > response:
         fixes.append(f"cut the prompts (data.max_prompt_length={positions - response} "
                      "data.truncate_prompts=true)")
-    raise ConfigError(
-        f"The longest prompt ({longest} tokens, chat template included) plus {response} response "
-        f"tokens ({bound}) is {longest + response} tokens, more than the {positions} positions of "
-        f"{setting}={name}: {', or '.join(fixes) or 'use a model with more positions'}.")
+    message = (f"The longest prompt ({longest} tokens, chat template included) plus {response} "
+               f"response tokens ({bound}) is {longest + response} tokens, more than the "
+               f"{positions} positions of {setting}={name}")
+    if not learned:  # rotary: it runs, on positions it was not trained on
+        log.warning("%s (a rotary model: it runs on positions it was never trained on). To stay "
+                    "within them: %s.", message, ", or ".join(fixes) or "use a longer-context model")
+        return
+    raise ConfigError(f"{message}: {', or '.join(fixes) or 'use a model with more positions'}.")
 
 
 # ---- the trainer ----------------------------------------------------------------------------------
@@ -755,6 +832,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     rollout (:class:`~rlhf_torchrl.trainer.PPOTrainer`). ``examples/`` shows both.
     """
     from ..advantages import needs_critic
+    from ..checkpoint import load_critic
     from ..hooks import (
         Checkpointer,
         Evaluation,
@@ -794,10 +872,13 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     # FSDP2 shards the models before the optimiser sees their parameters (no-op otherwise)
     parallel.shard(policy, reference, *(critic.modules_to_shard() if critic is not None else ()),
                    mixed_precision=autocast_dtype(cfg))
+    if critic is not None and cfg.value_model.warm_start and not resume_from:
+        load_critic(cfg.value_model.warm_start, critic)  # weights only (a resumed run: its own)
     actor, ref_actor = make_actors(cfg, policy, reference, critic)
     loss_module = make_loss(cfg, actor, critic)
     parallel.wrap_loss(loss_module)  # DDP (no-op otherwise)
-    optimizer, scheduler = make_optimizer(cfg, policy, critic, sizes)
+    warmup = make_critic_warmup(cfg, critic)
+    optimizer, scheduler = make_optimizer(cfg, policy, critic, sizes, warmup)
     p, g, c = cfg.ppo, cfg.generation, cfg.collection
     trainer = PPOTrainer(
         # built when the run starts, at the batch the checkpoint stopped at
@@ -818,7 +899,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
             parallel.fsdp and critic is not None and critic.shares_trunk),
         keep_sampler_log_probs=not log_probs_from_sampling(cfg),
         offload_reference=cfg.model.offload_reference,
-        critic_warmup=cfg.optim.critic_warmup if critic is not None else 0,
+        critic_warmup=warmup, critic_epochs=p.critic_epochs if critic is not None else None,
         filter_groups=cfg.advantage.filter_groups,
         on_non_finite=NonFiniteAction(cfg.output_dir, cfg.guards.non_finite, is_main=parallel.is_main),
     )

@@ -86,6 +86,7 @@ class Reward:
 class ValueModel:
     init: str = MISSING
     name_or_path: str | None = MISSING
+    warm_start: str | None = MISSING
 
 
 @dataclass
@@ -146,6 +147,7 @@ class PPO:
     gradient_accumulation_steps: int = MISSING
     micro_batch_tokens: int | None = MISSING
     num_ppo_epochs: int = MISSING
+    critic_epochs: int | None = MISSING
     forward_batch_size: int = MISSING
     kl_coef: float = MISSING
     kl_estimator: str = MISSING
@@ -153,6 +155,8 @@ class PPO:
     kl_horizon: int = MISSING
     gamma: float = MISSING
     lmbda: float = MISSING
+    lmbda_critic: float | None = MISSING
+    lmbda_length_alpha: float | None = MISSING
     whiten_advantages: bool = MISSING
     clip_epsilon: float = MISSING
     clip_epsilon_low: float | None = MISSING
@@ -165,6 +169,8 @@ class PPO:
     entropy_coef: float = MISSING
     tis_cap: float | None = MISSING
     kl_loss_coef: float = MISSING
+    positive_nll_coef: float = MISSING
+    positive_nll_threshold: float = MISSING
 
 
 @dataclass
@@ -185,6 +191,9 @@ class Optim:
     lr_schedule: str = MISSING
     warmup_steps: int = MISSING
     critic_warmup: int = MISSING
+    critic_warmup_until: str | None = MISSING
+    critic_warmup_patience: int = MISSING
+    critic_warmup_min_delta: float = MISSING
 
 
 @dataclass
@@ -260,6 +269,7 @@ CHOICES = {
                              "seq_mean_token_sum_norm"),
     "advantage.estimator": ("gae", "grpo", "rloo", "reinforce_pp"),
     "optim.lr_schedule": ("linear", "constant"),
+    "optim.critic_warmup_until": (None, "explained_variance", "value_loss"),
     "guards.non_finite": ("stop", "skip"),
     "logging.logger": (None, "csv", "tensorboard", "wandb", "mlflow"),
 }
@@ -269,6 +279,8 @@ _INF = math.inf
 RANGES = {
     "optim.warmup_steps": (0, _INF, True, True),
     "optim.critic_warmup": (0, _INF, True, True),
+    "optim.critic_warmup_patience": (1, _INF, True, True),
+    "optim.critic_warmup_min_delta": (0, _INF, True, True),
     "threads": (1, _INF, True, True),
     "checkpoint.every": (0, _INF, True, True),
     "checkpoint.keep": (1, _INF, True, True),
@@ -309,12 +321,15 @@ RANGES = {
     "ppo.gradient_accumulation_steps": (1, _INF, True, True),
     "ppo.micro_batch_tokens": (1, _INF, True, True),
     "ppo.num_ppo_epochs": (1, _INF, True, True),
+    "ppo.critic_epochs": (1, _INF, True, True),
     "ppo.forward_batch_size": (1, _INF, True, True),
     "ppo.kl_coef": (0, _INF, True, True),
     "ppo.kl_target": (0, _INF, False, True),
     "ppo.kl_horizon": (1, _INF, True, True),
     "ppo.gamma": (0, 1, True, True),
     "ppo.lmbda": (0, 1, True, True),
+    "ppo.lmbda_critic": (0, 1, True, True),
+    "ppo.lmbda_length_alpha": (0, _INF, False, True),
     "ppo.clip_epsilon": (0, _INF, False, True),
     "ppo.clip_epsilon_low": (0, 1, False, False),  # 1 - eps_low > 0
     "ppo.clip_epsilon_high": (0, _INF, False, True),
@@ -325,6 +340,7 @@ RANGES = {
     "ppo.entropy_coef": (0, _INF, True, True),
     "ppo.tis_cap": (0, _INF, False, True),
     "ppo.kl_loss_coef": (0, _INF, True, True),
+    "ppo.positive_nll_coef": (0, _INF, True, True),
     "optim.lr": (0, _INF, False, True),
     "optim.critic_lr": (0, _INF, False, True),
     "optim.value_head_lr": (0, _INF, False, True),
