@@ -64,6 +64,7 @@ def test_backends_benchmark_transformers(tmp_path):
     assert result["weight_sync_s"]["ModelCopy"] > 0 and result["weight_mb"] > 0
 
 
+@pytest.mark.xdist_group("serial")  # a torchrun variant: with the other torchrun runs (pytest -n)
 def test_scaling_benchmark(tmp_path):
     """Recipe variants in their own processes (``rlhf-torchrl ppo``, torchrun), on the tiny Llama
     the benchmark builds and saves: phase times and a per-process peak RSS each."""

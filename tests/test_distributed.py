@@ -23,7 +23,8 @@ TINY = ["ppo.num_iterations=2", "ppo.batch_size=8", "ppo.num_mini_batches=2",
         "eval.every=0", "optim.critic_warmup=0", "model.autocast=null"]  # fp32 whatever the default
 IGNORED = {"threads", "iteration"}  # and every time/* entry
 
-pytestmark = pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed"),
+              pytest.mark.xdist_group("serial")]  # under pytest -n: one worker, one at a time
 
 
 def _run(out: Path, model_dir: str, nproc: int, *overrides: str, device: str = "cpu") -> list[dict]:

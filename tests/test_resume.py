@@ -170,6 +170,10 @@ def _complete(command, out) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+#: the tests of one uninterrupted run (a module fixture): one worker, one at a time, under pytest -n
+SERIAL = pytest.mark.xdist_group("serial")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_llama_dir):
     out = tmp_path_factory.mktemp("uninterrupted")
@@ -177,6 +181,7 @@ def uninterrupted(tmp_path_factory, tiny_llama_dir):
     return _rows(out)
 
 
+@SERIAL
 def test_sigkill_mid_run_then_resume(tmp_path, tiny_llama_dir, uninterrupted):
     out = tmp_path / "run"
     command = _command(tiny_llama_dir, out)
@@ -189,6 +194,7 @@ def test_sigkill_mid_run_then_resume(tmp_path, tiny_llama_dir, uninterrupted):
     assert _rows(out) == uninterrupted
 
 
+@SERIAL
 def test_sigkill_during_a_checkpoint_write_then_resume(tmp_path, tiny_llama_dir, uninterrupted):
     out = tmp_path / "run"
     command = _command(tiny_llama_dir, out)
@@ -212,6 +218,7 @@ def _safe_rows(out) -> list:
         return []
 
 
+@SERIAL
 def test_same_seed_same_metrics_run_to_run(tmp_path, tiny_llama_dir, uninterrupted):
     """Determinism on CPU: a second process with the same seed and config logs the same metrics;
     another seed does not."""
