@@ -3,6 +3,7 @@
     rlhf-torchrl ppo                                   # the offline default task
     rlhf-torchrl ppo task=arithmetic ppo.batch_size=16 # Hydra overrides pass through
     rlhf-torchrl reward-model data.source=pairs.jsonl
+    rlhf-torchrl serve-reward-model model=<dir or id> port=8000  # PPO elsewhere: reward.remote_url
     rlhf-torchrl evaluate model.policy=outputs/ppo/<run>/policy
     rlhf-torchrl report outputs/ppo/<run>
     rlhf-torchrl bench ppo_iteration                   # a benchmark (`bench --help`: all)
@@ -248,6 +249,12 @@ def _reward_model(args: list[str]) -> None:
     _hydra_app(train_reward_model, "rlhf_reward_model", "reward_model", args)
 
 
+def _serve_reward_model(args: list[str]) -> None:
+    from .config.builders import serve_reward_model
+
+    _hydra_app(serve_reward_model, "rlhf_serve_reward_model", "serve_reward_model", args)
+
+
 def _evaluate(args: list[str]) -> None:
     from .config.builders import evaluate_policy
 
@@ -286,6 +293,8 @@ def _bench(args: list[str]) -> None:
 COMMANDS = {
     "ppo": (_ppo, "train a policy with PPO (Hydra overrides: task=arithmetic ppo.batch_size=16)"),
     "reward-model": (_reward_model, "train a reward model on preference pairs (Bradley-Terry)"),
+    "serve-reward-model": (_serve_reward_model, "serve a reward model over HTTP for runs elsewhere "
+                                                "(model=<dir or id> port=8000)"),
     "evaluate": (_evaluate, "evaluate a saved policy on the held-out prompts (eval.json)"),
     "report": (_report, "write report.html for a run directory"),
     "bench": (_bench, "run a benchmark (`rlhf-torchrl bench --help` lists them)"),
@@ -298,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         print("usage: rlhf-torchrl {" + ",".join(COMMANDS) + "} [args ...]\n\n"
               "PPO-RLHF for language models as a composable TorchRL pipeline.\n\ncommands:")
         for name, (_, text) in COMMANDS.items():
-            print(f"  {name:<14}{text}")
+            print(f"  {name:<20}{text}")
         print("\n`rlhf-torchrl <command> --help` for its settings.")
         if argv and argv[0] not in ("-h", "--help"):
             print(f"\nError: unknown command {argv[0]!r}.", file=sys.stderr)

@@ -1,28 +1,26 @@
-"""Prompt sets: a Hugging Face dataset, a local JSON-lines file, or the bundled review sentences.
+"""Prompts: the conversation the policy answers and the dataset fields that travel with it.
 
-Every loader returns a list of :class:`Prompt`: the conversation the policy answers (system and
-earlier turns kept, ending with the last user turn) and the row's other columns, which travel with
-the prompt into the rollout so that reward functions can ask for them by name (a GSM8K ``answer``,
-a MATH ``solution``). :func:`check_prompts` validates them against the tokenizer (chat template
-applied, as the generation env renders them) before any work starts.
+:func:`load_prompts` reads a source in whichever form it is stored (:mod:`rlhf_torchrl.readers`:
+JSON lines, JSON, Parquet, CSV/TSV, a saved or a hub dataset, the bundled review sentences,
+reasoning-gym tasks) into a :class:`~rlhf_torchrl.prompt_sets.PromptSet` of :class:`Prompt` s:
+the conversation (system and earlier turns kept, ending with the last user turn) and the row's
+other columns, which travel with the prompt into the rollout so that reward functions can ask for
+them by name (a GSM8K ``answer``, a MATH ``solution``). :class:`LengthCheck` holds each prompt to
+the token budget (chat template applied, as the generation env renders it), cutting it to fit
+with ``data.truncate_prompts``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from typing import Any
 
-from .errors import ConfigError, MissingDependencyError, MissingFileError
+from .errors import ConfigError
+from .readers import POLARITY, REASONING_GYM, polarity_sentences  # noqa: F401 (this module's names too)
 
-#: Built-in offline prompt set: the 200 movie-review sentences gensim ships (Pang & Lee polarity).
-POLARITY = "polarity"
-#: Prefix of a reasoning-gym task source: ``"reasoning_gym:basic_arithmetic"``.
-REASONING_GYM = "reasoning_gym:"
 #: Field that holds the content of a conversation's trailing assistant turn(s) (its reference answer).
 REFERENCE_ANSWER = "reference_answer"
 _ROLES = ("system", "user", "assistant", "tool")
@@ -155,22 +153,6 @@ def _parse_hh(text: str) -> list[dict]:
     return messages
 
 
-def polarity_sentences() -> list[tuple[str, str]]:
-    """``(label, sentence)`` pairs from gensim's ``pang_lee_polarity.cor`` (labels ``pos``/``neg``)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("gensim")
-    if spec is None or not spec.submodule_search_locations:
-        raise MissingDependencyError("The 'polarity' prompt set needs gensim: `pip install gensim`.")
-    path = Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data" / "pang_lee_polarity.cor"
-    pairs = []
-    for line in path.read_text(encoding="latin-1").splitlines():
-        label, _, text = line.strip().partition(" ")
-        if text:
-            pairs.append((label.removeprefix("__label__"), text.strip()))
-    return pairs
-
-
 def load_prompts(
     source: str,
     *,
@@ -183,18 +165,22 @@ def load_prompts(
     config: str | None = None,
     generator_args: dict | None = None,
     seed: int = 0,
-) -> list[Prompt]:
-    """Load prompts.
+    check: bool | None = None,
+):
+    """Load prompts: a :class:`~rlhf_torchrl.prompt_sets.PromptSet`, each prompt made when read.
 
     Args:
-        source: ``"polarity"`` (bundled review sentences), a path to a ``.jsonl`` file (one JSON
-            object per line with a ``column`` field), ``"reasoning_gym:<name>"`` (a procedural
-            task of the reasoning-gym package: ``question``, ``answer`` and ``metadata`` columns,
-            checked by :func:`~rlhf_torchrl.reward_functions.reasoning_gym_score`), or a Hugging
-            Face dataset: a hub name or a local directory (``datasets.load_dataset``).
-        split: dataset split (HF datasets only).
+        source: a file or dataset in any form :mod:`rlhf_torchrl.readers` reads, told by its path:
+            ``.jsonl``, ``.json`` (an array of records), ``.parquet`` (a file, a folder or a glob
+            of shards), ``.csv``/``.tsv``, a ``save_to_disk`` folder, a Hugging Face hub dataset
+            (or a local folder in its layout); ``"polarity"`` (bundled review sentences) or
+            ``"reasoning_gym:<name>"`` (a procedural task of the reasoning-gym package:
+            ``question``, ``answer`` and ``metadata`` columns, checked by
+            :func:`~rlhf_torchrl.reward_functions.reasoning_gym_score`).
+        split: dataset split (hub datasets, a saved DatasetDict).
         column: the field holding the prompt: text, an HH transcript, or a list of chat messages.
-            Every other field of the row travels with the prompt (:attr:`Prompt.fields`).
+            Every other field of the row travels with the prompt (:attr:`Prompt.fields`). Rows in
+            verl's schema need none (:func:`~rlhf_torchrl.prompt_sets.verl_schema`).
         template: a format string applied to the last user message: ``{prompt}`` is that message,
             ``{name}`` the row's column ``name``, e.g.
             ``"TITLE: {title}\\n\\nPOST: {prompt}\\n\\nTL;DR:"`` with ``column="post"``.
@@ -206,105 +192,23 @@ def load_prompts(
         config: the HF dataset's configuration name (``"main"`` for ``openai/gsm8k``).
         generator_args: reasoning-gym: the task's settings (``{"max_terms": 2}``).
         seed: reasoning-gym: the seed its rows are generated from.
+        check: make every prompt now, so that a bad row fails here (None: when the set has up to
+            :data:`~rlhf_torchrl.prompt_sets.CHECK_ALL_UP_TO` prompts); otherwise a row is checked
+            when it is read.
     """
+    from .prompt_sets import CHECK_ALL_UP_TO, PromptSet  # (it builds on this module's Prompt)
+    from .readers import read_table
+
     if "{prompt}" not in template:
         raise ConfigError(f"data.template must contain '{{prompt}}', got {template!r}.")
-    if source == POLARITY:
-        rows = [({column: text}, f"polarity[{i}]") for i, (_, text) in enumerate(polarity_sentences())]
-    elif source.startswith(REASONING_GYM):
-        rows = _reasoning_gym_rows(source[len(REASONING_GYM):], limit or 1000, seed,
-                                   generator_args or {})
-    elif os.path.isfile(source) or source.endswith((".jsonl", ".json")):
-        rows = _read_jsonl(source, column)
-    else:
-        rows = _read_hf_dataset(source, split, column, config)
-    if rows and column not in rows[0][0]:
-        raise ConfigError(f"{rows[0][1]} has no field {column!r}; its fields are "
-                         f"{sorted(rows[0][0])}. Set data.column.")
-    wanted = [name for name in template_columns(template) if name != "prompt"]
-    prompts = []
-    for row, where in rows[:limit]:
-        missing = [name for name in wanted if name not in row or name == column]
-        if missing:
-            raise ConfigError(
-                f"{where}: data.template names {{{missing[0]}}}, which is not one of the row's "
-                f"other fields {sorted(k for k in row if k != column)}. Name a column of the data "
-                "(the prompt column itself is {prompt})."
-            )
-        prompt = to_prompt(row[column], system_prompt, where)
-        text = prompt.text
-        if max_words is not None:
-            text = " ".join(text.split()[:max_words])
-        columns = {k: v for k, v in row.items() if k != column}
-        fields = {**prompt.fields, **columns}
-        filled = prompt.with_text(fill_template(template, text, columns))
-        prompts.append(Prompt(filled.messages, fields, template, text))
-    if not prompts:
-        raise ConfigError(f"The prompt set {source!r} is empty: point data.source at prompts.")
+    table = read_table(source, split=split, config=config, limit=limit,
+                       generator_args=generator_args, seed=seed)
+    prompts = PromptSet(table, column="prompt" if source == POLARITY else column,
+                        template=template, max_words=max_words, system_prompt=system_prompt,
+                        limit=limit)
+    if check if check is not None else len(prompts) <= CHECK_ALL_UP_TO:
+        prompts.check()
     return prompts
-
-
-def _reasoning_gym_rows(name: str, size: int, seed: int, settings: dict) -> list[tuple[dict, str]]:
-    """``size`` rows of the reasoning-gym task ``name`` (``question``, ``answer``, ``metadata``)."""
-    try:
-        import reasoning_gym
-    except ImportError as e:
-        raise MissingDependencyError(f"data.source={REASONING_GYM}{name} needs reasoning-gym: "
-                          "`pip install 'rlhf_torchrl[tasks]'`.") from e
-    from reasoning_gym.factory import DATASETS
-
-    if name not in DATASETS:
-        raise ConfigError(f"reasoning-gym has no task {name!r}; it has {', '.join(sorted(DATASETS))}.")
-    try:
-        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **settings)
-    except (TypeError, AssertionError, ValueError) as e:
-        raise ConfigError(f"reasoning-gym task {name!r} refused data.generator_args={settings}: "
-                         f"{e}") from e
-    return [(dict(entry), f"{REASONING_GYM}{name}[{i}]") for i, entry in enumerate(dataset)]
-
-
-def _read_jsonl(path: str, column: str) -> list[tuple[dict, str]]:
-    if not os.path.exists(path):
-        raise MissingFileError(f"Prompt file {path!r} does not exist.")
-    rows = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at "
-                                  f"column {e.start + 1}): save the file as UTF-8.") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from e
-            if not isinstance(row, dict) or column not in row:
-                raise ConfigError(
-                    f"{path}:{lineno}: expected an object with a {column!r} field "
-                    f"(set data.column to the field holding the prompt)."
-                )
-            rows.append((row, f"{path}:{lineno}"))
-    return rows
-
-
-def _read_hf_dataset(name: str, split: str, column: str,
-                     config: str | None = None) -> list[tuple[dict, str]]:
-    try:
-        import datasets
-    except ImportError as e:
-        raise MissingDependencyError(
-            f"Loading the dataset {name!r} needs the `datasets` package: "
-            "`pip install 'rlhf_torchrl[datasets]'` (or pass a local .jsonl file)."
-        ) from e
-    ds = datasets.load_dataset(name, config, split=split)
-    if column not in ds.column_names:
-        raise ConfigError(
-            f"Dataset {name!r} has no column {column!r}; its columns are {ds.column_names}. "
-            "Set data.column."
-        )
-    return [(row, f"{name}[{i}]") for i, row in enumerate(ds)]
 
 
 def render_prompt(tokenizer, prompt: Prompt | str) -> str:
@@ -338,6 +242,49 @@ def _drop_oldest_turn(prompt: Prompt) -> Prompt:
     return replace(prompt, messages=[*messages[:first], *messages[rest:]])
 
 
+@dataclass(frozen=True)
+class LengthCheck:
+    """Holds a prompt to ``max_prompt_length`` tokens, chat template included.
+
+    With ``truncate``, an over-long prompt is cut to fit: a dialogue first loses its oldest
+    exchanges (the turn the policy answers stays whole); then the text the ``data.template`` was
+    filled with (the last user message without a template) loses its start (``side="left"``: its
+    end, which the response follows, stays) or its end (``"right"``: cut back to the last ``at``,
+    e.g. a newline, when there is one, as the N+ TL;DR queries are); the template's own words
+    always stay. Without it, an over-long prompt is an error naming it.
+
+    ``length_check(prompt, name)`` returns ``(prompt, tokens, cut)``: the prompt (cut, or as it
+    was), its length and whether it was cut; ``name`` names it in errors (``"Prompt 3"``).
+
+    Example:
+        >>> check = LengthCheck(tokenizer, max_prompt_length=64, truncate=True)
+        >>> prompt, tokens, cut = check(Prompt([{"role": "user", "content": "hi"}]), "Prompt 0")
+    """
+
+    tokenizer: Any
+    max_prompt_length: int
+    truncate: bool = False
+    side: str = "left"
+    at: str | None = None
+
+    def __post_init__(self):
+        if self.side not in ("left", "right"):
+            raise ConfigError(f"data.truncate_side={self.side!r}: left or right.")
+
+    def __call__(self, prompt: Prompt, name: str) -> tuple[Prompt, int, bool]:
+        length = templated_length(self.tokenizer, prompt)
+        if length <= self.max_prompt_length:
+            return prompt, length, False
+        if not self.truncate:
+            raise ConfigError(
+                f"{name} is {length} tokens with the chat template, over "
+                f"data.max_prompt_length={self.max_prompt_length}: {prompt.text[:80]!r}... Raise "
+                "data.max_prompt_length, or set data.truncate_prompts=true to cut prompts."
+            )
+        prompt = _fit(prompt, self.tokenizer, self.max_prompt_length, name, self.side, self.at)
+        return prompt, templated_length(self.tokenizer, prompt), True
+
+
 def check_prompts(
     prompts: Sequence[Prompt | str],
     tokenizer,
@@ -348,40 +295,22 @@ def check_prompts(
     truncate_side: str = "left",
     truncate_at: str | None = None,
 ) -> tuple[list[Prompt], int]:
-    """Check every prompt fits ``max_prompt_length`` tokens (template included).
-
-    With ``truncate``, an over-long prompt is cut to fit: a dialogue first loses its oldest
-    exchanges (the turn the policy answers stays whole); then the text the ``data.template`` was
-    filled with (the last user message without a template) loses its start
-    (``truncate_side="left"``: its end, which the response follows, stays) or its end
-    (``"right"``: cut back to the last ``truncate_at``, e.g. a newline, when there is one, as
-    the N+ TL;DR queries are); the template's own words always stay. Returns the prompts and how
-    many were cut. Otherwise raises, naming the first offending prompt.
-    """
+    """Every prompt of a list held to ``max_prompt_length`` tokens (:class:`LengthCheck`):
+    returns the prompts (over-long ones cut, with ``truncate``) and how many were cut; otherwise
+    raises, naming the first offending prompt."""
     if not prompts:
         raise ConfigError("The prompt set is empty: point data.source at prompts.")
-    if truncate_side not in ("left", "right"):
-        raise ConfigError(f"data.truncate_side={truncate_side!r}: left or right.")
+    check = LengthCheck(tokenizer, max_prompt_length, truncate, truncate_side, truncate_at)
     out, n_truncated = [], 0
     for i, item in enumerate(prompts):
-        prompt = to_prompt(item, system_prompt)
-        length = templated_length(tokenizer, prompt)
-        if length <= max_prompt_length:
-            out.append(prompt)
-            continue
-        if not truncate:
-            raise ConfigError(
-                f"Prompt {i} is {length} tokens with the chat template, over "
-                f"data.max_prompt_length={max_prompt_length}: {prompt.text[:80]!r}... Raise "
-                "data.max_prompt_length, or set data.truncate_prompts=true to cut prompts."
-            )
-        out.append(_fit(prompt, tokenizer, max_prompt_length, i, truncate_side, truncate_at))
-        n_truncated += 1
+        prompt, _, cut = check(to_prompt(item, system_prompt), f"Prompt {i}")
+        out.append(prompt)
+        n_truncated += cut
     return out, n_truncated
 
 
-def _fit(prompt: Prompt, tokenizer, max_length: int, i: int, side: str, at: str | None) -> Prompt:
-    """``prompt`` cut to ``max_length`` tokens (see :func:`check_prompts`)."""
+def _fit(prompt: Prompt, tokenizer, max_length: int, name: str, side: str, at: str | None) -> Prompt:
+    """``prompt`` cut to ``max_length`` tokens (see :class:`LengthCheck`)."""
     length = templated_length(tokenizer, prompt)
     while length > max_length and _has_earlier_turns(prompt):
         prompt = _drop_oldest_turn(prompt)
@@ -392,7 +321,7 @@ def _fit(prompt: Prompt, tokenizer, max_length: int, i: int, side: str, at: str 
     keep = max_length - (length - len(ids))
     if keep <= 0:
         raise ConfigError(
-            f"Prompt {i}: the chat template and data.template alone are {length - len(ids)} "
+            f"{name}: the chat template and data.template alone are {length - len(ids)} "
             f"tokens, over data.max_prompt_length={max_length}: raise it."
         )
 
@@ -407,6 +336,6 @@ def _fit(prompt: Prompt, tokenizer, max_length: int, i: int, side: str, at: str 
     while keep > 0 and templated_length(tokenizer, cut(keep)) > max_length:
         keep -= 1
     if keep == 0 and templated_length(tokenizer, cut(0)) > max_length:
-        raise ConfigError(f"Prompt {i} does not fit data.max_prompt_length={max_length} even with "
+        raise ConfigError(f"{name} does not fit data.max_prompt_length={max_length} even with "
                          "its text cut away: raise it.")
     return cut(keep)

@@ -11,8 +11,6 @@ estimators: :mod:`rlhf_torchrl.advantages`).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torchrl.objectives import ClipPPOLoss
 
@@ -46,6 +44,9 @@ class TokenPPOLoss(ClipPPOLoss):
       positive_nll`` over the responses whose ``"score"`` is at least ``positive_nll_threshold``
       (:func:`~rlhf_torchrl.functional.positive_nll`), normalised by the positive tokens of the
       whole minibatch however it is split (:meth:`prepare_minibatch`).
+    - ``off_policy_correction``: with ``tis_cap`` and the sampler's log-probs, the weight on each
+      token's surrogate (:func:`~rlhf_torchrl.functional.off_policy_log_weight`: ``tis``, ``mis``,
+      ``icepop``, ``seq_mask_tis``), passed to ``ClipPPOLoss`` as its ``log_is_weight``.
 
     Its diagnostics are
     not TRL's quantities (``kl_approx`` is ``mean(old - new)`` and can be negative; its clip
@@ -67,6 +68,8 @@ class TokenPPOLoss(ClipPPOLoss):
     - ``positive_nll`` (this part's share of the term before its coefficient) and
       ``positive_token_frac`` (the share of valid tokens in positive responses), with
       ``positive_nll_coef``
+    - ``tis_weight`` (the mean correction weight) and ``tis_capped`` (the share at the cap,
+      ``tis``) or ``is_masked`` (the share the correction dropped, the masking corrections)
 
     The per-token log-ratio and new values are taken where ``ClipPPOLoss`` computes them
     (``_log_weight`` and ``loss_critic``), so no forward pass is added.
@@ -75,7 +78,8 @@ class TokenPPOLoss(ClipPPOLoss):
     def __init__(self, *args, tis_cap: float | None = None, kl_loss_coef: float = 0.0,
                  dual_clip: float | None = None, loss_aggregation: str = "token_mean",
                  loss_aggregation_constant: float | None = None, positive_nll_coef: float = 0.0,
-                 positive_nll_threshold: float = 1.0, **kwargs):
+                 positive_nll_threshold: float = 1.0, off_policy_correction: str = "tis",
+                 off_policy_low: float | None = None, **kwargs):
         if kwargs.pop("reduction", None) not in (None, "none"):
             raise ConfigError("TokenPPOLoss averages its losses as loss_aggregation says "
                               f"({', '.join(F.LOSS_AGGREGATIONS)}), not with reduction=.")
@@ -84,8 +88,11 @@ class TokenPPOLoss(ClipPPOLoss):
             raise ConfigError(f"dual_clip must be > 1 (or None), got {dual_clip}.")
         if positive_nll_coef < 0:
             raise ConfigError(f"positive_nll_coef must be >= 0 (VAPO uses 0.1), got {positive_nll_coef}.")
+        if tis_cap is not None:
+            F.check_off_policy_correction(off_policy_correction, tis_cap, off_policy_low)
         super().__init__(*args, reduction="none", **kwargs)  # per-token loss_*, reduced in forward
         self.tis_cap = tis_cap
+        self.off_policy_correction, self.off_policy_low = off_policy_correction, off_policy_low
         self.kl_loss_coef = kl_loss_coef
         self.dual_clip = dual_clip
         self.loss_aggregation = loss_aggregation
@@ -165,12 +172,17 @@ class TokenPPOLoss(ClipPPOLoss):
             self._seen["log_weight"] = log_weight  # with its gradient: the new log-probs of the
             # KL and NLL terms
         if self.tis_cap is not None and K.BEHAVIOUR_LOG_PROB in tensordict.keys(True):
-            # truncated importance sampling: the sampled tokens came from the behaviour policy, the
-            # ratio is taken against the recomputed old policy; ClipPPOLoss weights both surrogate
-            # terms by exp(log_is_weight) = min(pi_old / pi_behaviour, cap), no gradient
+            # the sampled tokens came from the behaviour policy, the ratio is taken against the
+            # recomputed old policy; ClipPPOLoss weights both surrogate terms by exp(log_is_weight),
+            # no gradient: tis's min(pi_old / pi_behaviour, cap), or a masking correction's weight
+            # (-inf where it drops a token or a response)
             old = tensordict.get(self.tensor_keys.sample_log_prob)
-            tis = (old - tensordict.get(K.BEHAVIOUR_LOG_PROB)).clamp_max(math.log(self.tis_cap))
+            tis, keep = F.off_policy_log_weight(
+                old - tensordict.get(K.BEHAVIOUR_LOG_PROB), tensordict.get(K.RESPONSE_MASK),
+                self.off_policy_correction, cap=self.tis_cap, low=self.off_policy_low)
             self._seen["tis_weight"] = tis.exp()
+            if self.off_policy_correction != "tis":
+                self._seen["is_masked"] = ~keep
             tis = tis.view_as(log_weight)
             log_is_weight = tis if log_is_weight is None else log_is_weight + tis
         if log_is_weight is not None:  # the surrogate's weight: the dual clip's cap scales with it
@@ -203,7 +215,10 @@ class TokenPPOLoss(ClipPPOLoss):
             out["pg_clipfrac_dual"] = F.masked_mean(binds_dual.to(ratio.dtype), mask)
         if "tis_weight" in seen:
             out["tis_weight"] = F.masked_mean(seen["tis_weight"], mask)
-            out["tis_capped"] = F.masked_mean((seen["tis_weight"] >= self.tis_cap).float(), mask)
+            if "is_masked" in seen:
+                out["is_masked"] = F.masked_mean(seen["is_masked"].to(ratio.dtype), mask)
+            else:
+                out["tis_capped"] = F.masked_mean((seen["tis_weight"] >= self.tis_cap).float(), mask)
         if "value" in seen and self.clip_value is not None:
             new = seen["value"]
             old = td.get(self.tensor_keys.value).squeeze(-1)
@@ -230,6 +245,8 @@ def make_ppo_loss(
     loss_aggregation_constant: float | None = None,
     positive_nll_coef: float = 0.0,
     positive_nll_threshold: float = 1.0,
+    off_policy_correction: str = "tis",
+    off_policy_low: float | None = None,
 ):
     """TorchRL's ``ClipPPOLoss`` for token-level PPO (a :class:`TokenPPOLoss`).
 
@@ -266,6 +283,10 @@ def make_ppo_loss(
     were recomputed by the trainer and the sampler's are kept as ``("log_probs", "behaviour")``:
     each token's surrogate is weighted by ``min(pi_old / pi_behaviour, tis_cap)`` (no gradient),
     correcting for tokens sampled by a stale policy (asynchronous collection) or other kernels.
+    ``off_policy_correction`` (``tis``, ``mis``, ``icepop`` or ``seq_mask_tis``) picks how the
+    ratio ``pi_old / pi_behaviour`` becomes that weight, ``tis_cap`` its upper bound and
+    ``off_policy_low`` its lower (:func:`~rlhf_torchrl.functional.off_policy_log_weight`, each
+    with its formula and source).
     """
     if tis_cap is not None and tis_cap <= 0:
         raise ConfigError(f"tis_cap must be > 0 (or None), got {tis_cap}.")
@@ -297,6 +318,8 @@ def make_ppo_loss(
         loss_aggregation_constant=loss_aggregation_constant,
         positive_nll_coef=positive_nll_coef,
         positive_nll_threshold=positive_nll_threshold,
+        off_policy_correction=off_policy_correction,
+        off_policy_low=off_policy_low,
     )
     keys = {"value": K.VALUE, "value_target": K.VALUE_TARGET} if critic is not None else {}
     loss.set_keys(action=K.RESPONSE_TOKENS, sample_log_prob=K.LOG_PROB, advantage=K.ADVANTAGE,

@@ -20,15 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import (
-    _HH_ASSISTANT,
-    POLARITY,
-    _parse_hh,
-    _read_hf_dataset,
-    _read_jsonl,
-    polarity_sentences,
-)
+from .data import _HH_ASSISTANT, _parse_hh
 from .errors import ConfigError
+from .readers import POLARITY, polarity_sentences, read_hub_rows, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -122,9 +116,9 @@ def load_preference_pairs(source: str, *, split: str = "train", prompt_column: s
     if source == POLARITY:
         return polarity_pairs(eval_fraction, seed)
     if source.endswith((".jsonl", ".json")):
-        rows = _read_jsonl(source, chosen_column)
+        rows = read_jsonl(source, chosen_column)
     else:
-        rows = _read_hf_dataset(source, split, chosen_column)
+        rows = read_hub_rows(source, split, chosen_column)
     pairs = []
     for row, where in rows[:limit]:
         if rejected_column not in row:

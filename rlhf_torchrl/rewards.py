@@ -159,6 +159,12 @@ class RewardModel:
             messages=tensordict.get(K.PROMPT_MESSAGES).tolist() if K.PROMPT_MESSAGES in keys else None,
             has_stop=tensordict.get(K.HAS_STOP).tolist() if K.HAS_STOP in keys else None,
         )
+        return self.score_texts(texts)
+
+    @torch.no_grad()
+    def score_texts(self, texts: list[str]) -> torch.Tensor:
+        """The scores of texts already rendered (:meth:`render`), in chunks of ``batch_size``:
+        (N,) float32, the offset subtracted (what a served reward model runs on its batches)."""
         from .runtime import placed
 
         scores = []
@@ -223,6 +229,8 @@ def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None,
     kwargs = reward_arguments(name, fn, td)
     try:
         out = fn(prompts, responses, **kwargs)
+    except RewardError:  # says what went wrong already (a remote reward's service, say)
+        raise
     except Exception as e:
         where = traceback.extract_tb(e.__traceback__)[-1]
         raise RewardError(f"Reward {name!r} raised {type(e).__name__}: {e} (at {where.filename}:"

@@ -291,24 +291,28 @@ class PPOTrainer:
                 check_finite(batch, ("scores", "log-probs", "sampler log-probs",
                                      "reference log-probs", "values"))
                 self.shaper(batch)  # every row's rewards (the metrics and the KL controller's)
+                self.metrics["objective/kl_coef"] = self.shaper.kl_coef  # the one that shaped them
                 check_finite(batch, ("rewards",))
                 # DAPO's filter before the advantages: their statistics are the kept rows' alone
                 train_batch = self.informative_rows(batch) if self.filter_groups else batch
-                if train_batch.shape[0] == 0:
-                    return batch, {}  # no group has a signal: no update
-                self.advantage(train_batch)
-                check_finite(train_batch, ("advantages", "returns"))
-            with self.timed("update"):
-                stats = ppo_update(
-                    train_batch, self.loss_module, self.optimizer, num_ppo_epochs=self.num_ppo_epochs,
-                    num_mini_batches=self.num_mini_batches,
-                    gradient_accumulation_steps=self.gradient_accumulation_steps,
-                    micro_batch_tokens=self.micro_batch_tokens, max_grad_norm=self.max_grad_norm,
-                    scheduler=self.scheduler, replay_buffer=self.replay_buffer,
-                    grad_scaler=self.grad_scaler, parallel=self.parallel,
-                    critic_epochs=self.critic_epochs,
-                )
-            self.follow_critic_warmup(train_batch, stats, iteration)
+                if train_batch.shape[0]:
+                    self.advantage(train_batch)
+                    check_finite(train_batch, ("advantages", "returns"))
+            if train_batch.shape[0] == 0:
+                stats = {}  # no group has a signal: no update
+            else:
+                with self.timed("update"):
+                    stats = ppo_update(
+                        train_batch, self.loss_module, self.optimizer,
+                        num_ppo_epochs=self.num_ppo_epochs, num_mini_batches=self.num_mini_batches,
+                        gradient_accumulation_steps=self.gradient_accumulation_steps,
+                        micro_batch_tokens=self.micro_batch_tokens, max_grad_norm=self.max_grad_norm,
+                        scheduler=self.scheduler, replay_buffer=self.replay_buffer,
+                        grad_scaler=self.grad_scaler, parallel=self.parallel,
+                        critic_epochs=self.critic_epochs,
+                    )
+                self.follow_critic_warmup(train_batch, stats, iteration)
+            self.update_kl_coef(batch, iteration)  # the next iteration's, right after the update
         except NonFiniteError as error:
             if self.on_non_finite is None:
                 raise
@@ -329,15 +333,14 @@ class PPOTrainer:
 
     def log_iteration(self, batch: TensorDictBase, stats: dict | None, iteration: int,
                       start: float) -> None:
-        """Phase 7: the iteration's metrics row, the KL coefficient's update, the log hooks."""
+        """Phase 7: the iteration's metrics row and the log hooks."""
         metrics = self.metrics
         if stats is None:  # a skipped iteration
             metrics["guard/skipped"] = 1.0
         else:
-            metrics.update(rollout_metrics(batch, kl_coef=self.shaper.kl_coef))
+            metrics.update(rollout_metrics(batch, kl_coef=metrics["objective/kl_coef"]))
             metrics.update(group_metrics(batch))
             metrics.update(sampler_metrics(batch, version=iteration))
-            self.update_kl_coef(batch, iteration)
             metrics.update(stats)
         # response tokens per second of sampling: under overlap the sampler's own clock (the
         # trainer waited only for part of it); several processes sample in parallel, so the slowest

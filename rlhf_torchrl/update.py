@@ -111,7 +111,7 @@ _STATS = ("policy/clipfrac_avg", "policy/approxkl_avg", "loss/policy_avg", "loss
           "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "policy/tis_weight_avg",
           "policy/tis_capped_frac", "policy/kl_to_ref_avg", "policy/clipfrac_high_avg",
           "policy/clipfrac_low_avg", "policy/dual_clipfrac_avg", "loss/positive_nll_avg",
-          "policy/positive_token_frac", "loss/value_critic_passes_avg")
+          "policy/positive_token_frac", "loss/value_critic_passes_avg", "policy/is_masked_frac")
 #: metric <- the first of these a loss returns: :class:`~rlhf_torchrl.objectives.TokenPPOLoss`'s
 #: TRL-style diagnostic, then plain ``ClipPPOLoss``'s own (which averages over every position,
 #: pads included)
@@ -120,6 +120,7 @@ _DIAGNOSTICS = {"policy/clipfrac_avg": ("pg_clipfrac", "clip_fraction"),
                 "val/ratio": ("ratio", "mean_ratio"),
                 "val/clipfrac_avg": ("vf_clipfrac", "value_clip_fraction"),
                 "policy/tis_weight_avg": ("tis_weight",), "policy/tis_capped_frac": ("tis_capped",),
+                "policy/is_masked_frac": ("is_masked",),
                 "policy/kl_to_ref_avg": ("kl_to_ref",),
                 "policy/clipfrac_high_avg": ("pg_clipfrac_high",),
                 "policy/clipfrac_low_avg": ("pg_clipfrac_low",),

@@ -28,6 +28,30 @@ def files(tmp_path_factory, tokenizer):
     (d / "long.jsonl").write_text(json.dumps({"prompt": "word " * 400}) + "\n")
     small_vocab = _tiny_llama(tokenizer, vocab_size=1000)
     _save_tiny(d / "small_vocab", small_vocab, tokenizer)
+    # the other forms (tests/test_data.py reads each of them when they are right)
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    questions = [f"What is {i} plus {i}?" for i in range(8)]
+    pq.write_table(pa.table({"question": questions, "answer": [str(2 * i) for i in range(8)]}),
+                   d / "gsm8k.parquet")
+    (d / "gsm8k.parquet").rename(d / "wrong_column.parquet")  # (the prompt is not in "prompt")
+    pq.write_table(pa.table({"question": questions, "answer": [str(2 * i) for i in range(8)]}),
+                   d / "gsm8k.parquet")
+    (d / "wrong_column.csv").write_text("question,answer\n" + "".join(f"{q},{i}\n" for i, q in enumerate(questions)))
+    pq.write_table(pa.table({"question": questions}), d / "no_answer.parquet")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), d / "empty.parquet")
+    (d / "empty.csv").write_text("")
+    (d / "header.csv").write_text("prompt,answer\n")
+    (d / "mixed.jsonl").write_text('{"prompt": "a b"}\n{"prompt": [{"role": "user", "content": "c"}]}\n')
+    pq.write_table(pa.table({"prompt": list(range(8))}), d / "numbers.parquet")
+    pq.write_table(pa.table({"prompt": ["a", "b", None, "d"] * 2}), d / "nulls.parquet")
+    (d / "text.parquet").write_text('{"prompt": "a JSON line, not Parquet"}\n')
+    (d / "prompts.txt").write_text("a prompt per line\n")
+    datasets.disable_progress_bars()
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": questions})}).save_to_disk(
+        str(d / "saved_dict"))
     return d
 
 
@@ -93,6 +117,29 @@ CASES = {
                           "ppo.num_mini_batches=1"],
                          r"data.max_prompt_length=128.*truncate_prompts"),
     "offline-dataset": (["data.source=no_such_dataset_xyz"], r"data.source=no_such_dataset_xyz: not a local file"),
+    # data in the other forms (the JSON-lines reader read every one of them before)
+    "parquet-column": (["data.source={d}/wrong_column.parquet"],
+                       r"wrong_column.parquet has no column 'prompt' \(data.column\); its columns are \['question', 'answer'\]. Set data.column"),
+    "csv-column": (["data.source={d}/wrong_column.csv"], r"wrong_column.csv has no column 'prompt' .*\['question', 'answer'\]"),
+    "empty-parquet": (["data.source={d}/empty.parquet"], r"empty.parquet is empty \(no rows\)"),
+    "empty-csv": (["data.source={d}/empty.csv"], r"empty.csv is empty"),
+    "header-only-csv": (["data.source={d}/header.csv"], r"header.csv is empty"),
+    "mixed-prompt-types": (["data.source={d}/mixed.jsonl"],
+                           r"mixed.jsonl:2: the prompt \(data.column 'prompt'\) is messages here but text at .*mixed.jsonl:1"),
+    "prompt-not-text": (["data.source={d}/numbers.parquet"],
+                        r"numbers.parquet: the column 'prompt' \(data.column\) holds int64 values: a prompt is text or a list of chat messages"),
+    "null-prompt": (["data.source={d}/nulls.parquet"], r"nulls.parquet\[2\]: the prompt \(data.column 'prompt'\) is empty \(null\)"),
+    "not-parquet": (["data.source={d}/text.parquet"], r"text.parquet: not a Parquet file"),
+    "unknown-form": (["data.source={d}/prompts.txt"],
+                     r"prompts.txt: a .txt file is not a form read here. Give a .jsonl file, a .json file .*\.parquet .*\.csv or \.tsv file, .*save_to_disk"),
+    "missing-parquet": (["data.source={d}/none.parquet"], r"none.parquet' does not exist"),
+    "saved-split": (["data.source={d}/saved_dict", "data.split=test"], r"saved_dict holds the splits \['train'\], not data.split='test'"),
+    "ground-truth-missing": (["task=gsm8k", "data.source={d}/no_answer.parquet"],
+                             r"Reward 'gsm8k_correct' asks for 'answer', which is not a dataset column: the prompts carry no columns"),
+    "mixture-ground-truth": (["task=gsm8k", "data.sources=[{{source: {d}/gsm8k.parquet}}, {{source: {d}/no_answer.parquet}}]"],
+                             r"data.sources\[1\] \(.*no_answer.parquet\): Reward 'gsm8k_correct' asks for 'answer'"),
+    "mixture-weight": (["data.sources=[{{source: {d}/gsm8k.parquet, weight: 0}}]"],
+                       r"data.sources\[0\].weight=0.0 is out of range: it must be > 0"),
     # models
     "policy-missing": (["model.policy={d}/nothing"], r"model.policy=.*nothing: no such directory"),
     "reference-missing": (["model.reference={d}/nothing"], r"model.reference=.*: no such directory"),

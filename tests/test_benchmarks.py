@@ -167,3 +167,39 @@ def test_bench_errors_teach(tmp_path, capsys):
     first, second = capsys.readouterr().err.strip().splitlines()
     assert first.startswith("Error: --model") and "is not a preset (tiny-gpt2" in first
     assert second.startswith("Error: --tokenizer bytes is for the built presets")
+
+
+def test_reward_server_benchmark_tiny(tmp_path, capsys):
+    """``rlhf-torchrl bench reward_server``: the served MiniLM under 1 and 2 clients, latencies and
+    throughput reported (never asserted), every request answered."""
+    pytest.importorskip("uvicorn")
+    out = tmp_path / "rs.json"
+    cli(["bench", "reward_server", "--clients", "1", "2", "--requests", "2", "--responses", "2",
+         "--words", "4", "--out", str(out)])
+    assert "p99 ms" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["clients"], r["requests"], r["errors"]) for r in rows] == [(1, 2, 0), (2, 4, 0)]
+    assert all(r["p50_ms"] > 0 and r["texts_per_round"] >= 2 for r in rows)
+
+
+def test_data_loading_benchmark(tmp_path, capsys):
+    """A form's start-up in a process of its own, converted once (cold) and from the cache (warm):
+    times and peak memory; the rows it writes in each form load as the same prompts."""
+    from rlhf_torchrl.benchmarks import data_loading
+    from rlhf_torchrl.data import load_prompts
+
+    out = tmp_path / "d.json"
+    data_loading.main(["--rows", "300", "--forms", "parquet", "--tokenizer", "bytes",
+                       "--held-out", "8", "--batch-size", "4", "--dir", str(tmp_path / "data"),
+                       "--out", str(out)])
+    (result,) = json.loads(out.read_text())["results"]
+    assert (result["rows"], result["form"]) == (300, "parquet")
+    for run in (result["cold"], result["warm"]):
+        assert run["start_s"] > 0 and run["peak_rss_mb"] >= run["imports_rss_mb"] > 50
+        assert (run["prompts"], run["training"], run["held_out"]) == (300, 292, 8)
+        assert run["checked_whole"]  # (auto: 300 prompts are checked before training)
+    assert "warm start s" in capsys.readouterr().out
+    texts = {form: [p.text for p in load_prompts(data_loading.write_rows(str(tmp_path / "data"), form, 300),
+                                                 column="question")]
+             for form in data_loading.FORMS}
+    assert all(t == texts["parquet"] and len(t) == 300 for t in texts.values())

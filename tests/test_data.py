@@ -1,5 +1,7 @@
-"""Prompt loading and validation, and the generation env/collector on a real tokenizer."""
+"""Prompt loading and validation, the forms data comes in, mixtures, and the generation
+env/collector on a real tokenizer."""
 
+import itertools
 import json
 
 import pytest
@@ -252,3 +254,160 @@ def test_a_reward_that_edits_the_conversation_leaves_the_dataset_alone(tiny_llam
     rollout.get((K.DATA, "answer")).tolist()[0].append(99)
     assert [p.messages[-1]["content"] for p in prompts] == [f"question {i}" for i in range(4)]
     assert [p.fields["answer"] for p in prompts] == [[i] for i in range(4)]
+
+
+# ---- the forms data comes in ---------------------------------------------------------------------
+def _rows(n: int = 64) -> list[dict]:
+    return [{"prompt": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(n)]
+
+
+def verl_rows(rows: list[dict]) -> list[dict]:
+    """``rows`` as verl's examples/data_preprocess/gsm8k.py writes them."""
+    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": r["prompt"]}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": r["answer"]},
+             "extra_info": {"split": "train", "index": i}} for i, r in enumerate(rows)]
+
+
+def write_forms(folder, rows: list[dict]) -> dict[str, str]:
+    """``rows`` in every form a user may bring: {form: data.source}."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    ds = datasets.Dataset.from_list(rows)
+    (folder / "shards").mkdir()
+    ds.select(range(0, 40)).to_parquet(str(folder / "shards" / "train-00000-of-00002.parquet"))
+    ds.select(range(40, len(ds))).to_parquet(str(folder / "shards" / "train-00001-of-00002.parquet"))
+    ds.to_parquet(str(folder / "p.parquet"))
+    ds.to_csv(str(folder / "p.csv"), index=False)
+    ds.to_pandas().to_csv(folder / "p.tsv", sep="\t", index=False)
+    ds.save_to_disk(str(folder / "saved"))
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(folder / "saved_dict"))
+    (folder / "hub_layout").mkdir()
+    _write_jsonl(folder / "hub_layout" / "train.jsonl", rows)
+    (folder / "p.json").write_text(json.dumps(rows))
+    datasets.Dataset.from_list(verl_rows(rows)).to_parquet(str(folder / "verl.parquet"))
+    return {"jsonl": _write_jsonl(folder / "p.jsonl", rows), "json": str(folder / "p.json"),
+            "parquet": str(folder / "p.parquet"), "parquet-folder": str(folder / "shards"),
+            "parquet-glob": str(folder / "shards" / "train-*.parquet"),
+            "csv": str(folder / "p.csv"), "tsv": str(folder / "p.tsv"),
+            "save_to_disk": str(folder / "saved"), "save_to_disk-dict": str(folder / "saved_dict"),
+            "hub-layout-folder": str(folder / "hub_layout"), "verl": str(folder / "verl.parquet")}
+
+
+@pytest.fixture(scope="module")
+def forms(tmp_path_factory):
+    pytest.importorskip("datasets")
+    return write_forms(tmp_path_factory.mktemp("forms"), _rows())
+
+
+def test_every_form_serves_the_same_first_batch(forms, tokenizer):
+    """The same 64 prompts in each form: one reader each (Arrow for all but the JSON forms), the
+    same prompts and answers, the same first batch from the generation env (its reset: the
+    conversations, the rendered prompts and the fields a reward reads)."""
+    from rlhf_torchrl.readers import source_form
+
+    assert {name: source_form(path) for name, path in forms.items()} == {
+        "jsonl": "jsonl", "json": "json", "parquet": "parquet", "parquet-folder": "parquet",
+        "parquet-glob": "parquet", "csv": "csv", "tsv": "tsv", "save_to_disk": "saved",
+        "save_to_disk-dict": "saved", "hub-layout-folder": "folder", "verl": "parquet"}
+    first = {}
+    for name, source in forms.items():
+        # the GSM8K preset's column and template: verl's rows hold the prompt as written
+        prompts = load_prompts(source, column="question" if name == "verl" else "prompt")
+        assert len(prompts) == 64 and prompts[5].text == "What is 5 plus 5?", name
+        assert (prompts.table.arrow is None) == (name in ("jsonl", "json")), name
+        env = make_generation_env(prompts, tokenizer, batch_size=8, seed=3)
+        batch = env.reset()
+        first[name] = (batch.get("query").tolist(), batch.get(("text", "prompt")).tolist(),
+                       [str(f["answer"]) for f in batch.get("fields").tolist()])  # CSV: ints
+    assert all(batch == first["jsonl"] for batch in first.values()), first
+    messages, _, answers = first["jsonl"]
+    assert [2 * int(m[-1]["content"].split()[2]) for m in messages] == [int(a) for a in answers]
+
+
+def test_a_large_parquet_is_read_lazily_and_held_out_reproducibly(tmp_path, tokenizer, monkeypatch):
+    """An Arrow source costs no rows until a batch serves them (data.check_prompts=served): the
+    set is made, its columns checked, the held-out prompts carved out (the last rows), and the
+    first batch served while reading that batch's rows alone."""
+    import datasets
+
+    datasets.Dataset.from_list(_rows(2000)).to_parquet(str(tmp_path / "big.parquet"))
+    reads, read = [], datasets.Dataset.__getitem__
+    monkeypatch.setattr(datasets.Dataset, "__getitem__",
+                        lambda self, key: reads.append(key) or read(self, key))
+    prompts = load_prompts(str(tmp_path / "big.parquet"), template="Q: {prompt}", check=False)
+    train, held_out = prompts.hold_out(16)
+    assert (len(train), len(held_out)) == (1984, 16) and reads == []
+    make_generation_env(train, tokenizer, batch_size=8, seed=0).reset()
+    assert len(reads) == 8 and all(0 <= i < 1984 for i in reads)
+    assert [p.text for p in held_out] == [f"Q: What is {i} plus {i}?" for i in range(1984, 2000)]
+
+
+def test_column_mapping_chat_columns_and_verl_rows(tmp_path, forms):
+    """data.column picks the prompt column in any form (a chat column of messages lists
+    included), every other column travels as a field; verl's rows give their ground truth as
+    the fields ground_truth and answer, which the GSM8K verifier reads."""
+    import datasets
+
+    from rlhf_torchrl.reward_functions import gsm8k_correct
+
+    chats = [{"messages": [{"role": "system", "content": "Be terse."},
+                           {"role": "user", "content": f"Say {i}."},
+                           {"role": "assistant", "content": f"{i}"}], "id": i} for i in range(4)]
+    datasets.Dataset.from_list(chats).to_parquet(str(tmp_path / "chats.parquet"))
+    prompts = load_prompts(str(tmp_path / "chats.parquet"), column="messages")
+    assert prompts[2].messages == chats[2]["messages"][:2]
+    assert prompts[2].fields == {"id": 2, "reference_answer": "2"}
+    gsm8k_template = "{prompt} Let's think step by step and output the final answer after \"####\"."
+    verl = load_prompts(forms["verl"], column="question", template=gsm8k_template)
+    assert verl[3].messages == [{"role": "user", "content": "What is 3 plus 3?"}]  # as written
+    assert (verl[3].fields["ground_truth"], verl[3].fields["answer"]) == ("6", "6")
+    assert verl[3].fields["extra_info"] == {"split": "train", "index": 3}
+    assert gsm8k_correct([""] * 2, ["so #### 6", "#### 7"], answer=[verl[3].fields["answer"]] * 2) == [1.0, 0.0]
+    # the prompt column named: the template applies to verl's messages like any other's
+    templated = load_prompts(forms["verl"], column="prompt", template="Q: {prompt}")
+    assert templated[3].text == "Q: What is 3 plus 3?" and templated[3].fields["answer"] == "6"
+
+
+def test_mixture_batches_are_reproducible_resumable_and_weighted():
+    """Each slot's source is drawn by weight, each source serves its own shuffled order: the same
+    seed gives the same batches, a skip (a resumed run) gives the uninterrupted run's next ones,
+    ranks split each global batch, and the proportions are the weights'."""
+    from rlhf_torchrl.prompt_sets import MixtureBatchSampler, apportion
+
+    def batches(n, **kwargs):
+        sampler = MixtureBatchSampler([100, 10], [3.0, 1.0], 8, **kwargs)
+        return list(itertools.islice((b for _ in itertools.count() for b in sampler), n))
+
+    whole = batches(200, seed=0)
+    assert whole == batches(200, seed=0) and whole != batches(200, seed=1)
+    assert batches(190, seed=0, skip=10) == whole[10:]
+    assert all(len(b) == 8 and 0 <= min(b) and max(b) < 110 for b in whole)
+    small = [i for b in whole for i in b if i >= 100]
+    assert abs(len(small) / (8 * 200) - 0.25) < 0.04
+    assert sorted(small[:10]) == list(range(100, 110))  # a whole pass of the small set first
+    ranks = [batches(5, seed=0, rank=r, world_size=2, repeats=2) for r in (0, 1)]
+    for k in range(5):
+        assert ranks[0][k] + ranks[1][k] == [i for i in whole[k] for _ in range(2)]
+    assert apportion(5, [3, 1]) == [4, 1] and apportion(8, [1, 1, 1]) == [3, 3, 2]
+
+
+def test_a_mixture_serves_both_sources_and_holds_out_by_weight(forms, tokenizer):
+    """A mixture of a Parquet and a JSON-lines source through the generation env: batches draw
+    from both, a later start_batch continues the same order, the held-out prompts are the last
+    rows of each source, shared by weight."""
+    from rlhf_torchrl.prompt_sets import PromptMixture
+
+    math = load_prompts(forms["parquet"], template="Math: {prompt}")
+    chat = load_prompts(forms["jsonl"], template="Chat: {prompt}")
+    train, held_out = PromptMixture([math, chat], [3, 1]).hold_out(8)
+    assert train.sizes == [58, 62] and [p.text[:4] for p in held_out] == ["Math"] * 6 + ["Chat"] * 2
+    assert held_out[0].text == "Math: What is 58 plus 58?"
+
+    def served(start_batch, n):
+        env = make_generation_env(train, tokenizer, batch_size=8, seed=0, start_batch=start_batch)
+        return [[m[-1]["content"] for m in env.reset().get("query").tolist()] for _ in range(n)]
+
+    texts = served(0, 4)
+    assert {t[:4] for batch in texts for t in batch} == {"Math", "Chat"}
+    assert served(2, 2) == texts[2:]

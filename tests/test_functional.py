@@ -354,3 +354,60 @@ def test_positive_nll_hand_computed_and_exact_over_any_split():
                     / F.aggregation_size(m, mode, 6)
                 total += F.aggregation_size(m, mode, 6) / size * part
             torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-14, msg=f"{mode} {parts}")
+
+
+# ---- the corrections for tokens another policy sampled ------------------------------------------
+
+# three responses' ratios pi_old / pi_sampler (row 0: 3 tokens, row 1: 4, row 2: 2; pads hold
+# garbage), and each correction's weights by hand with cap C = 2 (icepop's low: 1 / C = 0.5)
+IS_RATIOS = [[3.0, 1.5, 0.25, 1e30], [2.0, 0.5, 1.0, 1.0], [4.0, 4.0, 1e-30, 1e-30]]
+IS_MASK = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
+IS_WEIGHTS = {
+    "tis": [[2.0, 1.5, 0.25], [2.0, 0.5, 1.0, 1.0], [2.0, 2.0]],     # min(r, 2)
+    "mis": [[0.0, 1.5, 0.25], [2.0, 0.5, 1.0, 1.0], [0.0, 0.0]],     # r [r <= 2]: r = 3, 4 drop out
+    "icepop": [[0.0, 1.5, 0.0], [2.0, 0.5, 1.0, 1.0], [0.0, 0.0]],  # r [0.5 <= r <= 2]: 0.25 too
+    # geometric means: row 0 (3 * 1.5 * 0.25)^(1/3) = 1.04, row 1 (2 * 0.5)^(1/4) = 1, row 2 4:
+    # rows 0 and 1 are inside [0.5, 2] with their ratios untruncated, row 2 drops out
+    "seq_mask_tis": [[3.0, 1.5, 0.25], [2.0, 0.5, 1.0, 1.0], [0.0, 0.0]],
+}
+
+
+@pytest.mark.parametrize("mode", F.OFF_POLICY_CORRECTIONS)
+def test_off_policy_corrections_hand_computed(mode):
+    log_ratio = torch.tensor(IS_RATIOS, dtype=torch.float64).log()
+    mask = torch.tensor(IS_MASK).bool()
+    log_weight, keep = F.off_policy_log_weight(log_ratio, mask, mode, cap=2.0)
+    weights = log_weight.exp()
+    for row, expected in enumerate(IS_WEIGHTS[mode]):
+        got = weights[row][mask[row]].tolist()
+        assert got == pytest.approx(expected, rel=1e-12), row
+        assert keep[row][mask[row]].tolist() == [w > 0 for w in expected]
+    assert keep[~mask].all()  # padding is never counted as dropped
+    dropped = F.masked_mean((~keep).double(), mask)  # what policy/is_masked_frac logs
+    assert float(dropped) == pytest.approx(sum(w == 0 for r in IS_WEIGHTS[mode] for w in r) / 9)
+    if mode == "tis":  # today's TIS, bit for bit
+        assert torch.equal(log_weight, log_ratio.clamp_max(math.log(2.0)))
+
+
+def test_off_policy_corrections_with_a_lower_bound():
+    """``low``: tis raises the weights below it (OpenRLHF's and NeMo-RL's clamp), mis masks them
+    too, and seq_mask_tis at NeMo-RL's tight window [0.999, 1.002] keeps row 1 alone (geometric
+    mean exactly 1), its ratios untruncated."""
+    log_ratio = torch.tensor(IS_RATIOS, dtype=torch.float64).log()
+    mask = torch.tensor(IS_MASK).bool()
+
+    def weights(mode, cap, low):
+        w = F.off_policy_log_weight(log_ratio, mask, mode, cap=cap, low=low)[0].exp()
+        return [w[i][mask[i]].tolist() for i in range(3)]
+
+    assert weights("tis", 2.0, 0.5)[0] == pytest.approx([2.0, 1.5, 0.5])
+    assert weights("mis", 2.0, 0.5)[0] == pytest.approx([0.0, 1.5, 0.0])
+    assert weights("seq_mask_tis", 1.002, 0.999) == [[0.0] * 3, pytest.approx([2.0, 0.5, 1.0, 1.0]),
+                                                      [0.0] * 2]
+    assert weights("icepop", 5.0, 0.5)[2] == pytest.approx([4.0, 4.0])  # Ring-1T's [0.5, 5]
+    with pytest.raises(ValueError, match="choose one of"):
+        F.off_policy_log_weight(log_ratio, mask, "clip", cap=2.0)
+    with pytest.raises(ValueError, match="leaves no room"):
+        F.check_off_policy_correction("icepop", 0.8)  # [1 / 0.8, 0.8] is empty
+    with pytest.raises(ValueError, match="leaves no room"):
+        F.check_off_policy_correction("mis", 2.0, low=3.0)

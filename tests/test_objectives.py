@@ -424,37 +424,55 @@ def test_every_loss_term_follows_the_aggregation(mode, tiny_llama_dir, tokenizer
             assert not torch.allclose(expected, F.masked_mean(per_token, mask)), key
 
 
+#: equal row slices (an uneven split among them) and token-budget micro-batches of a minibatch
+SPLITS = {"rows=1": {}, "rows=3 (uneven)": {"gradient_accumulation_steps": 3},
+          "tokens=24": {"micro_batch_tokens": 24}}
+
+
+def _ragged_fp64(tiny_llama_dir, tokenizer, **loss_kwargs):
+    """The loss in fp64 and a rollout of 8 rows of 1..6 response tokens."""
+    _, loss, critic, td = _prepared(tiny_llama_dir, tokenizer, dtype="float64", **loss_kwargs)
+    mask = torch.arange(6).expand(8, 6) < (1 + torch.arange(8) % 6)[:, None]  # 1..6 tokens a row
+    td.set(K.RESPONSE_MASK, mask)
+    td = td.apply(lambda x: x.double() if x.is_floating_point() else x)
+    critic.head.double()
+    return loss, td
+
+
+def _same_over_splits(td, loss, what, keys) -> tuple[dict, dict]:
+    """One PPO step over ``td`` split each way of SPLITS: the same gradient and the same ``keys``
+    of the update's metrics every way; returns each way's gradients and metrics."""
+    params = [p for p in loss.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.0)  # leaves the gradient of the one step in .grad
+    grads, stats = {}, {}
+    for name, split in SPLITS.items():
+        stats[name] = ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=1,
+                                 max_grad_norm=None, **split)
+        grads[name] = [p.grad.clone() for p in params]
+    for name in SPLITS:
+        for a, b in zip(grads["rows=1"], grads[name]):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-9, msg=(what, name))
+        for key in keys:
+            assert stats[name][key] == pytest.approx(stats["rows=1"][key], rel=1e-9, abs=1e-12), key
+    return grads, stats
+
+
 def test_micro_batches_keep_every_aggregation(tiny_llama_dir, tokenizer):
     """For every aggregation, with clip-higher, the dual clip and a KL term on: equal row slices and
     token-budget micro-batches give the whole minibatch's gradient and losses (fp64; verl #6957
     normalised per micro-batch). (No entropy term: the entropy is computed in fp32 whatever the
     model's dtype, too coarse for this check; its aggregation is checked above.)"""
-    _, loss, critic, td = _prepared(tiny_llama_dir, tokenizer, dtype="float64", kl_loss_coef=0.1,
-                                    clip_epsilon_high=0.28, dual_clip=1.5)
-    mask = torch.arange(6).expand(8, 6) < (1 + torch.arange(8) % 6)[:, None]  # 1..6 tokens a row
-    td.set(K.RESPONSE_MASK, mask)
-    td = td.apply(lambda x: x.double() if x.is_floating_point() else x)
-    critic.head.double()
+    loss, td = _ragged_fp64(tiny_llama_dir, tokenizer, kl_loss_coef=0.1, clip_epsilon_high=0.28,
+                            dual_clip=1.5)
     g = torch.Generator().manual_seed(3)
+    mask = td[K.RESPONSE_MASK]
     td.set(K.LOG_PROB, td[K.LOG_PROB] + 0.5 * torch.randn(mask.shape, generator=g, dtype=torch.float64))
-    params = [p for p in loss.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=0.0)  # leaves the gradient of the one step in .grad
-    splits = {"rows=1": {}, "rows=3 (uneven)": {"gradient_accumulation_steps": 3},
-              "tokens=24": {"micro_batch_tokens": 24}}
     first = None
     for mode in (*F.LOSS_AGGREGATIONS[1:], "token_mean"):
         loss.loss_aggregation, loss.loss_aggregation_constant = mode, 6
-        grads, stats = {}, {}
-        for name, split in splits.items():
-            stats[name] = ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=1,
-                                     max_grad_norm=None, **split)
-            grads[name] = [p.grad.clone() for p in params]
-        for name in splits:
-            for a, b in zip(grads["rows=1"], grads[name]):
-                torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-9, msg=(mode, name))
-            for key in ("loss/policy_avg", "loss/value_avg", "policy/dual_clipfrac_avg",
-                        "policy/clipfrac_high_avg", "policy/clipfrac_low_avg"):
-                assert stats[name][key] == pytest.approx(stats["rows=1"][key], rel=1e-9, abs=1e-12)
+        grads, stats = _same_over_splits(td, loss, mode, (
+            "loss/policy_avg", "loss/value_avg", "policy/dual_clipfrac_avg",
+            "policy/clipfrac_high_avg", "policy/clipfrac_low_avg"))
         assert stats["rows=1"]["policy/dual_clipfrac_avg"] > 0  # the dual clip acts
         out = loss(td)
         assert stats["rows=1"]["loss/policy_avg"] == pytest.approx(float(out["loss_objective"].detach()), rel=1e-9)
@@ -509,11 +527,25 @@ def test_config_keys_reach_the_loss(tmp_path, tiny_llama_dir):
     assert (float(loss.clip_epsilon_low), float(loss.clip_epsilon_high)) == pytest.approx((0.2, 0.28))
     assert loss.dual_clip == 3 and loss.loss_aggregation == "seq_mean_token_sum_norm"
     assert loss.loss_aggregation_constant == 12  # max_new_tokens x max_turns
+    # the off-policy correction and its bounds, where the run keeps the sampler's log-probs
+    sampled_elsewhere = [*base, "ppo.tis_cap=1.5", "generation.log_probs_from_sampling=false"]
+    cfg = compose([*sampled_elsewhere, "ppo.off_policy_correction=seq_mask_tis", "ppo.off_policy_low=0.9"])
+    builders.check_off_policy_correction(cfg)
+    loss = builders.make_loss(cfg, actor, None)
+    assert (loss.off_policy_correction, loss.off_policy_low, loss.tis_cap) == ("seq_mask_tis", 0.9, 1.5)
+    assert builders.make_loss(compose(sampled_elsewhere), actor, None).off_policy_correction == "tis"
+    with pytest.raises(ConfigError, match=r"ppo.off_policy_correction=icepop weights the loss .* set "
+                                          r"its upper bound ppo.tis_cap"):
+        builders.check_off_policy_correction(compose([*base, "ppo.off_policy_correction=icepop"]))
+    with pytest.raises(ConfigError, match="leaves no room"):
+        builders.check_off_policy_correction(compose([*sampled_elsewhere, "ppo.off_policy_low=2"]))
     for bad, message in (("ppo.dual_clip=1", r"ppo.dual_clip=1.0 is out of range: it must be > 1"),
                          ("ppo.clip_epsilon_low=1", r"ppo.clip_epsilon_low=1.0 is out of range: "
                                                     r"it must be in \(0, 1\)"),
                          ("ppo.loss_aggregation=seq_mean", r"ppo.loss_aggregation='seq_mean' is not "
-                                                           r"one of the allowed values: token_mean")):
+                                                           r"one of the allowed values: token_mean"),
+                         ("ppo.off_policy_correction=clip", r"ppo.off_policy_correction='clip' is not "
+                                                            r"one of the allowed values: tis, mis")):
         with pytest.raises(ConfigError, match=message):
             schema.validate(compose([*base, bad]))
 
@@ -578,3 +610,62 @@ def test_positive_nll_is_normalised_once_per_minibatch(tiny_llama_dir, tokenizer
     rows = torch.arange(8).tensor_split(4)
     per_part = [float(F.positive_nll(new_lp[r], mask[r], positive[r])) for r in rows]
     assert sum(per_part) / len(per_part) != pytest.approx(whole, rel=1e-3)
+
+
+# ---- the off-policy corrections in the loss -----------------------------------------------------
+
+# pi_old / pi_sampler of the tokens, cyclically (5 cases against RATIOS' 6: every pairing occurs)
+IS_CASES = [3.0, 1.5, 0.25, 1.0, 0.6]
+
+
+def _sampled_elsewhere(td):
+    """The sampler's log-probs of ``td``'s tokens, so that pi_old / pi_sampler cycles IS_CASES."""
+    mask = td[K.RESPONSE_MASK]
+    rho = torch.tensor(IS_CASES, dtype=td[K.LOG_PROB].dtype)[
+        torch.arange(mask.numel()).reshape(mask.shape) % len(IS_CASES)]
+    td.set(K.BEHAVIOUR_LOG_PROB, td[K.LOG_PROB] - rho.log())
+    return rho
+
+
+@pytest.mark.parametrize("mode,cap,low", [("tis", 2.0, None), ("tis", 2.0, 0.5), ("mis", 2.0, None),
+                                          ("icepop", 2.0, None), ("seq_mask_tis", 1.2, 0.8)])
+def test_off_policy_correction_weights_each_tokens_surrogate(mode, cap, low, tiny_llama_dir, tokenizer):
+    """loss_objective is the token-mean of w_t times the hand-computed per-token loss (SYMMETRIC),
+    w_t the correction's weight by hand; the share it drops is logged (tis: the share at its cap)."""
+    actor, td, idx = _known_ratios(tiny_llama_dir, tokenizer)
+    mask = td[K.RESPONSE_MASK]
+    rho = _sampled_elsewhere(td)
+    lower = low if low is not None else (1 / cap if mode in ("icepop", "seq_mask_tis") else 0.0)
+    g = F.masked_mean(rho.log(), mask, dim=-1).exp()[:, None]  # each response's geometric mean
+    w = {"tis": rho.clamp(lower, cap), "mis": rho * ((rho <= cap) & (rho >= lower)),
+         "icepop": rho * ((rho <= cap) & (rho >= lower)),
+         "seq_mask_tis": rho * ((g <= cap) & (g >= lower))}[mode]
+    loss = make_ppo_loss(actor, clip_epsilon=0.2, tis_cap=cap, off_policy_correction=mode,
+                         off_policy_low=low)
+    out = loss(td)
+    expected = (w * torch.tensor(SYMMETRIC)[idx])[mask].mean()
+    torch.testing.assert_close(out["loss_objective"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["tis_weight"], F.masked_mean(w, mask), atol=1e-6, rtol=1e-5)
+    if mode == "tis":
+        assert "is_masked" not in out.keys()
+        assert float(out["tis_capped"]) == pytest.approx(float(F.masked_mean((rho >= cap).float(), mask)))
+    else:
+        dropped = float(F.masked_mean((w == 0).float(), mask))
+        assert 0 < dropped < 1 and float(out["is_masked"]) == pytest.approx(dropped)
+
+
+def test_off_policy_corrections_stay_exact_over_micro_batches(tiny_llama_dir, tokenizer):
+    """A masking correction is a weight on each token's surrogate, computed per token or per row:
+    for each aggregation, equal row slices and token-budget micro-batches give the whole
+    minibatch's gradient, loss and masked share (fp64)."""
+    loss, td = _ragged_fp64(tiny_llama_dir, tokenizer, tis_cap=1.6)
+    _sampled_elsewhere(td)
+    for correction, mode in (("icepop", "token_mean"), ("seq_mask_tis", "seq_mean_token_mean"),
+                             ("mis", "seq_mean_token_sum")):
+        loss.off_policy_correction, loss.loss_aggregation = correction, mode
+        _, stats = _same_over_splits(td, loss, correction, (
+            "loss/policy_avg", "policy/is_masked_frac", "policy/tis_weight_avg"))
+        assert 0 < stats["rows=1"]["policy/is_masked_frac"] < 1, correction
+        out = loss(td)
+        assert stats["rows=1"]["loss/policy_avg"] == pytest.approx(
+            float(out["loss_objective"].detach()), rel=1e-9)

@@ -197,6 +197,38 @@ def test_gsm8k_preset_reports_accuracy(tmp_path, tiny_llama_dir):
     assert "Let's think step by step" in report["samples_after"][0]["prompt"]
 
 
+def test_gsm8k_preset_trains_on_verls_parquet(tmp_path, tiny_llama_dir):
+    """A GSM8K Parquet as verl's preprocessing writes it (the prompt as chat messages with the
+    instruction in, reward_model.ground_truth, data_source, extra_info): `task=gsm8k
+    data.source=train.parquet` reads the prompts as written and trains two iterations, the GSM8K
+    verifier reading the ground truth."""
+    datasets = pytest.importorskip("datasets")
+    from test_data import verl_rows
+
+    from rlhf_torchrl.collectors import probe_rollout
+
+    instruction = "Let's think step by step and output the final answer after \"####\"."
+    rows = [{"prompt": f"{r['question']} {instruction}", "answer": r["answer"].split("#### ")[-1]}
+            for r in gsm8k_rows()]
+    path = str(tmp_path / "train.parquet")
+    datasets.Dataset.from_list(verl_rows(rows)).to_parquet(path)
+    overrides = ["task=gsm8k", f"model.policy={tiny_llama_dir}", f"data.source={path}",
+                 "generation.max_new_tokens=16"]
+    report, metrics = _run(tmp_path, *overrides)
+    for row in metrics:
+        assert 0.0 <= row["eval/accuracy"] <= 1.0 and "objective/scores/gsm8k_correct" in row
+    assert report["samples_after"][0]["prompt"].count("Let's think step by step") == 1
+    # the verifier, through the rollout's ("data", ...) fields: right and wrong final answers
+    cfg = _compose(f"output_dir={tmp_path / 'probe'}", *TWO_ITERATIONS, *overrides)
+    tokenizer = builders.make_tokenizer(cfg)
+    prompts = builders.make_prompts(cfg, tokenizer)
+    truth = [p.fields["ground_truth"] for p in prompts[:2]]
+    assert truth == ["3", "5"]
+    rollout = probe_rollout(prompts[:2], tokenizer, [f"So #### {truth[0]}", f"#### {truth[1]}1"])
+    scorer = builders.make_scorer(cfg, builders.make_reward_functions(cfg), torch.device("cpu"))
+    assert scorer(rollout).get(("scores", "gsm8k_correct")).tolist() == [1.0, 0.0]
+
+
 def test_sentiment_preset_is_the_default(tmp_path, tiny_llama_dir):
     report, rows = _run(tmp_path, "task=sentiment", f"model.policy={tiny_llama_dir}",
                         "data.limit=16")

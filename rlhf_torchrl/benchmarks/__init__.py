@@ -13,4 +13,6 @@ BENCHMARKS = {
     "vs_trl": "side by side with TRL's PPOTrainer at identical settings (installs TRL in a venv)",
     "gpu_suite": "every CUDA path in one table (needs a CUDA GPU)",
     "estimators_table": "the table of estimators.sh's runs (GAE, GRPO, RLOO, REINFORCE++)",
+    "data_loading": "start-up time and peak memory of a prompt set by form and size (10k-1M rows)",
+    "reward_server": "a served reward model under N concurrent clients: p50/p99 latency, throughput",
 }

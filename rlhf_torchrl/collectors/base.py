@@ -26,6 +26,7 @@ from .. import functional as F
 from .. import keys as K
 from ..data import Prompt, prompt_token_ids, to_prompt
 from ..errors import ConfigError
+from ..prompt_sets import MixtureBatchSampler, PromptMixture, PromptSet
 
 
 def make_generation_env(
@@ -57,6 +58,11 @@ def make_generation_env(
     ``start_batch``: begin with global batch ``start_batch`` of that order (a resumed run), the
     earlier ones skipped without being served.
 
+    A :class:`~rlhf_torchrl.prompt_sets.PromptSet` is read lazily: a prompt is made (and
+    length-checked) when a batch serves it. A :class:`~rlhf_torchrl.prompt_sets.PromptMixture`
+    is served in proportion to its weights (:class:`~rlhf_torchrl.prompt_sets.MixtureBatchSampler`,
+    always shuffled).
+
     ``samples_per_prompt`` (N): a global batch holds ``batch_size / N`` prompts, each served N
     times in a row (a group of responses to one prompt); a group is never split over processes,
     so ``batch_size / N`` must be a multiple of ``world_size``.
@@ -73,11 +79,19 @@ def make_generation_env(
         )
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is not one of the {world_size} processes.")
-    rows = [to_prompt(p, system_prompt) for p in prompts]
+    if isinstance(prompts, (PromptSet, PromptMixture)):  # each prompt made when a batch asks
+        rows = _ServedPrompts(prompts, system_prompt)
+    else:
+        rows = [to_prompt(p, system_prompt) for p in prompts]
     local = batch_size // world_size
-    batches = ShardedBatchSampler(len(rows), n_prompts, rank=rank, world_size=world_size,
-                                  shuffle=shuffle, seed=seed, skip=start_batch,
-                                  repeats=samples_per_prompt)
+    if isinstance(prompts, PromptMixture):
+        batches = MixtureBatchSampler(prompts.sizes, prompts.weights, n_prompts, rank=rank,
+                                      world_size=world_size, seed=seed, skip=start_batch,
+                                      repeats=samples_per_prompt)
+    else:
+        batches = ShardedBatchSampler(len(rows), n_prompts, rank=rank, world_size=world_size,
+                                      shuffle=shuffle, seed=seed, skip=start_batch,
+                                      repeats=samples_per_prompt)
     loader = DataLoader(rows, batch_sampler=batches, collate_fn=_collate_prompts)
     env = ChatEnv.from_dataloader(
         loader,
@@ -134,6 +148,20 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
                 continue
             batch = order[i * self.batch_size : (i + 1) * self.batch_size]
             yield batch[self.start : self.start + self.local].repeat_interleave(self.repeats).tolist()
+
+
+class _ServedPrompts(torch.utils.data.Dataset):
+    """A prompt set as the loader reads it: prompt ``i`` made, given ``system_prompt`` when it has
+    no system message of its own, only when a batch asks for it."""
+
+    def __init__(self, prompts: Sequence, system_prompt: str | None):
+        self.prompts, self.system_prompt = prompts, system_prompt
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> Prompt:
+        return to_prompt(self.prompts[i], self.system_prompt)
 
 
 def _collate_prompts(rows: list[Prompt]) -> TensorDict:

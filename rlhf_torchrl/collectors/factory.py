@@ -22,6 +22,7 @@ import torch
 
 from ..distributed import DataParallel
 from ..errors import ConfigError
+from ..prompt_sets import PromptMixture, PromptSet
 from ..runtime import resolve_device
 from ..sampling import check_full_distribution
 from ..sandbox import SandboxSpec
@@ -199,7 +200,9 @@ def make_ray_collector(spec: CollectorSpec, prompts: Sequence, tokenizer, *, dev
     started = not ray.is_initialized()
     if started:
         ray.init(address=spec.ray_address, include_dashboard=False, log_to_driver=False)
-    factory = functools.partial(ray_worker, spec, list(prompts), start_batch=start_batch)
+    # a prompt set travels as its table (a memory-mapped one pickles as its files), not its rows
+    shipped = prompts if isinstance(prompts, (PromptSet, PromptMixture)) else list(prompts)
+    factory = functools.partial(ray_worker, spec, shipped, start_batch=start_batch)
     return RayCollector(factory, spec.ray_workers, pad_token_id=tokenizer.pad_token_id,
                         num_cpus=spec.ray_cpus_per_worker, num_gpus=spec.ray_gpus_per_worker,
                         device=device, shutdown_ray=started)

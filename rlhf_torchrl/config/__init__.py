@@ -1,10 +1,11 @@
 """The PPO and reward-model configuration: schema, defaults and task presets, shipped with the package.
 
 ``ppo.yaml`` (every setting with a one-line comment, in construction order), ``task/*.yaml`` (the
-presets) and ``reward_model.yaml`` sit in this folder; :mod:`.schema` gives every setting its type,
+presets), ``reward_model.yaml`` and ``serve_reward_model.yaml`` sit in this folder; :mod:`.schema` gives every setting its type,
 choices and range. Importing this module registers them in Hydra's ConfigStore (the files are read
 from there only): the schema as ``ppo_schema``, the PPO defaults as ``rlhf_ppo``, reward-model
-training as ``rlhf_reward_model`` and each preset in the group ``task``. A Hydra app runs them with
+training as ``rlhf_reward_model``, the reward-model server as ``rlhf_serve_reward_model`` and
+each preset in the group ``task``. A Hydra app runs them with
 ``@hydra.main(config_path=None, config_name="rlhf_ppo")``, or composes them into its own config::
 
     # my_app.yaml
@@ -32,7 +33,8 @@ from . import schema  # noqa: F401 - registers ppo_schema
 #: the folder of ppo.yaml, reward_model.yaml and task/
 CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 #: ConfigStore name of each config file
-NAMES = {"ppo": "rlhf_ppo", "reward_model": "rlhf_reward_model"}
+NAMES = {"ppo": "rlhf_ppo", "reward_model": "rlhf_reward_model",
+         "serve_reward_model": "rlhf_serve_reward_model"}
 
 
 def tasks() -> list[str]:
@@ -53,7 +55,7 @@ _register()
 
 
 def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "ppo") -> DictConfig:
-    """The config ``config_name`` (``ppo`` or ``reward_model``) with command-line style
+    """The config ``config_name`` (``ppo``, ``reward_model`` or ``serve_reward_model``) with command-line style
     ``overrides``, composed by Hydra outside any app (``output_dir`` must then be given)."""
     from hydra import compose as hydra_compose
     from hydra import initialize

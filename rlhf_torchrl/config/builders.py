@@ -23,13 +23,14 @@ from ..advantages import make_advantage as advantage_module
 from ..collectors import probe_rollout
 from ..collectors.base import check_group_sizes
 from ..collectors.factory import CollectorSpec, VLLMSpec, make_collector
-from ..data import Prompt, check_prompts, load_prompts, templated_length
+from ..data import LengthCheck, load_prompts, templated_length
 from ..distributed import DataParallel, init_data_parallel
 from ..errors import ConfigError
 from ..guards import NonFiniteAction
 from ..modules import load_causal_lm, load_tokenizer
 from ..modules.models import torch_dtype
 from ..objectives import make_minibatch_buffer, make_ppo_loss
+from ..prompt_sets import CHECK_ALL_UP_TO, PromptMixture, PromptSet
 from ..rewards import (
     KLRewardShaper,
     RewardModel,
@@ -161,11 +162,13 @@ def check_config(cfg: DictConfig) -> Sizes:
     if p.tis_cap is not None and log_probs_from_sampling(cfg):
         raise ConfigError("ppo.tis_cap corrects recomputed old log-probs towards the sampler's: set "
                          "generation.log_probs_from_sampling=false (or drop ppo.tis_cap).")
-    if not cfg.reward.model and not cfg.reward.functions:
+    check_off_policy_correction(cfg)
+    if not cfg.reward.model and not cfg.reward.remote_url and not cfg.reward.functions:
         raise ConfigError(
-            "No reward: set reward.model (a sequence classifier) and/or reward.functions "
-            "(dotted paths)."
+            "No reward: set reward.model (a sequence classifier) or reward.remote_url (one "
+            "served), and/or reward.functions (dotted paths or URLs)."
         )
+    check_remote_rewards(cfg)
     weights = cfg.reward.function_weights
     if weights is not None and len(weights) != len(cfg.reward.functions or []):
         raise ConfigError(
@@ -298,6 +301,21 @@ def tis_cap(cfg: DictConfig) -> float | None:
     return None
 
 
+def check_off_policy_correction(cfg: DictConfig) -> None:
+    """``ppo.off_policy_correction`` and ``ppo.off_policy_low`` act where the correction is on
+    (:func:`tis_cap` resolves to a bound), and their bounds make a window."""
+    p, cap = cfg.ppo, tis_cap(cfg)
+    if cap is None and (p.off_policy_correction != "tis" or p.off_policy_low is not None):
+        given = (f"ppo.off_policy_correction={p.off_policy_correction}"
+                 if p.off_policy_correction != "tis" else f"ppo.off_policy_low={p.off_policy_low}")
+        raise ConfigError(f"{given} weights the loss by pi_old / pi_sampler, and this run's "
+                          "correction is off (synchronous, or the old log-probs recorded while "
+                          "sampling): set its upper bound ppo.tis_cap (e.g. 2) with "
+                          "generation.log_probs_from_sampling=false, or drop the setting.")
+    if cap is not None:
+        F.check_off_policy_correction(p.off_policy_correction, cap, p.off_policy_low)
+
+
 def on_policy_tolerance(cfg: DictConfig) -> float:
     """The on-policy check's tolerance (:func:`rlhf_torchrl.sampling.on_policy_tolerance`)."""
     from ..sampling import on_policy_tolerance as tolerance
@@ -315,16 +333,48 @@ def make_thread_tuner(cfg: DictConfig) -> ThreadTuner:
 
 
 def make_reward_functions(cfg: DictConfig) -> dict:
-    """Import the reward functions (fails before any model is loaded)."""
+    """Import the reward functions, and the remote ones of their URLs (fails before any model is
+    loaded)."""
+    from ..remote_rewards import is_url, url_name
+
     paths = list(cfg.reward.functions or [])
     weights = cfg.reward.function_weights or [1.0] * len(paths)
     if len(set(paths)) != len(paths):
         raise ConfigError(f"reward.functions lists a function twice: {paths}. Use its weight instead.")
     # metrics are named after the function; the full path only where two share a name
-    short = [p.replace(":", ".").rsplit(".", 1)[-1] for p in paths]
-    names = [n if short.count(n) == 1 else p for n, p in zip(short, paths)]
-    return {name: (load_reward_function(path), float(w))
+    short = [url_name(p) if is_url(p) else p.replace(":", ".").rsplit(".", 1)[-1] for p in paths]
+    names = [n if short.count(n) == 1 else url_name(p, full=True) if is_url(p) else p
+             for n, p in zip(short, paths)]
+    return {name: (remote_reward(cfg, path, name) if is_url(path) else load_reward_function(path),
+                   float(w))
             for name, path, w in zip(names, paths, weights)}
+
+
+def remote_reward(cfg: DictConfig, url: str, name: str):
+    """The :class:`~rlhf_torchrl.remote_rewards.RemoteReward` at ``url``, with the
+    ``reward.remote_*`` settings."""
+    from ..remote_rewards import RemoteReward
+
+    r = cfg.reward
+    return RemoteReward(url, name=name, token_env=r.remote_token_env, timeout=r.remote_timeout,
+                        retries=r.remote_retries, batch_size=r.remote_batch_size,
+                        concurrency=r.remote_concurrency, label_column=r.remote_label_column)
+
+
+def check_remote_rewards(cfg: DictConfig) -> None:
+    """``reward.remote_url`` in place of ``reward.model``, not beside it, as a URL; the token's
+    environment variable set."""
+    from ..remote_rewards import bearer_token, is_url
+
+    r = cfg.reward
+    if r.remote_url and r.model:
+        raise ConfigError(f"reward.model={r.model} and reward.remote_url={r.remote_url}: the reward "
+                          "model is scored here or by the server, not both; drop one.")
+    if r.remote_url and not is_url(r.remote_url):
+        raise ConfigError(f"reward.remote_url={r.remote_url} is not an http:// or https:// URL: "
+                          "give the served model's endpoint, e.g. http://HOST:8000/score.")
+    if r.remote_url or any(is_url(f) for f in r.functions or []):
+        bearer_token(r.remote_token_env)
 
 
 def make_tools(cfg: DictConfig) -> dict:
@@ -355,27 +405,30 @@ def system_prompt(cfg: DictConfig) -> str | None:
     return prompt
 
 
-def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
+def make_prompts(cfg: DictConfig, tokenizer) -> PromptSet | PromptMixture:
+    """The prompts of ``data.source`` (or the mixture of ``data.sources``), each held to
+    ``data.max_prompt_length`` tokens; checked whole now, or as batches serve them
+    (``data.check_prompts``)."""
     d = cfg.data
-    try:
-        prompts = load_prompts(d.source, split=d.split, column=d.column,
-                               template=d.template or "{prompt}", limit=d.limit,
-                               max_words=d.max_words, system_prompt=system_prompt(cfg),
-                               config=d.config,
-                               generator_args=(OmegaConf.to_container(d.generator_args, resolve=True)
-                                               if d.generator_args else {}),
-                               seed=cfg.seed)
-    except ConnectionError as e:  # an HF dataset name, offline or unknown
-        raise ConfigError(f"data.source={d.source}: not a local file, and the dataset hub could not "
-                         f"give it ({e}). Give a .jsonl file, 'polarity', or a dataset name "
-                         "reachable from here.") from None
-    prompts, n_truncated = check_prompts(
-        prompts, tokenizer, max_prompt_length=d.max_prompt_length, truncate=d.truncate_prompts,
-        truncate_side=d.truncate_side, truncate_at=d.truncate_at,
-    )
-    if n_truncated:
-        log.warning("Cut %d of %d prompts to %d tokens (data.truncate_side=%s).",
-                    n_truncated, len(prompts), d.max_prompt_length, d.truncate_side)
+    system = system_prompt(cfg)
+    if d.sources:
+        prompts = PromptMixture([_load_source(cfg, entry, system) for entry in d.sources],
+                                [entry.weight for entry in d.sources],
+                                [f"data.sources[{i}] ({e.source})" for i, e in enumerate(d.sources)])
+    else:
+        prompts = _load_source(cfg, d, system)
+    prompts = prompts.with_length_check(LengthCheck(
+        tokenizer, d.max_prompt_length, truncate=d.truncate_prompts, side=d.truncate_side,
+        at=d.truncate_at))
+    if d.check_prompts == "all" or (d.check_prompts == "auto" and len(prompts) <= CHECK_ALL_UP_TO):
+        n_truncated = prompts.check()
+        if n_truncated:
+            log.warning("Cut %d of %d prompts to %d tokens (data.truncate_side=%s).",
+                        n_truncated, len(prompts), d.max_prompt_length, d.truncate_side)
+    else:
+        log.info("%d prompts: each is made and its length checked when a batch serves it "
+                 "(data.check_prompts=%s; all: every one before training).", len(prompts),
+                 d.check_prompts)
     held_out = eval_prompt_count(cfg)
     per_batch = cfg.ppo.batch_size // cfg.generation.samples_per_prompt
     if len(prompts) - held_out < per_batch:
@@ -389,14 +442,43 @@ def make_prompts(cfg: DictConfig, tokenizer) -> list[Prompt]:
     return prompts
 
 
+def _load_source(cfg: DictConfig, entry: DictConfig, system: str | None) -> PromptSet:
+    """One source's prompts: ``entry`` is ``data`` itself or a ``data.sources`` entry, whose
+    loading settings left null are ``data``'s."""
+    d = cfg.data
+
+    def setting(key):
+        value = entry.get(key)
+        return d[key] if value is None else value
+
+    try:
+        return load_prompts(entry.source, split=setting("split"), column=setting("column"),
+                            template=setting("template") or "{prompt}", limit=setting("limit"),
+                            max_words=d.max_words, system_prompt=system, config=setting("config"),
+                            generator_args=(OmegaConf.to_container(d.generator_args, resolve=True)
+                                            if d.generator_args else {}),
+                            seed=cfg.seed, check=False)
+    except ConnectionError as e:  # an HF dataset name, offline or unknown
+        raise ConfigError(f"data.source={entry.source}: not a local file, and the dataset hub could "
+                          f"not give it ({e}). Give a local file (.jsonl, .json, .parquet, .csv, "
+                          ".tsv), a saved dataset's folder, 'polarity', or a dataset name reachable "
+                          "from here.") from None
+
+
 def eval_prompt_count(cfg: DictConfig) -> int:
     return cfg.eval.num_prompts if cfg.eval.every else 0
 
 
-def split_eval_prompts(cfg: DictConfig, prompts: list) -> tuple[list, list]:
-    """(training prompts, held-out evaluation prompts): the last ``eval.num_prompts``."""
+def split_eval_prompts(cfg: DictConfig, prompts) -> tuple:
+    """(training prompts, held-out evaluation prompts): the last ``eval.num_prompts`` rows (of
+    each source of a mixture, shared by weight: :meth:`~rlhf_torchrl.prompt_sets.PromptMixture.hold_out`)."""
     k = eval_prompt_count(cfg)
-    return (prompts[:-k], prompts[-k:]) if k else (prompts, [])
+    return hold_out(prompts, k) if k else (prompts, [])
+
+
+def hold_out(prompts, k: int) -> tuple:
+    """``(training prompts, the k held out)`` of a prompt set, a mixture or a list."""
+    return prompts.hold_out(k) if hasattr(prompts, "hold_out") else (prompts[:-k], prompts[-k:])
 
 
 def make_evaluator(cfg: DictConfig, held_out, tokenizer, scorer, stop_ids, device, parallel):
@@ -416,7 +498,7 @@ def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device)
     from ..evaluation import Evaluator
 
     e = cfg.eval
-    judge = e.judge or ("reward_model" if cfg.reward.model else None)
+    judge = e.judge or ("reward_model" if cfg.reward.model or cfg.reward.remote_url else None)
     env = cfg.env
     episode = ({"tools": make_tools(cfg), "max_turns": env.max_turns, "max_tokens": env.max_tokens,
                 "tool_timeout": env.tool_timeout} if env.tools else None)
@@ -490,6 +572,19 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
     )
 
 
+def check_rewards(cfg: DictConfig, scorer, prompts, tokenizer, stop_ids,
+                  with_values: bool = False) -> None:
+    """Every reward once on a probe of real prompts (:func:`make_reward_probe`); each source of a
+    mixture gets its own, since its rows may carry other columns."""
+    if not isinstance(prompts, PromptMixture):
+        return scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids, with_values))
+    for name, part in zip(prompts.names, prompts.sets):
+        try:
+            scorer.check(make_reward_probe(cfg, part, tokenizer, stop_ids, with_values))
+        except ConfigError as e:
+            raise ConfigError(f"{name}: {e}") from None
+
+
 def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids, with_values: bool = False):
     """Two rollout rows on real prompts (one response that stopped, one cut short), no model needed:
     every reward is called on it before any model is loaded. ``with_values``: the rollouts will
@@ -499,7 +594,13 @@ def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids, with_values
                          multi_turn=bool(cfg.env.tools))
 
 
-def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device) -> Scorer:
+def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device,
+                stop_text: str = "") -> Scorer:
+    """The :class:`~rlhf_torchrl.rewards.Scorer` of ``reward_functions`` and the reward model
+    (``reward.model``, or the one served at ``reward.remote_url``); ``stop_text``: the policy's
+    stop token, which remote rewards append to OpenRLHF's ``query`` where a response stopped."""
+    from ..remote_rewards import RemoteReward
+
     r = cfg.reward
     rewards = dict(reward_functions)
     if r.model:
@@ -508,6 +609,12 @@ def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device) -
                                         device=device, offload=r.offload),
             float(r.model_weight),
         )
+    elif r.remote_url:
+        rewards["reward_model"] = (remote_reward(cfg, r.remote_url, "reward_model"),
+                                   float(r.model_weight))
+    for fn, _ in rewards.values():
+        if isinstance(fn, RemoteReward):
+            fn.stop_text = stop_text
     return Scorer(rewards, missing_eos_penalty=cfg.reward.missing_eos_penalty)
 
 
@@ -544,7 +651,9 @@ def make_loss(cfg: DictConfig, actor, critic):
                          clip_epsilon_high=p.clip_epsilon_high, dual_clip=p.dual_clip,
                          loss_aggregation=p.loss_aggregation, loss_aggregation_constant=budget,
                          positive_nll_coef=p.positive_nll_coef,
-                         positive_nll_threshold=p.positive_nll_threshold)
+                         positive_nll_threshold=p.positive_nll_threshold,
+                         off_policy_correction=p.off_policy_correction,
+                         off_policy_low=p.off_policy_low)
 
 
 def make_replay_buffer(cfg: DictConfig, sizes: Sizes):
@@ -639,7 +748,7 @@ def resume_path(cfg: DictConfig) -> str | None:
 #: the run it continues (the schedule, learning rates, logging and evaluation may change)
 RUN_IDENTITY = ("model.policy", "model.reference", "lora.r", "value_model.init",
                 "value_model.name_or_path", "reward.model", "reward.functions", "data.source",
-                "data.config", "data.generator_args", "data.split", "data.column", "data.template",
+                "data.sources", "data.config", "data.generator_args", "data.split", "data.column", "data.template",
                 "data.max_words", "data.system_prompt", "data.limit", "data.max_prompt_length",
                 "data.truncate_prompts", "data.truncate_side", "data.truncate_at",
                 # a critic (and its weights in the checkpoint) or none
@@ -648,7 +757,8 @@ RUN_IDENTITY = ("model.policy", "model.reference", "lora.r", "value_model.init",
                 "seed", "ppo.batch_size", "generation.samples_per_prompt")
 
 
-_IDENTITY_DEFAULTS = {"advantage.estimator": "gae", "generation.samples_per_prompt": 1}
+_IDENTITY_DEFAULTS = {"advantage.estimator": "gae", "generation.samples_per_prompt": 1,
+                      "data.sources": []}
 
 
 def run_identity(cfg: DictConfig) -> dict:
@@ -749,19 +859,25 @@ def check_models(cfg: DictConfig) -> None:
                 "tokenizer. Use a reference with the policy's tokenizer (or model.reference=null)."
             )
     if r.model:
-        reward = _model_config("reward.model", r.model)
-        archs = getattr(reward, "architectures", None) or []
-        if not any(a.endswith("ForSequenceClassification") for a in archs):
-            raise ConfigError(
-                f"reward.model={r.model} is a {', '.join(archs) or 'model without an architecture'}, "
-                "not a sequence classifier: a reward model is an AutoModelForSequenceClassification "
-                "with one label (train one with a Bradley-Terry loss), or drop reward.model."
-            )
-        if reward.num_labels != 1:
-            raise ConfigError(f"reward.model={r.model} has {reward.num_labels} labels: a reward model "
-                             "gives one score (num_labels=1).")
+        check_reward_model("reward.model", r.model)
     if v.init == "model" and v.name_or_path:
         _model_config("value_model.name_or_path", v.name_or_path)
+
+
+def check_reward_model(setting: str, name: str) -> None:
+    """The model ``setting`` names is a sequence classifier with one label (its config read, no
+    weights)."""
+    reward = _model_config(setting, name)
+    archs = getattr(reward, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(
+            f"{setting}={name} is a {', '.join(archs) or 'model without an architecture'}, "
+            "not a sequence classifier: a reward model is an AutoModelForSequenceClassification "
+            f"with one label (train one with a Bradley-Terry loss), or drop {setting}."
+        )
+    if reward.num_labels != 1:
+        raise ConfigError(f"{setting}={name} has {reward.num_labels} labels: a reward model "
+                          "gives one score (num_labels=1).")
 
 
 def response_budget(cfg: DictConfig) -> tuple[int, str, str]:
@@ -801,8 +917,16 @@ def check_sequence_length(cfg: DictConfig, prompts, tokenizer) -> None:
     positions, learned, setting, name = min(limits)
     response, bound, lower = response_budget(cfg)
     if cfg.data.max_prompt_length + response <= positions:
-        return  # every prompt fits data.max_prompt_length (check_prompts)
-    longest = max(templated_length(tokenizer, prompt) for prompt in prompts)
+        return  # every prompt fits data.max_prompt_length (the length check)
+    if isinstance(prompts, (PromptSet, PromptMixture)):
+        longest = prompts.longest  # None: checked as batches serve them, each within the limit
+        what = (f"The longest prompt ({longest} tokens, chat template included)" if longest else
+                f"A prompt of data.max_prompt_length={cfg.data.max_prompt_length} tokens (the "
+                "prompts are checked as batches serve them, data.check_prompts)")
+        longest = longest or cfg.data.max_prompt_length
+    else:
+        longest = max(templated_length(tokenizer, prompt) for prompt in prompts)
+        what = f"The longest prompt ({longest} tokens, chat template included)"
     if longest + response <= positions:
         return
     fixes = []
@@ -811,7 +935,7 @@ def check_sequence_length(cfg: DictConfig, prompts, tokenizer) -> None:
     if positions > response:
         fixes.append(f"cut the prompts (data.max_prompt_length={positions - response} "
                      "data.truncate_prompts=true)")
-    message = (f"The longest prompt ({longest} tokens, chat template included) plus {response} "
+    message = (f"{what} plus {response} "
                f"response tokens ({bound}) is {longest + response} tokens, more than the "
                f"{positions} positions of {setting}={name}")
     if not learned:  # rotary: it runs, on positions it was not trained on
@@ -861,13 +985,14 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
         reuse_freed_memory()
 
     tokenizer = make_tokenizer(cfg)
-    prompts, held_out = split_eval_prompts(cfg, make_prompts(cfg, tokenizer))
-    check_sequence_length(cfg, [*prompts, *held_out], tokenizer)
+    prompts = make_prompts(cfg, tokenizer)
+    check_sequence_length(cfg, prompts, tokenizer)
+    prompts, held_out = split_eval_prompts(cfg, prompts)
     stop_ids = stop_token_ids(cfg, tokenizer)
     advantage = advantage if advantage is not None else make_advantage(cfg)
     values_sampled = values_from_sampling(cfg, parallel, critic=needs_critic(advantage))
-    scorer = make_scorer(cfg, reward_functions, device)
-    scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids, with_values=values_sampled))
+    scorer = make_scorer(cfg, reward_functions, device, stop_text=tokenizer.decode(stop_ids[:1]))
+    check_rewards(cfg, scorer, prompts, tokenizer, stop_ids, with_values=values_sampled)
     policy, reference, critic = make_models(cfg, tokenizer, device, critic=needs_critic(advantage))
     # FSDP2 shards the models before the optimiser sees their parameters (no-op otherwise)
     parallel.shard(policy, reference, *(critic.modules_to_shard() if critic is not None else ()),
@@ -1021,6 +1146,41 @@ def train_reward_model(cfg: DictConfig) -> dict:
     return report
 
 
+def serve_reward_model(cfg: DictConfig) -> None:
+    """Serve the reward model of ``cfg`` (``serve_reward_model.yaml``) over HTTP until
+    interrupted (:func:`rlhf_torchrl.reward_server.serve`)."""
+    from ..remote_rewards import bearer_token
+    from ..reward_server import serve
+
+    if OmegaConf.is_missing(cfg, "model"):
+        raise ConfigError("model must be set: rlhf-torchrl serve-reward-model model=<a reward "
+                          "model's directory or hub id> (port=8000).")
+    if importlib.util.find_spec("starlette") is None or importlib.util.find_spec("uvicorn") is None:
+        raise ConfigError("serve-reward-model needs Starlette and uvicorn: "
+                          "pip install 'rlhf_torchrl[serve]'.")
+    for key, low in (("port", 0), ("batch_size", 1), ("max_request_responses", 1),
+                     ("max_batch", 1), ("max_wait_ms", 0)):
+        if cfg[key] < low or (key == "port" and cfg.port > 65535):
+            shown = "in [0, 65535]" if key == "port" else f">= {low}"
+            raise ConfigError(f"{key}={cfg[key]} is out of range: it must be {shown}.")
+    if not cfg.max_request_mb > 0:
+        raise ConfigError(f"max_request_mb={cfg.max_request_mb} is out of range: it must be > 0.")
+    if cfg.dtype not in schema.DTYPES:
+        raise ConfigError(f"dtype={cfg.dtype} is not one of the allowed values: "
+                          f"{', '.join(schema.DTYPES)}.")
+    token = bearer_token(cfg.token_env, "token_env")
+    check_reward_model("model", cfg.model)  # config.json first: a clear line, no weights
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    reward_model = RewardModel.from_pretrained(cfg.model, dtype=cfg.dtype, batch_size=cfg.batch_size,
+                                               max_length=cfg.max_length,
+                                               device=resolve_device(cfg.device))
+    serve(reward_model, name=cfg.model, host=cfg.host, port=cfg.port, token=token,
+          max_request_bytes=int(cfg.max_request_mb * (1 << 20)),
+          max_request_responses=cfg.max_request_responses, max_batch=cfg.max_batch,
+          max_wait=cfg.max_wait_ms / 1000)
+
+
 def evaluate_policy(cfg: DictConfig) -> dict:
     """``eval/...`` metrics of ``model.policy`` on the held-out prompts of the PPO config (the
     last ``eval.num_prompts``), against ``model.reference``'s responses when it is set; also
@@ -1031,15 +1191,16 @@ def evaluate_policy(cfg: DictConfig) -> dict:
     resolve_precision(cfg)
     check_output_dir(cfg)
     check_models(cfg)
+    check_remote_rewards(cfg)
     reward_functions = make_reward_functions(cfg)
     device = make_device(cfg)
     torch.manual_seed(cfg.seed)
     tokenizer = make_tokenizer(cfg)
     prompts = make_prompts(cfg, tokenizer)
-    held_out = prompts[-cfg.eval.num_prompts:]
-    check_sequence_length(cfg, held_out, tokenizer)
+    _, held_out = hold_out(prompts, cfg.eval.num_prompts)
+    check_sequence_length(cfg, list(held_out), tokenizer)
     stop_ids = stop_token_ids(cfg, tokenizer)
-    scorer = make_scorer(cfg, reward_functions, device)
+    scorer = make_scorer(cfg, reward_functions, device, stop_text=tokenizer.decode(stop_ids[:1]))
     scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids))
     m = cfg.model
     evaluator = new_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device)

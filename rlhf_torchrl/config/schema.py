@@ -42,14 +42,30 @@ class Model:
 
 
 @dataclass
+class DataSource:
+    """One source of a mixture (``data.sources``): its weight, and the ``data.*`` loading
+    settings it sets for itself (null: ``data.*``'s)."""
+
+    source: str = MISSING
+    weight: float = 1.0
+    config: str | None = None
+    split: str | None = None
+    column: str | None = None
+    template: str | None = None
+    limit: int | None = None
+
+
+@dataclass
 class Data:
     source: str = MISSING
+    sources: list[DataSource] = MISSING
     config: str | None = MISSING
     generator_args: dict[str, Any] = MISSING
     split: str = MISSING
     column: str = MISSING
     template: str | None = MISSING
     limit: int | None = MISSING
+    check_prompts: str = MISSING
     max_words: int | None = MISSING
     max_prompt_length: int = MISSING
     truncate_prompts: bool = MISSING
@@ -75,6 +91,13 @@ class Reward:
     model_batch_size: int = MISSING
     model_dtype: str = MISSING
     offload: bool = MISSING
+    remote_url: str | None = MISSING
+    remote_token_env: str | None = MISSING
+    remote_timeout: float = MISSING
+    remote_retries: int = MISSING
+    remote_batch_size: int = MISSING
+    remote_concurrency: int = MISSING
+    remote_label_column: str | None = MISSING
     functions: list[str] | None = MISSING
     function_weights: list[float] | None = MISSING
     missing_eos_penalty: float | None = MISSING
@@ -168,6 +191,8 @@ class PPO:
     vf_coef: float = MISSING
     entropy_coef: float = MISSING
     tis_cap: float | None = MISSING
+    off_policy_correction: str = MISSING
+    off_policy_low: float | None = MISSING
     kl_loss_coef: float = MISSING
     positive_nll_coef: float = MISSING
     positive_nll_threshold: float = MISSING
@@ -255,6 +280,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: setting -> its allowed values (None among them: null is allowed)
 CHOICES = {
     "data.truncate_side": ("left", "right"),
+    "data.check_prompts": ("auto", "all", "served"),
     "distributed.strategy": ("ddp", "fsdp2"),
     "distributed.backend": (None, "gloo", "nccl"),
     "model.dtype": DTYPES,
@@ -267,6 +293,7 @@ CHOICES = {
     "ppo.kl_estimator": ("k1", "k2", "k3"),
     "ppo.loss_aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                              "seq_mean_token_sum_norm"),
+    "ppo.off_policy_correction": ("tis", "mis", "icepop", "seq_mask_tis"),
     "advantage.estimator": ("gae", "grpo", "rloo", "reinforce_pp"),
     "optim.lr_schedule": ("linear", "constant"),
     "optim.critic_warmup_until": (None, "explained_variance", "value_loss"),
@@ -293,6 +320,10 @@ RANGES = {
     "reward.model_batch_size": (1, _INF, True, True),
     "reward.missing_eos_penalty": (0, _INF, True, True),
     "reward.score_clip": (0, _INF, False, True),
+    "reward.remote_timeout": (0, _INF, False, True),
+    "reward.remote_retries": (0, _INF, True, True),
+    "reward.remote_batch_size": (1, _INF, True, True),
+    "reward.remote_concurrency": (1, _INF, True, True),
     "generation.max_new_tokens": (1, _INF, True, True),
     "generation.temperature": (0, _INF, False, True),
     "generation.top_k": (0, _INF, True, True),
@@ -339,6 +370,7 @@ RANGES = {
     "ppo.vf_coef": (0, _INF, True, True),
     "ppo.entropy_coef": (0, _INF, True, True),
     "ppo.tis_cap": (0, _INF, False, True),
+    "ppo.off_policy_low": (0, _INF, False, True),
     "ppo.kl_loss_coef": (0, _INF, True, True),
     "ppo.positive_nll_coef": (0, _INF, True, True),
     "optim.lr": (0, _INF, False, True),
@@ -354,6 +386,8 @@ RANGES = {
     "logging.num_samples": (0, _INF, True, True),
     "logging.log_every": (1, _INF, True, True),
 }
+#: each ``data.sources`` entry's ranges (a finite weight: ``(0, inf)``)
+SOURCE_RANGES = {"weight": (0, _INF, False, False), "limit": (1, _INF, True, True)}
 
 
 def _describe(low, high, low_in, high_in) -> str:
@@ -368,6 +402,8 @@ def validate(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     missing = OmegaConf.missing_keys(cfg)
+    if OmegaConf.select(cfg, "data.sources"):  # a mixture stands in for data.source
+        missing.discard("data.source")
     if missing:
         raise ConfigError(f"{', '.join(sorted(missing))} must be set: the task (task=...) sets it, "
                          "or give it on the command line, e.g. data.source=prompts.jsonl.")
@@ -377,10 +413,17 @@ def validate(cfg: DictConfig) -> None:
             shown = ", ".join("null" if a is None else a for a in allowed)
             raise ConfigError(f"{key}={value!r} is not one of the allowed values: {shown}.")
     for key, bounds in RANGES.items():
-        value = OmegaConf.select(cfg, key)
-        if value is None:
-            continue
-        low, high, low_in, high_in = bounds
-        inside = (low <= value if low_in else low < value) and (value <= high if high_in else value < high)
-        if not inside or (isinstance(value, float) and math.isnan(value)):
-            raise ConfigError(f"{key}={value} is out of range: it must be {_describe(*bounds)}.")
+        _check_range(key, OmegaConf.select(cfg, key), bounds)
+    for i, entry in enumerate(OmegaConf.select(cfg, "data.sources") or []):
+        for key, bounds in SOURCE_RANGES.items():
+            _check_range(f"data.sources[{i}].{key}", entry[key], bounds)
+
+
+def _check_range(key: str, value, bounds) -> None:
+    """``key=value`` inside ``bounds`` (null passes), or a ConfigError naming both."""
+    if value is None:
+        return
+    low, high, low_in, high_in = bounds
+    inside = (low <= value if low_in else low < value) and (value <= high if high_in else value < high)
+    if not inside or (isinstance(value, float) and math.isnan(value)):
+        raise ConfigError(f"{key}={value} is out of range: it must be {_describe(*bounds)}.")

@@ -17,16 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-import urllib.error
-import urllib.request
 
 from ..errors import ConfigError
+from ..http_client import ServiceError, post_json
 from . import Execution, SandboxSpec
 
 log = logging.getLogger(__name__)
 
-#: answers worth another try: the service is busy, restarting, or behind a gateway that gave up
-RETRY_STATUSES = (429, 500, 502, 503, 504)
 #: seconds past the run's own limit the service may take to answer (queueing, start-up, network)
 ANSWER_SLACK = 1.0
 
@@ -35,9 +32,9 @@ class RemoteSandbox:
     """Runs Python code on a SandboxFusion-compatible service at ``spec.url``.
 
     A call's HTTP request gets the run's limit plus :data:`ANSWER_SLACK`; a refused connection,
-    a dropped one or an answer in :data:`RETRY_STATUSES` is tried again, ``retries`` times in all,
-    after ``backoff``, ``2 * backoff``, ... seconds, as long as the run's time allows. A service
-    that stays down gives an :class:`~.Execution` ending in ``"error"`` whose message says so (and
+    a dropped one or an answer in :data:`~rlhf_torchrl.http_client.RETRY_STATUSES` is tried
+    again, ``retries`` times in all, after ``backoff``, ``2 * backoff``, ... seconds, as long as
+    the run's time allows (:func:`~rlhf_torchrl.http_client.post_json`). A service that stays down gives an :class:`~.Execution` ending in ``"error"`` whose message says so (and
     a warning in the log, once until it answers again). Example::
 
         >>> RemoteSandbox(SandboxSpec(kind="remote", url="http://localhost:8080/run_code"))
@@ -62,39 +59,22 @@ class RemoteSandbox:
     def run(self, code: str, timeout: float | None = None) -> Execution:
         """Run ``code`` on the service; ``timeout`` (seconds, at most ``spec.timeout``) sooner."""
         timeout = self.spec.timeout if timeout is None else min(self.spec.timeout, timeout)
-        deadline = time.monotonic() + timeout + ANSWER_SLACK
-        body = self.request(code, timeout)
-        failure, attempts = "no time left", 0
-        for attempt in range(self.retries):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            attempts += 1
-            request = urllib.request.Request(self.spec.url, data=body, method="POST", headers={
-                "Content-Type": "application/json", "Accept": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=left) as response:
-                    # the service's JSON escapes its output: a few times the bound, at most
-                    answer = response.read(4 * self.spec.max_output_bytes + 65536 + 1)
-            except urllib.error.HTTPError as e:
-                failure = f"HTTP {e.code} {e.reason}"
-                if e.code not in RETRY_STATUSES:
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-                failure = str(getattr(e, "reason", e)) or type(e).__name__
-            else:
-                if self._down:
-                    log.warning("The sandbox service at %s answers again.", self.spec.url)
-                self._down = False
-                return self._execution(answer)
-            if attempt + 1 < self.retries:
-                time.sleep(max(0.0, min(self.backoff * 2**attempt, deadline - time.monotonic())))
-        message = (f"the sandbox service at {self.spec.url} did not answer ({attempts} "
-                   f"attempt{'s' * (attempts != 1)}; last: {failure})")
-        if not self._down:
-            log.warning("The python tool's %s: its calls fail until it answers.", message)
-        self._down = True
-        return Execution("", "error", message=message)
+        try:
+            # the service's JSON escapes its output: a few times the bound, at most
+            answer = post_json(self.spec.url, self.request(code, timeout), attempts=self.retries,
+                               deadline=time.monotonic() + timeout + ANSWER_SLACK,
+                               backoff=self.backoff, max_bytes=4 * self.spec.max_output_bytes + 65536)
+        except ServiceError as e:
+            message = (f"the sandbox service at {self.spec.url} did not answer ({e.attempts} "
+                       f"attempt{'s' * (e.attempts != 1)}; last: {e.failure})")
+            if not self._down:
+                log.warning("The python tool's %s: its calls fail until it answers.", message)
+            self._down = True
+            return Execution("", "error", message=message)
+        if self._down:
+            log.warning("The sandbox service at %s answers again.", self.spec.url)
+        self._down = False
+        return self._execution(answer)
 
     def _execution(self, answer: bytes) -> Execution:
         if len(answer) > 4 * self.spec.max_output_bytes + 65536:
