@@ -31,7 +31,7 @@ from .readers import Table
 log = logging.getLogger(__name__)
 
 #: ``data.check_prompts=auto``: a set of up to this many prompts is checked whole before training
-#: (~0.1 ms a prompt: its chat template and tokens), a larger one as batches serve it
+#: (~0.15 ms a prompt: its chat template and tokens), a larger one as batches serve it
 CHECK_ALL_UP_TO = 100_000
 
 
