@@ -51,7 +51,7 @@ prompts = load_prompts("polarity", max_words=8)
 env = make_generation_env(prompts, tokenizer, batch_size=batch, samples_per_prompt=args.samples)
 sampler = make_generation_policy(policy, tokenizer, max_new_tokens=args.max_new_tokens,
                                  temperature=0.7, record_log_probs=True)
-collector = RolloutCollector(env, sampler, tokenizer=tokenizer, batch_size=batch, seed=0,
+collector = RolloutCollector(env, sampler, tokenizer=tokenizer, seed=0,  # the env's batch size
                              samples_per_prompt=args.samples)
 
 scorer = Scorer({"sentiment": (vader_sentiment, 1.0)})

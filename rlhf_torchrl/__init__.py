@@ -7,6 +7,7 @@ from .modules import TokenCritic, TokenLevelActor, evaluate_rollout, make_critic
 from .objectives import ResponseGAE, make_ppo_loss, ppo_update
 from .rewards import KLRewardShaper, RewardModel, Scorer, load_reward_function, make_kl_controller
 from .trainer import PPOTrainer
+from .trajectory import merge_token_view, token_view
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,8 @@ __all__ = [
     "make_generation_policy",
     "make_kl_controller",
     "make_ppo_loss",
+    "merge_token_view",
     "ppo_update",
     "to_rollout",
+    "token_view",
 ]

@@ -76,6 +76,7 @@ class ResponseGAE(TensorDictModuleBase):
         self.out_keys = [K.ADVANTAGE, K.VALUE_TARGET]
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        K.require(td, *self.in_keys, what="ResponseGAE")
         mask = td.get(K.RESPONSE_MASK)
         rewards, values = td.get(K.REWARD).squeeze(-1), td.get(K.VALUE).squeeze(-1)
         lmbda_policy = (F.length_adaptive_lmbda(mask, self.lmbda_length_alpha)
@@ -93,11 +94,15 @@ class ResponseGAE(TensorDictModuleBase):
 
 class _CriticFree(TensorDictModuleBase):
     needs_critic = False
+    required = (K.REWARD, K.RESPONSE_MASK)  # the in_keys a rollout must hold (the others: optional)
 
     def __init__(self):
         super().__init__()
         self.in_keys = [K.REWARD, K.RESPONSE_MASK]
         self.out_keys = [K.ADVANTAGE]
+
+    def _check(self, td: TensorDictBase) -> None:
+        K.require(td, *self.required, what=type(self).__name__)
 
     @staticmethod
     def _write(td: TensorDictBase, adv: torch.Tensor, mask: torch.Tensor) -> TensorDictBase:
@@ -107,6 +112,8 @@ class _CriticFree(TensorDictModuleBase):
 
 class _GroupBaseline(_CriticFree):
     """A score baseline within each group of responses to one prompt, plus the KL credit."""
+
+    required = (*_CriticFree.required, K.GROUP)
 
     def __init__(self):
         super().__init__()
@@ -140,6 +147,7 @@ class GRPOAdvantage(_GroupBaseline):
         self.scale_by_std, self.eps = scale_by_std, eps
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        self._check(td)
         score, kl_to_go, mask = self._score_and_kl_to_go(td)
         groups = td.get(K.GROUP)
         relative = score - F.group_mean(score, groups)
@@ -159,6 +167,7 @@ class RLOOAdvantage(_GroupBaseline):
     """
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        self._check(td)
         score, kl_to_go, mask = self._score_and_kl_to_go(td)
         relative = score - F.leave_one_out_mean(score, td.get(K.GROUP))
         return self._write(td, relative.unsqueeze(-1) + kl_to_go, mask)
@@ -174,6 +183,7 @@ class ReinforcePPAdvantage(_CriticFree):
         self.gamma = gamma
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        self._check(td)
         mask = td.get(K.RESPONSE_MASK)
         returns = F.returns_to_go(td.get(K.REWARD).squeeze(-1), mask, self.gamma)
         adv = F.masked_whiten(returns, mask) if mask.sum() > 1 else returns

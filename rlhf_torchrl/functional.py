@@ -408,7 +408,7 @@ def group_std(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     index, sizes = group_index(groups)
     if bool((sizes < 2).any()):
         raise ValueError("A group standard deviation needs at least 2 rows per group; some group "
-                         "has 1 (generation.samples_per_prompt >= 2).")
+                         "has 1: samples_per_prompt >= 2 (the recipe's generation.samples_per_prompt).")
     centred = values - group_mean(values, groups)
     sq = torch.zeros(len(sizes), dtype=values.dtype, device=values.device).index_add_(0, index, centred**2)
     return (sq / (sizes - 1).to(values.dtype)).sqrt()[index]
@@ -420,7 +420,7 @@ def leave_one_out_mean(values: torch.Tensor, groups: torch.Tensor) -> torch.Tens
     index, sizes = group_index(groups)
     if bool((sizes < 2).any()):
         raise ValueError("A leave-one-out baseline needs at least 2 rows per group; some group "
-                         "has 1 (generation.samples_per_prompt >= 2).")
+                         "has 1: samples_per_prompt >= 2 (the recipe's generation.samples_per_prompt).")
     sums = torch.zeros(len(sizes), dtype=values.dtype, device=values.device).index_add_(0, index, values)
     return (sums[index] - values) / (sizes[index] - 1).to(values.dtype)
 

@@ -6,7 +6,13 @@ entries share the response width ``R``; prompts have their own width ``P``.
 Reused from TorchRL's LLM vocabulary: ``("tokens", "prompt")``, ``("tokens", "response")``,
 ``("log_probs", "response")``, ``("text", ...)``, ``("next", "reward")``, ``("next", "done")``,
 ``"state_value"``, ``"advantage"``, ``"value_target"``.
+
+:func:`require` checks that a rollout holds what a component reads: a missing key is one
+:class:`~rlhf_torchrl.errors.ConfigError` line naming it and the step that writes it
+(:func:`written_by`).
 """
+
+from .errors import ConfigError
 
 # (B, P) int64, left-padded with the pad token.
 PROMPT_TOKENS = ("tokens", "prompt")
@@ -94,3 +100,39 @@ VALUE_TARGET = "value_target"
 # (B,) float64, written into each minibatch before it is split (TokenPPOLoss.prepare_minibatch):
 # each response's weight in the positive-example NLL term (functional.positive_nll_weights).
 POSITIVE_NLL_WEIGHT = "positive_nll_weight"
+
+# (B, R) int64, token_view's steps only (rlhf_torchrl.trajectory): the response position each
+# time step of the view comes from (its policy tokens in order, then the other positions).
+TOKEN_POSITION = "token_position"
+
+
+def written_by(key) -> str:
+    """The pipeline step that writes ``key`` into a rollout (for errors about a missing key)."""
+    collector = "the collector (RolloutCollector, to_rollout)"
+    text = "the collector (RolloutCollector, to_rollout with a tokenizer)"
+    shaper = "the reward shaper (KLRewardShaper, after the Scorer)"
+    steps = {
+        PROMPT_TOKENS: collector, PROMPT_MASK: collector, RESPONSE_TOKENS: collector,
+        RESPONSE_MASK: collector, HAS_STOP: collector, PROMPT_TEXT: text, RESPONSE_TEXT: text,
+        GROUP: "the collector (RolloutCollector, samples_per_prompt)",
+        LOG_PROB: "the sampler (make_generation_policy(record_log_probs=True)) or "
+                  "evaluate_rollout(actor=...)",
+        REF_LOG_PROB: "the reference pass (evaluate_rollout(reference=...))",
+        VALUE: "the critic's pass (evaluate_rollout(critic=...))",
+        SCORE: "the scorer (Scorer)",
+        KL: shaper, REWARD: shaper, NON_SCORE_REWARD: shaper, DONE: shaper, TERMINATED: shaper,
+        SHAPED_SCORE: shaper,
+        ADVANTAGE: "the advantage estimator (ResponseGAE, make_advantage)",
+        VALUE_TARGET: "the critic's estimator (ResponseGAE; the critic-free ones write none)",
+    }
+    return steps.get(key, "an earlier step")
+
+
+def require(td, *keys, what: str) -> None:
+    """Raise a one-line :class:`~rlhf_torchrl.errors.ConfigError` for the first of ``keys`` that
+    ``td`` lacks, naming the key, ``what`` reads it and the step that writes it."""
+    present = td.keys(True, True)
+    for key in keys:
+        if key not in present:
+            raise ConfigError(f"{what} reads {key!r}, which this rollout does not have: it is "
+                              f"written by {written_by(key)}; run that step first.")

@@ -18,6 +18,7 @@ from . import functional as F
 from . import keys as K
 from .advantages import ResponseGAE  # noqa: F401 - its home before the estimators had their own
 from .errors import ConfigError
+from .loss_inputs import loss_input_keys
 from .update import (  # noqa: F401 - their home before the update had its own module
     make_minibatch_buffer,
     micro_batches,
@@ -116,6 +117,8 @@ class TokenPPOLoss(ClipPPOLoss):
                                       self.loss_aggregation_constant)
 
     def forward(self, tensordict):
+        # a missing entry is named (ClipPPOLoss would try to estimate the advantages itself)
+        K.require(tensordict, *loss_input_keys(self), what="TokenPPOLoss")
         self._seen = {}
         out = super().forward(tensordict)  # per-token loss_* entries, 0 on padding
         mask = tensordict.get(K.RESPONSE_MASK)  # (B, R)

@@ -79,11 +79,10 @@ def make_optimizer(policy: nn.Module, critic: nn.Module | None, *, lr: float, to
     (critic-free estimators).
     """
     if critic is None and critic_warmup_steps:
-        raise ConfigError("A critic warm-up needs a critic: set optim.critic_warmup=0 with a "
-                          "critic-free advantage estimator.")
+        raise ConfigError("A critic warm-up needs a critic: critic_warmup_steps=0 with critic=None "
+                          "(the recipe: optim.critic_warmup=0 with a critic-free estimator).")
     groups = parameter_groups(policy, critic, lr=lr, critic_lr=critic_lr, value_head_lr=value_head_lr)
-    # fused: one kernel per step for all parameters (on CPU too), instead of a loop over tensors
-    optimizer = torch.optim.AdamW(groups, weight_decay=weight_decay, eps=eps, fused=True)
+    optimizer = adamw(groups, weight_decay=weight_decay, eps=eps)
 
     def policy_rate(step: int) -> float:
         frozen = critic_warmup_steps() if callable(critic_warmup_steps) else critic_warmup_steps
@@ -96,6 +95,27 @@ def make_optimizer(policy: nn.Module, critic: nn.Module | None, *, lr: float, to
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, [policy_rate] + [critic_rate] * (len(groups) - 1))
     return optimizer, scheduler
+
+
+def adamw(params, **kwargs) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` with the fastest kernel torch has for the parameters' device: fused
+    (one kernel per step for all parameters: CPU, CUDA, XPU, MPS ...), else ``foreach`` (a few
+    kernels over lists of tensors), else the loop over tensors. They give the same update to
+    float rounding (tests/test_optim.py)."""
+    try:
+        from torch.utils._foreach_utils import (
+            _get_foreach_kernels_supported_devices,
+            _get_fused_kernels_supported_devices,
+        )
+        fused, foreach = _get_fused_kernels_supported_devices(), _get_foreach_kernels_supported_devices()
+    except ImportError:  # a torch that moved them: the two devices every torch fuses
+        fused, foreach = ["cpu", "cuda"], ["cuda"]
+    params = list(params)
+    tensors = [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+    devices = {p.device.type for p in tensors}
+    if devices <= set(fused):
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    return torch.optim.AdamW(params, foreach=devices <= set(foreach), **kwargs)
 
 
 def clip_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:

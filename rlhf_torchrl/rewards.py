@@ -222,8 +222,8 @@ class RewardError(RuntimeError):
 def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None,
                  finite: bool = True) -> torch.Tensor:
     """``fn`` on the rows of ``td`` as a (B,) float tensor; a wrong type or count is an error, and
-    so is a NaN/inf when ``finite`` (the start-up probe; during a run, a non-finite score is left
-    for the divergence guards, which name it and stop or skip the iteration)."""
+    so is a NaN/inf when ``finite`` (otherwise the value is left for the divergence guards, which
+    name it and stop or skip the iteration: :class:`Scorer`'s ``allow_non_finite``)."""
     prompts = td.get(K.PROMPT_TEXT).tolist()
     responses = td.get(K.RESPONSE_TEXT).tolist()
     kwargs = reward_arguments(name, fn, td)
@@ -273,6 +273,11 @@ class Scorer(TensorDictModuleBase):
     Reads the prompt/response text and ``has_stop_token``; writes ``"raw_score"`` (before the
     penalty), ``"score"`` (B,) and, for logging, one ``("scores", name)`` entry per reward.
 
+    A reward that returns NaN or inf is refused, naming it and the rows
+    (:class:`~rlhf_torchrl.errors.ConfigError`); with ``allow_non_finite`` the value is kept, for a
+    trainer whose divergence guards name it, save the rollout and stop or skip the iteration
+    (:func:`~rlhf_torchrl.guards.check_finite`; the recipe's ``guards.non_finite``).
+
     Example:
         >>> scorer = Scorer({"vader": (vader_compound, 1.0)}, missing_eos_penalty=1.0)
         >>> scorer(rollout)["score"].shape  # (B,)
@@ -283,6 +288,7 @@ class Scorer(TensorDictModuleBase):
         rewards: dict[str, tuple[RewardFn, float]],
         *,
         missing_eos_penalty: float | None = None,
+        allow_non_finite: bool = False,
     ):
         super().__init__()
         if not rewards:
@@ -291,7 +297,7 @@ class Scorer(TensorDictModuleBase):
                 "(reward.functions=[package.module.fn])."
             )
         self.rewards = dict(rewards)
-        self.missing_eos_penalty = missing_eos_penalty
+        self.missing_eos_penalty, self.allow_non_finite = missing_eos_penalty, allow_non_finite
         self.in_keys = [K.PROMPT_TEXT, K.RESPONSE_TEXT, K.HAS_STOP]
         self.out_keys = [K.RAW_SCORE, K.SCORE] + [("scores", n) for n in self.rewards]
 
@@ -306,10 +312,11 @@ class Scorer(TensorDictModuleBase):
             _call_reward(name, fn, probe)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        K.require(td, *self.in_keys, what="Scorer")
         device = td.get(K.HAS_STOP).device  # scores live with the rollout (a text reward's go there)
         total = torch.zeros(td.shape[0], device=device)
         for name, (fn, weight) in self.rewards.items():
-            value = _call_reward(name, fn, td, device, finite=False)
+            value = _call_reward(name, fn, td, device, finite=not self.allow_non_finite)
             td.set(("scores", name), value)
             total = total + weight * value
         td.set(K.RAW_SCORE, total)
@@ -385,6 +392,7 @@ class KLRewardShaper(TensorDictModuleBase):
         return float(self.kl_controller.coef)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
+        K.require(td, *self.in_keys, what="KLRewardShaper")
         mask = td.get(K.RESPONSE_MASK)
         score = td.get(K.SCORE)
         if self.whiten_scores and score.numel() > 1:

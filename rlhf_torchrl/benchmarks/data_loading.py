@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from .common import add_out_arg, machine, make_parser, table, write_json
+from .common import add_out_arg, finish, machine, make_parser, table
 
 FORMS = ("parquet", "jsonl", "csv", "save_to_disk")
 _SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "csv": ".csv", "save_to_disk": ""}
@@ -154,5 +154,4 @@ def main(argv=None) -> dict:
                   "yes" if r["warm"]["checked_whole"] else "no (as served)"] for r in results],
                 header))
     payload = {"args": vars(args), "machine": machine(), "results": results}
-    write_json(args.out, payload)
-    return payload
+    return finish(args, payload, "data_loading")

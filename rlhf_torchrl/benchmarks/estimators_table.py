@@ -17,7 +17,7 @@ import re
 import statistics
 
 from ..errors import ConfigError
-from .common import add_out_arg, make_parser, write_json
+from .common import add_out_arg, finish, make_parser
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 
@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
                   f"**{mean('after'):.3f}** ± {spread('after'):.3f} | {mean('train_first'):.3f} -> "
                   f"{mean('train_last'):.3f} | {mean('kl'):.2f} | {mean('distinct_2'):.2f} | "
                   f"{mean('seconds'):.1f} | |")
-    write_json(args.out, {"args": vars(args), "runs": results})
+    finish(args, {"args": vars(args), "runs": results}, "estimators_table")
     return results
 
 

@@ -31,7 +31,7 @@ import tempfile
 import torch
 
 from . import backends, scaling
-from .common import add_out_arg, machine, make_parser, recipe_model, table, write_json
+from .common import add_out_arg, finish, machine, make_parser, recipe_model, table
 
 ROWS = {  # row label -> scaling.py variant
     "transformers fp32": "fp32",
@@ -126,8 +126,7 @@ def main(argv=None) -> dict:
     speed = throughput(args)
     result = {"args": vars(args), "machine": machine(), "gpu": torch.cuda.get_device_name(),
               "gpus": torch.cuda.device_count(), "recipe": results, "throughput": speed}
-    write_json(args.out, result)
-    return result
+    return finish(args, result, "gpu_suite")
 
 
 if __name__ == "__main__":

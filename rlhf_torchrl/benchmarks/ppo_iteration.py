@@ -14,10 +14,18 @@ alternately, iteration by iteration, and reported as medians after warm-up.
     OMP_WAIT_POLICY=PASSIVE rlhf-torchrl bench ppo_iteration --model tiny-gpt2 --batch-size 16
 
 ``--autocast bfloat16`` runs every model call of both sides under bf16 autocast (the old log-probs
-then recomputed, as the recipe does in bf16).
+then recomputed, as the recipe does in bf16). ``--packing`` and ``--compile`` set ours as
+``model.packing`` and ``model.compile`` do; ``--variants`` also times the evaluation and update
+phases in other layouts (padded or packed, eager or compiled) on the same rollout, in rotating
+order, each with its own first iteration (a compiled one's includes compiling). The floor stays
+padded and eager: the floor table's rows (benchmarks/README.md) are these against it.
+
+    rlhf-torchrl bench ppo_iteration --model smollm2 --variants packed padded+compiled packed+compiled
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 from transformers import LogitsProcessorList
@@ -27,6 +35,7 @@ from ..collectors import RolloutCollector, make_generation_env, make_generation_
 from ..data import load_prompts
 from ..functional import log_probs_from_logits
 from ..modules import TokenLevelActor, evaluate_rollout, make_critic
+from ..modules.compiled import compile_layers
 from ..objectives import ResponseGAE, make_minibatch_buffer, make_ppo_loss, ppo_update
 from ..reward_functions import vader_sentiment
 from ..rewards import KLRewardShaper, Scorer, make_kl_controller
@@ -37,16 +46,60 @@ from .common import (
     add_runtime_args,
     apply_runtime_args,
     build_models,
+    finish,
     machine,
     make_parser,
     medians,
     peak_rss_mb,
     table,
     timer,
-    write_json,
 )
 
 PHASES = ("generation", "scoring", "evaluation", "advantages", "update")
+PACKING = {"false": False, "true": True, "auto": "auto"}
+#: ``--variants``: name -> (model.packing, compiled)
+VARIANTS = {f"{layout}{'+compiled' if compiled else ''}": (PACKING[flag], compiled)
+            for layout, flag in (("padded", "false"), ("packed", "true"), ("auto", "auto"))
+            for compiled in (False, True)}
+
+
+def _learner(policy, reference, args, packing, compiled: bool) -> dict:
+    """Actor, reference, shared-trunk critic and loss laid out as ``packing`` says, with their
+    own AdamW; ``compiled``: whether their calls run the compiled layers (:func:`_stance`)."""
+    bf16 = torch.bfloat16 if args.autocast == "bfloat16" else None
+    critic = make_critic(policy=policy, tokenizer=None, init="shared", autocast_dtype=bf16,
+                         packing=packing)
+    actor = TokenLevelActor(policy, temperature=args.temperature, autocast_dtype=bf16,
+                            trunk_critic=None if args.no_trunk_handoff else critic, packing=packing)
+    loss = make_ppo_loss(actor, critic)
+    return {"actor": actor, "critic": critic, "loss": loss, "compiled": compiled,
+            "ref": TokenLevelActor(reference, temperature=args.temperature, out_key=K.REF_LOG_PROB,
+                                   autocast_dtype=bf16, packing=packing),
+            "optimizer": torch.optim.AdamW(loss.parameters(), lr=1e-6, fused=True)}
+
+
+def _stance(compiled: bool):
+    """Compiled layers run eagerly for a way that is not compiled (one process times both)."""
+    return nullcontext() if compiled else torch.compiler.set_stance("force_eager")
+
+
+def run_variants(parts, rollout, args, times: dict) -> None:
+    """The evaluation and update phases of each ``--variants`` way on ``rollout``, in an order
+    that rotates from iteration to iteration."""
+    names = list(parts["variants"])
+    shift = parts.setdefault("variant_calls", 0) % max(len(names), 1)
+    parts["variant_calls"] += 1
+    for name in names[shift:] + names[:shift]:
+        way, copy = parts["variants"][name], rollout.clone()
+        with timer(times, f"evaluation, {name}"), _stance(way["compiled"]):
+            evaluate_rollout(copy, actor=way["actor"], reference=way["ref"], critic=way["critic"],
+                             chunk_size=args.forward_batch_size,
+                             exact_entropy=not args.sample_entropy,
+                             recompute_log_probs=args.recompute_log_probs)
+        with timer(times, f"update, {name}"), _stance(way["compiled"]):
+            ppo_update(rollout, way["loss"], way["optimizer"], num_ppo_epochs=args.epochs,
+                       num_mini_batches=args.minibatches, replay_buffer=parts["buffer"],
+                       micro_batch_tokens=args.micro_batch_tokens)
 
 
 def _autocast(args):
@@ -60,7 +113,7 @@ def run_ours(parts, rollouts, args) -> tuple[dict, object]:
         rollout = next(rollouts)
     with timer(times, "scoring"):
         parts["scorer"](rollout)
-    with timer(times, "evaluation"):
+    with timer(times, "evaluation"), _stance(args.compile):
         evaluate_rollout(rollout, actor=parts["actor"], reference=parts["ref"],
                          critic=parts["critic"], chunk_size=args.forward_batch_size,
                          exact_entropy=not args.sample_entropy,
@@ -75,10 +128,11 @@ def run_ours(parts, rollouts, args) -> tuple[dict, object]:
             ways.reverse()
         parts["calls"] += 1
     for name, budget in ways:
-        with timer(times, name):
+        with timer(times, name), _stance(args.compile):
             ppo_update(rollout, parts["loss"], parts["optimizer"], num_ppo_epochs=args.epochs,
                        num_mini_batches=args.minibatches, replay_buffer=parts["buffer"],
                        micro_batch_tokens=budget)
+    run_variants(parts, rollout, args, times)
     mask = torch.cat([rollout.get(K.PROMPT_MASK), rollout.get(K.RESPONSE_MASK)], 1)
     times["padded_share"] = 1.0 - float(mask.float().mean())  # of the padded minibatch's positions
     times["total"] = sum(times[p] for p in PHASES)
@@ -139,30 +193,41 @@ def run_floor(parts, rollout, args) -> dict:
     return times
 
 
+def variant_rows(args, ours: dict, floor: dict, first: dict) -> list[list[str]]:
+    """One row per layout, ours (this command's) first: evaluation and update against the floor."""
+    mine = f"ours (packing {args.packing}{', compiled' if args.compile else ''})"
+    rows = []
+    for label, suffix in [(mine, ""), *((name, f", {name}") for name in args.variants)]:
+        evaluation, update = ours[f"evaluation{suffix}"], ours[f"update{suffix}"]
+        rows.append([label, f"{evaluation:.3f}", f"{evaluation / floor['evaluation']:.2f}x",
+                     f"{update:.3f}", f"{update / floor['update']:.2f}x",
+                     f"{first[f'evaluation{suffix}'] + first[f'update{suffix}']:.3f}"])
+    return rows
+
+
 def build(args):
     tokenizer, policy, reference = build_models(args.model, args.seed, args.tokenizer)
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}",
                            max_words=args.max_words or None)
     bf16 = torch.bfloat16 if args.autocast == "bfloat16" else None
-    critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared", autocast_dtype=bf16)
+    if args.compile or any(VARIANTS[name][1] for name in args.variants):
+        compile_layers(policy)
+        compile_layers(reference)
+    ours = _learner(policy, reference, args, PACKING[args.packing], args.compile)
+    critic = ours["critic"]
     env = make_generation_env(prompts, tokenizer, batch_size=args.batch_size, seed=args.seed)
     gen = make_generation_policy(policy, tokenizer, max_new_tokens=args.response_length,
                                  temperature=args.temperature, record_log_probs=True,
                                  record_entropy=not args.sample_entropy, autocast_dtype=bf16,
                                  # the shared trunk's old values off the sampling pass (the recipe's)
                                  value_head=None if args.recompute_log_probs else critic.head)
-    actor = TokenLevelActor(policy, temperature=args.temperature, autocast_dtype=bf16,
-                            trunk_critic=None if args.no_trunk_handoff else critic)
-    loss = make_ppo_loss(actor, critic)
     return {
-        "tokenizer": tokenizer, "policy": policy, "reference": reference, "critic": critic,
-        "collector": RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=args.batch_size),
+        **ours, "tokenizer": tokenizer, "policy": policy, "reference": reference,
+        "variants": {name: _learner(policy, reference, args, *VARIANTS[name])
+                     for name in args.variants},
+        "collector": RolloutCollector(env, gen, tokenizer=tokenizer),
         "scorer": Scorer({"vader": (vader_sentiment, 1.0)}),
-        "actor": actor,
-        "ref": TokenLevelActor(reference, temperature=args.temperature, out_key=K.REF_LOG_PROB,
-                               autocast_dtype=bf16),
-        "shaper": KLRewardShaper(make_kl_controller(0.05)), "gae": ResponseGAE(), "loss": loss,
-        "optimizer": torch.optim.AdamW(loss.parameters(), lr=1e-6, fused=True),
+        "shaper": KLRewardShaper(make_kl_controller(0.05)), "gae": ResponseGAE(),
         # lr=0: the floor pays for a full AdamW step but leaves the weights to ours
         "floor_optimizer": torch.optim.AdamW(policy.parameters(), lr=0.0, fused=True),
         "buffer": make_minibatch_buffer(args.batch_size, args.batch_size // args.minibatches),
@@ -194,7 +259,17 @@ def main(argv=None) -> dict:
                         help="first N words of each review sentence as the prompt (0: whole sentences, "
                              "5 to 60 words: ragged prompts, much padding)")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
-                        help="also time the update with token-budget micro-batches (same rollout)")
+                        help="also time the update with token-budget micro-batches (same rollout; "
+                             "the --variants' updates use it too)")
+    parser.add_argument("--packing", choices=list(PACKING), default="false",
+                        help="ours as model.packing: padded rows, packed real tokens, or auto")
+    parser.add_argument("--compile", action="store_true",
+                        help="ours as model.compile: the decoder layers compiled (the first "
+                             "iteration compiles: give --warmup 1 or more)")
+    parser.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
+                        metavar="VARIANT",
+                        help=f"also time the evaluation and update phases as {', '.join(VARIANTS)} "
+                             "(same rollout, rotating order)")
     add_runtime_args(parser)
     add_out_arg(parser)
     args = parser.parse_args(argv)
@@ -203,10 +278,11 @@ def main(argv=None) -> dict:
     apply_runtime_args(args)
     parts = build(args)
     rollouts = iter(parts["collector"])
-    ours_rows, floor_rows = [], []
+    ours_rows, floor_rows, first = [], [], None
     for i in range(args.warmup + args.iterations):
         ours, rollout = run_ours(parts, rollouts, args)
         floor = run_floor(parts, rollout, args)
+        first = first or ours  # the first iteration: a compiled way compiles in it
         if i >= args.warmup:
             ours_rows.append(ours)
             floor_rows.append(floor)
@@ -221,24 +297,31 @@ def main(argv=None) -> dict:
         budget = ours["update_token_budget"]
         rows.append([f"update, token budget {args.micro_batch_tokens}", f"{budget:.3f}",
                      f"{floor['update']:.3f}", f"{budget / floor['update']:.2f}x"])
-    rows.append(["tokens/s (generation)", f"{ours['tokens_per_second']:.0f}",
-                 f"{floor['tokens_per_second']:.0f}",
-                 f"{floor['tokens_per_second'] / ours['tokens_per_second']:.2f}x"])
-    rows.append(["HF generate, multinomial", f"{ours['generation']:.3f}",
-                 f"{floor['hf_generate']:.3f}", f"{ours['generation'] / floor['hf_generate']:.2f}x"])
+    # generation alone, each way's tokens/s (the counts can differ: a response may stop early)
+    speed = ours["tokens_per_second"]
+    generation = [[name, f"{seconds:.3f}", f"{tps:.0f}", f"{tps / speed:.2f}x"] for name, seconds, tps in (
+        ("ours: the collector", ours["generation"], speed),
+        ("floor: generate, the same sampler", floor["generation"], floor["tokens_per_second"]),
+        ("HF generate, multinomial", floor["hf_generate"], floor["hf_tokens_per_second"]))]
     print(f"\nPPO iteration, {args.model} ({args.autocast if args.autocast != 'none' else 'fp32'}, "
           f"vocabulary {len(parts['tokenizer'])}), "
           f"batch {args.batch_size}, response {args.response_length}, "
           f"{args.epochs} epoch(s) x {args.minibatches} minibatch(es), {args.threads} threads, "
           f"median of {args.iterations} after {args.warmup} warm-up")
     print(table(rows, ["phase", "ours (s)", "floor (s)", "ours/floor"]))
+    print("\nGeneration alone, the same prompts (ours/its: our seconds per token over its)")
+    print(table(generation, ["generation", "seconds", "tokens/s", "ours/its"]))
+    if args.variants:
+        print("\nThe evaluation and update phases by layout, the same rollouts (floor: padded, "
+              "eager; first: the first iteration's evaluation + update, compiling included)")
+        print(table(variant_rows(args, ours, floor, first),
+                    ["layout", "evaluation (s)", "/floor", "update (s)", "/floor", "first (s)"]))
     print(f"peak RSS: {peak_rss_mb():.0f} MB; padded positions in the rollout: "
           f"{100 * ours['padded_share']:.0f}%")
     result = {"args": vars(args), "machine": machine(), "vocabulary": len(parts["tokenizer"]),
               "ours": ours, "floor": floor, "ours_all": ours_rows, "floor_all": floor_rows,
-              "peak_rss_mb": peak_rss_mb()}
-    write_json(args.out, result)
-    return result
+              "first": first, "peak_rss_mb": peak_rss_mb()}
+    return finish(args, result, "ppo_iteration")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import urllib.request
 
 from ..http_client import post_json
 from ..reward_server import ServerProcess
-from .common import add_out_arg, machine, make_parser, table, write_json
+from .common import add_out_arg, finish, machine, make_parser, table
 
 
 def _request(responses: int, words: int, seed: int) -> bytes:
@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ["clients", "requests", "errors", "p50 ms", "p99 ms", "req/s", "responses/s",
                  "texts/round"]))
     result = {"args": vars(args), "machine": machine(), "results": rows}
-    write_json(args.out, result)
-    return result
+    return finish(args, result, "reward_server")
 
 
 if __name__ == "__main__":

@@ -28,11 +28,11 @@ import tempfile
 from .common import (
     add_model_args,
     add_out_arg,
+    finish,
     machine,
     make_parser,
     recipe_model,
     table,
-    write_json,
 )
 
 PHASES = ("generation", "scoring", "evaluation", "advantages", "update", "total")
@@ -140,8 +140,7 @@ def main(argv=None) -> dict:
     print(table(rows, ["variant", *PHASES, "weight sync", f"vs {args.variants[0]}",
                        "peak RSS (MB)"]))
     result = {"args": vars(args), "machine": machine(), "variants": results}
-    write_json(args.out, result)
-    return result
+    return finish(args, result, "scaling")
 
 
 if __name__ == "__main__":

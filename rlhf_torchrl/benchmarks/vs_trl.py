@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from ..modules.models import _cache_root
-from .common import BUILT, TOKENIZERS, add_out_arg, load_policy, machine, make_parser, write_json
+from .common import BUILT, TOKENIZERS, add_out_arg, finish, load_policy, machine, make_parser
 
 TRL_VERSION = "1.12.0"
 PASSTHROUGH = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -250,8 +250,7 @@ def main(argv=None) -> dict | None:
     result = {"args": {k: v for k, v in vars(a).items() if k != "passthrough"},
               "machine": machine(), "median_seconds": med,
               "ratio_ours_over_trl": med["ours"] / med["trl"], "runs": runs}
-    write_json(a.out, result)
-    return result
+    return finish(a, result, "vs_trl")
 
 
 if __name__ == "__main__":

@@ -107,19 +107,21 @@ def make_generation_env(
     return env.append_transform(StepCounter(max_steps=1)).append_transform(InitTracker())
 
 
-def check_group_sizes(batch_size: int, samples_per_prompt: int, world_size: int = 1) -> None:
+def check_group_sizes(batch_size: int, samples_per_prompt: int, world_size: int = 1, *,
+                      names: tuple[str, str] = ("batch_size", "samples_per_prompt")) -> None:
     """A batch of ``batch_size`` responses holds whole groups of ``samples_per_prompt``, and its
-    groups split evenly over ``world_size`` processes (a group is never split)."""
+    groups split evenly over ``world_size`` processes (a group is never split). ``names``: what
+    the caller calls the two sizes (the recipe: ``ppo.batch_size``,
+    ``generation.samples_per_prompt``)."""
+    size, group = (f"{names[0]}={batch_size}", f"{names[1]}={samples_per_prompt}")
     if samples_per_prompt < 1 or batch_size % samples_per_prompt:
-        raise ConfigError(
-            f"ppo.batch_size={batch_size} responses do not make whole groups of "
-            f"generation.samples_per_prompt={samples_per_prompt}: use a multiple of it.")
+        raise ConfigError(f"{size} responses do not make whole groups of {group}: use a "
+                          "multiple of it.")
     if (batch_size // samples_per_prompt) % world_size:
         raise ConfigError(
-            f"The {batch_size // samples_per_prompt} prompts of a batch (ppo.batch_size={batch_size} "
-            f"/ generation.samples_per_prompt={samples_per_prompt}) do not split over {world_size} "
-            "processes (a group of responses stays on one process): make the number of prompts a "
-            "multiple of the number of processes.")
+            f"The {batch_size // samples_per_prompt} prompts of a batch ({size} / {group}) do not "
+            f"split over {world_size} processes (a group of responses stays on one process): make "
+            "the number of prompts a multiple of the number of processes.")
 
 
 class ShardedBatchSampler(torch.utils.data.Sampler):
@@ -618,6 +620,19 @@ def _step_writes_nothing_kept(env) -> bool:
     return all(type(t) in (DataLoadingPrimer, StepCounter, InitTracker) for t in transforms)
 
 
+def _env_batch_size(env, batch_size: int | None) -> int:
+    """The rows of each batch: the environment's (a ``batch_size`` given too must agree)."""
+    rows = int(env.batch_size[0]) if len(env.batch_size) else None
+    if rows is None and batch_size is None:
+        raise ConfigError("RolloutCollector: the environment has no batch size (env.batch_size is "
+                          "empty): pass batch_size=, the rows of each rollout.")
+    if batch_size is not None and rows is not None and batch_size != rows:
+        raise ConfigError(f"RolloutCollector(batch_size={batch_size}) is not the environment's "
+                          f"batch size, {rows} (the rows each reset serves): leave batch_size out, "
+                          "the collector takes the environment's.")
+    return rows if batch_size is None else batch_size
+
+
 class RolloutCollector:
     """Iterable of dense rollouts: TorchRL's ``LLMCollector`` plus stop-token truncation.
 
@@ -638,8 +653,12 @@ class RolloutCollector:
     same for the ``samples_per_prompt`` consecutive rows that answer one prompt (the env serves
     them so, :func:`make_generation_env`) and unique over the processes of a global batch.
 
+    ``batch_size`` (None: the environment's, ``make_generation_env(batch_size=...)`` on one
+    process) is the rows of each rollout; one the environment does not serve is refused.
+
     Example:
-        >>> collector = RolloutCollector(env, policy, tokenizer=tok, batch_size=16)
+        >>> collector = RolloutCollector(make_generation_env(prompts, tok, batch_size=16), policy,
+        ...                              tokenizer=tok)
         >>> rollout = next(iter(collector))
         >>> rollout[("tokens", "response")].shape  # (16, R)
     """
@@ -650,7 +669,7 @@ class RolloutCollector:
         policy,
         *,
         tokenizer,
-        batch_size: int,
+        batch_size: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
         total_batches: int = -1,
         seed: int | None = None,
@@ -661,7 +680,7 @@ class RolloutCollector:
     ):
         self.tokenizer = tokenizer
         self.start_batch = start_batch
-        self.batch_size = batch_size
+        self.batch_size = batch_size = _env_batch_size(env, batch_size)
         self.seed, self.row_offset, self.device = seed, row_offset, device
         if batch_size % samples_per_prompt or row_offset % samples_per_prompt:
             raise ConfigError(f"RolloutCollector: a batch of {batch_size} rows from row {row_offset} "

@@ -81,7 +81,8 @@ class MultiTurnCollector:
                  max_turns: int, max_new_tokens: int, max_tokens: int | None = None,
                  tool_timeout: float = 10.0):
         if max_turns < 1:
-            raise ConfigError(f"env.max_turns={max_turns}: an episode has at least one turn.")
+            raise ConfigError(f"max_turns={max_turns} (the recipe's env.max_turns): an episode "
+                              "has at least one turn.")
         self.collector, self.policy, self.tokenizer = collector, policy, tokenizer
         self.tools, self.max_turns, self.tool_timeout = dict(tools), max_turns, tool_timeout
         self.max_new_tokens, self.max_tokens = max_new_tokens, max_tokens

@@ -103,11 +103,13 @@ def check_config(cfg: DictConfig) -> Sizes:
                           f"{a.estimator}), or drop the filter.")
     # whole groups; with groups of 2 or more, whole groups on each process or Ray worker too (the
     # row split of one response per prompt is checked with the minibatches and workers below)
-    check_group_sizes(p.batch_size, g.samples_per_prompt)
+    names = ("ppo.batch_size", "generation.samples_per_prompt")  # the recipe's, in its errors
+    check_group_sizes(p.batch_size, g.samples_per_prompt, names=names)
     if g.samples_per_prompt > 1:
-        check_group_sizes(p.batch_size, g.samples_per_prompt, world)
+        check_group_sizes(p.batch_size, g.samples_per_prompt, world, names=names)
         if cfg.collection.ray_workers:
-            check_group_sizes(p.batch_size, g.samples_per_prompt, int(cfg.collection.ray_workers))
+            check_group_sizes(p.batch_size, g.samples_per_prompt, int(cfg.collection.ray_workers),
+                              names=names)
     m = cfg.model
     lora = cfg.lora
     if lora.r and world > 1 and cfg.distributed.strategy == "fsdp2":
@@ -529,7 +531,8 @@ def make_models(cfg: DictConfig, tokenizer, device: torch.device, critic: bool |
         lora_critic=cfg.lora.critic, value_model=v.init if critic else None,
         value_model_path=v.name_or_path or (cfg.reward.model if v.init == "reward_model" else None),
         autocast_dtype=autocast_dtype(cfg), gradient_checkpointing=m.gradient_checkpointing,
-        device=device, offload_reference=m.offload_reference)
+        device=device, offload_reference=m.offload_reference, packing=m.packing,
+        compile=m.compile)
 
 
 def lora_kwargs(cfg: DictConfig) -> dict:
@@ -615,7 +618,8 @@ def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device,
     for fn, _ in rewards.values():
         if isinstance(fn, RemoteReward):
             fn.stop_text = stop_text
-    return Scorer(rewards, missing_eos_penalty=cfg.reward.missing_eos_penalty)
+    # a NaN score is left for the guards: named, the rollout saved, stop or skip (guards.non_finite)
+    return Scorer(rewards, missing_eos_penalty=cfg.reward.missing_eos_penalty, allow_non_finite=True)
 
 
 def make_shaper(cfg: DictConfig) -> KLRewardShaper:
@@ -629,7 +633,7 @@ def make_actors(cfg: DictConfig, policy, reference, critic):
     from ..modules.assembly import make_actors as actors
 
     return actors(policy, reference, critic, temperature=cfg.generation.temperature,
-                  autocast_dtype=autocast_dtype(cfg))
+                  autocast_dtype=autocast_dtype(cfg), packing=cfg.model.packing)
 
 
 def make_advantage(cfg: DictConfig):
@@ -658,8 +662,9 @@ def make_loss(cfg: DictConfig, actor, critic):
 
 def make_replay_buffer(cfg: DictConfig, sizes: Sizes):
     """The minibatch buffer, built once for the run, with its own seeded shuffle (the same
-    minibatches on every process)."""
-    return make_minibatch_buffer(sizes.batch_size, sizes.mini_batch_size, seed=cfg.seed)
+    minibatches on every process); the group filter's smaller batches need it without a size."""
+    size = None if cfg.advantage.filter_groups else sizes.mini_batch_size
+    return make_minibatch_buffer(sizes.batch_size, size, seed=cfg.seed)
 
 
 def make_grad_scaler(cfg: DictConfig, device: torch.device):

@@ -38,6 +38,8 @@ class Model:
     autocast: str | None = MISSING
     gradient_checkpointing: bool = MISSING
     attn_implementation: str | None = MISSING
+    packing: Any = MISSING  # false, true or "auto"
+    compile: bool = MISSING
     offload_reference: bool = MISSING
 
 
@@ -285,6 +287,7 @@ CHOICES = {
     "distributed.backend": (None, "gloo", "nccl"),
     "model.dtype": DTYPES,
     "model.autocast": (None, "auto", "bfloat16", "float16"),
+    "model.packing": (False, True, "auto"),
     "reward.model_dtype": DTYPES,
     "value_model.init": ("shared", "policy", "reward_model", "model"),
     "generation.backend": ("transformers", "vllm"),
@@ -410,7 +413,8 @@ def validate(cfg: DictConfig) -> None:
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
-            shown = ", ".join("null" if a is None else a for a in allowed)
+            shown = ", ".join("null" if a is None else str(a).lower() if isinstance(a, bool)
+                              else a for a in allowed)
             raise ConfigError(f"{key}={value!r} is not one of the allowed values: {shown}.")
     for key, bounds in RANGES.items():
         _check_range(key, OmegaConf.select(cfg, key), bounds)

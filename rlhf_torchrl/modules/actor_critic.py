@@ -29,7 +29,9 @@ from .. import functional as F
 from .. import keys as K
 from ..errors import ConfigError
 from ..runtime import autocast
+from .compiled import compiled_region
 from .models import lm_head_in_fp32
+from .packing import head_inputs, packed_hidden, packed_logits, packing_for, rows_for
 
 _IN_KEYS = [K.PROMPT_TOKENS, K.PROMPT_MASK, K.RESPONSE_TOKENS, K.RESPONSE_MASK]
 _OPTIONAL_IN_KEYS = [K.OBSERVATION_MASK]  # multi-turn episodes: tokens the environment wrote
@@ -74,7 +76,8 @@ class ResponseTokenDistribution(Distribution):
     :func:`~rlhf_torchrl.functional.log_probs_from_logits` (no log-softmax, a hand-written
     backward).
 
-    Shapes: ``logits`` (B, R, V), the model's, before the sampling ``temperature``; ``mask`` (B, R).
+    Shapes: ``logits`` (B, R, V), the model's, before the sampling ``temperature``, or (n, V) for
+    the ``n`` valid tokens of ``mask`` alone (a packed forward); ``mask`` (B, R).
     """
 
     arg_constraints: dict = {}
@@ -86,16 +89,33 @@ class ResponseTokenDistribution(Distribution):
         self.mask = mask.bool()
         super().__init__(batch_shape=mask.shape, validate_args=False)
 
+    @property
+    def packed(self) -> bool:
+        return self.logits.dim() == 2
+
+    def _rows(self, values: torch.Tensor) -> torch.Tensor:
+        """(n,) of the valid tokens -> (B, R), 0 elsewhere; a (B, R) input with its pads at 0."""
+        if self.packed:
+            return values.new_zeros(self.mask.shape).masked_scatter(self.mask, values)
+        return torch.where(self.mask, values, torch.zeros_like(values))
+
     def log_prob(self, tokens: torch.Tensor) -> torch.Tensor:
-        lp = F.log_probs_from_logits(self.logits, tokens, self.temperature)
-        return torch.where(self.mask, lp, torch.zeros_like(lp))
+        if self.packed:  # (1, n, V) and (1, n): the function's (B, R, V) layout
+            lp = F.log_probs_from_logits(self.logits.unsqueeze(0), tokens[self.mask].unsqueeze(0),
+                                         self.temperature)[0]
+        else:
+            lp = F.log_probs_from_logits(self.logits, tokens, self.temperature)
+        return self._rows(lp)
 
     def entropy(self) -> torch.Tensor:
-        ent = F.entropy_from_logits(self.logits.float() / self.temperature)
-        return torch.where(self.mask, ent, torch.zeros_like(ent))
+        return self._rows(F.entropy_from_logits(self.logits.float() / self.temperature))
 
     def sample(self, sample_shape=torch.Size()):  # noqa: B008 - torch's signature
         logits = self.logits.float() / self.temperature
+        if self.packed:  # pads: uniform (they are masked anyway)
+            full = logits.new_zeros(*self.mask.shape, logits.shape[-1])
+            full[self.mask] = logits
+            logits = full
         return torch.distributions.Categorical(logits=logits).sample(sample_shape)
 
 
@@ -142,7 +162,11 @@ class TokenLevelActor(TensorDictModuleBase):
     ``trunk_critic`` (a :class:`TokenCritic`
     on this policy's own trunk, ``make_critic(init="shared")``) the trunk's hidden states of the
     response positions are handed to that critic (:class:`HiddenStateHandoff`), which then skips
-    its own trunk forward.
+    its own trunk forward. With ``packing`` (True, or ``"auto"``: where the estimate says it is
+    cheaper) the rows' real tokens run back to back, no padding computed, and the LM head runs on
+    the policy tokens alone (:mod:`rlhf_torchrl.modules.packing`); a model that cannot run packed
+    sequences is refused with True, kept padded with ``"auto"``. Model calls run inside
+    :func:`~rlhf_torchrl.modules.compiled.compiled_region` (compiled layers, where compiled).
 
     Shapes: reads (B, P) and (B, R) tokens/masks; writes (B, R) float32.
 
@@ -159,6 +183,7 @@ class TokenLevelActor(TensorDictModuleBase):
         trunk_critic: TokenCritic | None = None,
         autocast_dtype: torch.dtype | None = None,
         adapters_off: bool = False,
+        packing: bool | str = False,
     ):
         super().__init__()
         from .lora import is_peft, trunk
@@ -174,6 +199,8 @@ class TokenLevelActor(TensorDictModuleBase):
         self.autocast_dtype = autocast_dtype
         self.adapters_off = adapters_off
         self.handoff = None
+        self.packing, self._cost = packing_for(model, packing, lm_head=True,
+                                                  autocast_dtype=autocast_dtype)
         if trunk_critic is not None:
             if trunk_critic.handoff is None or trunk_critic.backbone is not trunk(model):
                 raise ConfigError(
@@ -185,22 +212,27 @@ class TokenLevelActor(TensorDictModuleBase):
         self.out_keys = [out_key]
 
     def logits(self, td: TensorDictBase) -> torch.Tensor:
-        """(B, R, V) logits of the response tokens, as the model gives them (before temperature)."""
+        """(B, R, V) logits of the response tokens, as the model gives them (before temperature);
+        packed, (n, V) of the ``n`` policy tokens (``("masks", "response")``) alone."""
         tokens = td.get(K.PROMPT_TOKENS)
         n_prompt, n_response = tokens.shape[1], td.get(K.RESPONSE_TOKENS).shape[1]
-        # position P-1+t predicts response token t: the LM head runs on those R positions only
-        positions = torch.arange(n_prompt - 1, n_prompt - 1 + n_response, device=tokens.device)
+        rows = rows_for(td, self.packing, self._cost, self.model)
         adapters = self.model.disable_adapter() if self.adapters_off else nullcontext()
-        with adapters, autocast(tokens.device, self.autocast_dtype):
-            out = self.model(
-                **model_inputs(td),
-                logits_to_keep=positions,
-                use_cache=False,
-                output_hidden_states=self.handoff is not None,
-            )
+        with adapters, autocast(tokens.device, self.autocast_dtype), compiled_region():
+            if rows is not None:
+                logits, hidden = packed_logits(self.model, rows)
+            else:
+                # position P-1+t predicts response token t: the LM head runs on those R positions
+                positions = torch.arange(n_prompt - 1, n_prompt - 1 + n_response, device=tokens.device)
+                # a shared-trunk critic's input: what the head reads, (B, R, H)
+                keep = head_inputs(self.model) if self.handoff is not None else nullcontext([])
+                with keep as kept:
+                    logits = self.model(**model_inputs(td), logits_to_keep=positions,
+                                        use_cache=False).logits
+                hidden = kept[0] if kept else None
         if self.handoff is not None:
-            self.handoff.put(td, out.hidden_states[-1][:, n_prompt - 1 : n_prompt - 1 + n_response])
-        return out.logits
+            self.handoff.put(td, hidden)  # (B, R, H), or (n, H) packed
+        return logits
 
     def get_dist(self, td: TensorDictBase) -> ResponseTokenDistribution:
         return ResponseTokenDistribution(self.logits(td), td.get(K.RESPONSE_MASK), self.temperature)
@@ -220,7 +252,7 @@ class TokenCritic(TensorDictModuleBase):
     ``autocast_dtype`` when given; the head reads the hidden states in its own dtype (fp32). With
     ``shared_trunk``, the critic owns a :class:`HiddenStateHandoff` through which a
     :class:`TokenLevelActor` on the same trunk hands over its hidden states; the critic uses them
-    only when they match its inputs.
+    only when they match its inputs. ``packing``: as :class:`TokenLevelActor`'s.
     """
 
     def __init__(
@@ -229,11 +261,14 @@ class TokenCritic(TensorDictModuleBase):
         head: nn.Linear | None = None,
         shared_trunk: bool = False,
         autocast_dtype: torch.dtype | None = None,
+        packing: bool | str = False,
     ):
         super().__init__()
         self.handoff = HiddenStateHandoff() if shared_trunk else None
         self.autocast_dtype = autocast_dtype
         self.backbone = backbone
+        self.packing, self._cost = packing_for(backbone, packing, lm_head=False,
+                                                  autocast_dtype=autocast_dtype)
         if head is None:
             hidden = backbone.config.hidden_size
             head = nn.Linear(hidden, 1)
@@ -261,13 +296,21 @@ class TokenCritic(TensorDictModuleBase):
         if hidden is None:
             tokens = td.get(K.PROMPT_TOKENS)
             n_prompt, n_response = tokens.shape[1], td.get(K.RESPONSE_TOKENS).shape[1]
-            with autocast(tokens.device, self.autocast_dtype):
-                hidden = self.backbone(**model_inputs(td), use_cache=False).last_hidden_state
-            hidden = hidden[:, n_prompt - 1 : n_prompt - 1 + n_response]  # (B, R, H)
+            rows = rows_for(td, self.packing, self._cost, self.backbone)
+            with autocast(tokens.device, self.autocast_dtype), compiled_region():
+                if rows is not None:
+                    hidden = packed_hidden(self.backbone, rows)  # (n, H)
+                else:
+                    hidden = self.backbone(**model_inputs(td), use_cache=False).last_hidden_state
+                    hidden = hidden[:, n_prompt - 1 : n_prompt - 1 + n_response]  # (B, R, H)
         # the head outside autocast: values in the head's dtype (fp32 unless built otherwise)
         values = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
         values = values.to(torch.promote_types(values.dtype, torch.float32))  # fp32 (fp64 kept)
-        values = torch.where(td.get(K.RESPONSE_MASK), values, torch.zeros_like(values))
+        mask = td.get(K.RESPONSE_MASK)
+        if hidden.dim() == 2:  # packed: the n policy tokens' values
+            values = values.new_zeros(mask.shape).masked_scatter(mask, values)
+        else:
+            values = torch.where(mask, values, torch.zeros_like(values))
         td.set(K.VALUE, values.unsqueeze(-1))
         return td
 
@@ -282,6 +325,7 @@ def make_critic(
     attn_implementation: str | None = None,
     autocast_dtype: torch.dtype | None = None,
     lora: dict | None = None,
+    packing: bool | str = False,
 ) -> TokenCritic:
     """Build the critic.
 
@@ -296,20 +340,22 @@ def make_critic(
     ``autocast_dtype`` runs the backbone under ``torch.autocast`` (the value head stays fp32).
     ``lora`` (keyword arguments of :func:`~rlhf_torchrl.modules.lora.add_lora`) trains a separate
     critic's trunk through LoRA adapters (the head is trained in full); a shared trunk follows the
-    policy's.
+    policy's. ``packing``: packed forwards (:class:`TokenCritic`).
     """
     from .lora import add_lora, trunk
     from .models import disable_dropout, match_vocab, pretrained_kwargs, resolve_model_path
 
     if init == "shared":
-        return TokenCritic(trunk(policy), shared_trunk=True, autocast_dtype=autocast_dtype)
+        return TokenCritic(trunk(policy), shared_trunk=True, autocast_dtype=autocast_dtype,
+                           packing=packing)
     if init not in ("policy", "reward_model", "model"):
         raise ConfigError(
             f"Unknown critic init {init!r}: choose 'policy' (copy of the policy), 'reward_model' "
-            "or 'model' (load value_model.name_or_path), or 'shared' (head on the policy backbone)."
+            "or 'model' (load name_or_path), or 'shared' (head on the policy backbone)."
         )
     if not name_or_path:
-        raise ConfigError(f"critic init {init!r} needs a model path (value_model.name_or_path).")
+        raise ConfigError(f"critic init {init!r} needs a model path: name_or_path= (the recipe's "
+                          "value_model.name_or_path).")
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     path = resolve_model_path(name_or_path)
@@ -345,7 +391,7 @@ def make_critic(
     backbone = model.base_model
     if lora:
         backbone = add_lora(backbone, task_type="FEATURE_EXTRACTION", **lora)
-    return TokenCritic(backbone, head, autocast_dtype=autocast_dtype)
+    return TokenCritic(backbone, head, autocast_dtype=autocast_dtype, packing=packing)
 
 
 def _check_same_vocab(path: str, tokenizer, name: str) -> None:
@@ -361,7 +407,8 @@ def _check_same_vocab(path: str, tokenizer, name: str) -> None:
         raise ConfigError(
             f"Value model {name!r} uses a different vocabulary than the policy's tokenizer: a "
             "token-level critic must read the policy's token ids. Initialise it from the policy "
-            "(value_model.init=policy or shared) or from a model sharing its tokenizer."
+            "(init='policy' or 'shared'; the recipe's value_model.init) or from a model sharing "
+            "its tokenizer."
         )
 
 

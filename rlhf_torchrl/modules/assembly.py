@@ -12,6 +12,7 @@ import copy
 import torch
 
 from .actor_critic import TokenLevelActor, make_critic
+from .compiled import compile_layers
 from .lora import add_lora
 from .models import load_causal_lm
 
@@ -21,7 +22,7 @@ def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: 
                 lora_critic: bool = False, value_model: str | None = "shared",
                 value_model_path: str | None = None, autocast_dtype: torch.dtype | None = None,
                 gradient_checkpointing: bool = False, device: torch.device | str = "cpu",
-                offload_reference: bool = False):
+                offload_reference: bool = False, packing: bool | str = False, compile: bool = False):
     """``(policy, reference, critic)``, dropout off everywhere, on ``device``.
 
     ``reference``: a model of its own (the policy's vocabulary), or None: a frozen copy of the
@@ -31,7 +32,10 @@ def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: 
     ``value_model_path``), see :func:`~rlhf_torchrl.modules.make_critic`, or None: no critic (the
     critic-free advantage estimators; ``critic`` is None); ``lora_critic`` puts
     adapters on a separate critic's trunk too. ``offload_reference``: the reference lives on the
-    CPU between its forwards.
+    CPU between its forwards. ``packing``: the critic's packed forwards
+    (:mod:`~rlhf_torchrl.modules.packing`; the actors' are :func:`make_actors`'). ``compile``: the
+    decoder layers of all three compiled for the actors' and critic's forwards
+    (:func:`~rlhf_torchrl.modules.compiled.compile_layers`).
     """
     model = load_causal_lm(policy, tokenizer, dtype=dtype, attn_implementation=attn_implementation)
     if reference:
@@ -50,7 +54,8 @@ def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: 
         critic = make_critic(policy=model, tokenizer=tokenizer, init=value_model,
                              name_or_path=value_model_path or policy, dtype=dtype,
                              attn_implementation=attn_implementation,
-                             autocast_dtype=autocast_dtype, lora=lora if lora_critic else None)
+                             autocast_dtype=autocast_dtype, lora=lora if lora_critic else None,
+                             packing=packing)
     if gradient_checkpointing:
         # non-reentrant: works with frozen inputs and keyword arguments; active in train() only
         kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
@@ -62,18 +67,22 @@ def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: 
         critic.to(device)
     if frozen is not None:
         frozen.to("cpu" if offload_reference else device)
+    for compiled in (model, frozen, critic) if compile else ():
+        if compiled is not None:
+            compile_layers(compiled)  # a shared trunk's layers: compiled with the policy's
     return model, frozen, critic
 
 
 def make_actors(policy, reference, critic, *, temperature: float,
-                autocast_dtype: torch.dtype | None = None):
+                autocast_dtype: torch.dtype | None = None, packing: bool | str = False):
     """The policy's and the reference's :class:`TokenLevelActor` at the sampling ``temperature``;
     a shared-trunk critic gets its hidden states from the policy's forward (``critic=None``: no
-    critic). ``reference=None`` (LoRA): the policy with its adapters off."""
+    critic). ``reference=None`` (LoRA): the policy with its adapters off. ``packing``: packed
+    forwards (:mod:`~rlhf_torchrl.modules.packing`)."""
     shared = critic is not None and critic.shares_trunk
     actor = TokenLevelActor(policy, temperature=temperature, autocast_dtype=autocast_dtype,
-                            trunk_critic=critic if shared else None)
+                            trunk_critic=critic if shared else None, packing=packing)
     ref = TokenLevelActor(reference if reference is not None else policy, temperature=temperature,
                           out_key=("ref_log_probs", "response"), autocast_dtype=autocast_dtype,
-                          adapters_off=reference is None)
+                          adapters_off=reference is None, packing=packing)
     return actor, ref

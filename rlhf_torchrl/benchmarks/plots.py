@@ -1,0 +1,230 @@
+"""The plot of each benchmark's figures, drawn from its ``--out`` JSON payload.
+
+``rlhf-torchrl bench <name> --out runs/x.json`` writes ``runs/x.png`` beside the JSON
+(:func:`save`, called by :func:`~rlhf_torchrl.benchmarks.common.finish`); :data:`PLOTS` holds
+one drawing function per benchmark, ``payload -> figure`` (None: nothing to draw), so an old
+JSON file can be drawn again: ``save(PLOTS[name], json.load(open(path)), "x.png")``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+#: the phases of an iteration, in the order they run (ppo_iteration, scaling, gpu_suite)
+PHASES = ("generation", "scoring", "evaluation", "advantages", "update")
+
+
+def plot_path(out: str) -> str:
+    """The plot's path for ``--out``: the JSON's, ending in ``.png``."""
+    return os.path.splitext(out)[0] + ".png"
+
+
+def save(draw, payload: dict, path: str) -> str | None:
+    """Draw ``payload`` with ``draw`` (a function of :data:`PLOTS`) into the PNG at ``path``;
+    returns the path, or None where there is nothing to draw."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = draw(plt, payload)
+    if fig is None:
+        return None
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}", file=sys.stderr)
+    return path
+
+
+def _subtitle(payload: dict) -> str:
+    args, machine = payload.get("args", {}), payload.get("machine", {})
+    parts = [str(args["model"])] if args.get("model") else []
+    if machine.get("threads"):
+        parts.append(f"{machine['threads']} thread{'s' if machine['threads'] != 1 else ''}")
+    if machine.get("date"):
+        parts.append(str(machine["date"]))
+    return ", ".join(parts)
+
+
+def _by_length(payload: dict, series: dict[str, str], ylabel: str, title: str, plt):
+    """One panel per response length: ``series`` (label -> result field) against batch size."""
+    rows = payload.get("results", [])
+    lengths = sorted({r["length"] for r in rows})
+    if not lengths:
+        return None
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        cell = sorted((r for r in rows if r["length"] == length), key=lambda r: r["batch_size"])
+        for label, field in series.items():
+            if all(field in r for r in cell):
+                ax.plot([r["batch_size"] for r in cell], [r[field] for r in cell], "o-", label=label)
+        sizes = [r["batch_size"] for r in cell]
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.minorticks_off()
+        ax.set(title=f"{length} tokens per response", xlabel="batch size (responses)", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{title} ({_subtitle(payload)})", fontsize=10)
+    return fig
+
+
+def collectors(plt, payload: dict):
+    return _by_length(payload, {"collector": "collector_tokens_per_s",
+                                "bare generate, same sampler": "generate_tokens_per_s",
+                                "HF multinomial generate": "hf_generate_tokens_per_s"},
+                      "response tokens/s", "Collector against a raw generate", plt)
+
+
+def backends(plt, payload: dict):
+    names = payload.get("backends_found") or payload.get("args", {}).get("backends", [])
+    return _by_length(payload, {name: f"{name}_tokens_per_s" for name in names},
+                      "response tokens/s", "Generation backends", plt)
+
+
+def _grouped_bars(ax, groups: list[str], series: dict[str, list[float]]) -> None:
+    width = 0.8 / max(len(series), 1)
+    for k, (label, values) in enumerate(series.items()):
+        ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(groups))], values,
+               width, label=label)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def ppo_iteration(plt, payload: dict):
+    ours, floor = payload.get("ours"), payload.get("floor")
+    if not ours or not floor:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    _grouped_bars(ax, [*PHASES, "total"], {"ours": [ours[p] for p in (*PHASES, "total")],
+                                           "floor (bare model calls)": [floor[p] for p in (*PHASES, "total")]})
+    ax.set(ylabel="seconds (median)", title=f"PPO iteration by phase ({_subtitle(payload)})")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _stacked_phases(plt, runs: dict[str, dict], title: str):
+    """One bar per run, its phases stacked (seconds per iteration)."""
+    if not runs:
+        return None
+    names = list(runs)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 2), 3.6))
+    bottom = [0.0] * len(names)
+    for phase in PHASES:
+        values = [float(runs[n].get(phase, 0.0)) for n in names]
+        ax.bar(names, values, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(ylabel="seconds per iteration (median)", title=title)
+    ax.tick_params(axis="x", labelrotation=30)
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def scaling(plt, payload: dict):
+    return _stacked_phases(plt, payload.get("variants", {}),
+                           f"The recipe by variant ({_subtitle(payload)})")
+
+
+def gpu_suite(plt, payload: dict):
+    return _stacked_phases(plt, payload.get("recipe", {}),
+                           f"The recipe on {payload.get('gpu', 'a GPU')} ({_subtitle(payload)})")
+
+
+def vs_trl(plt, payload: dict):
+    median = payload.get("median_seconds")
+    if not median:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    left.bar(list(median), list(median.values()), color=["tab:gray", "tab:blue"][: len(median)])
+    left.set(ylabel="seconds per iteration (median)", title="time per iteration")
+    for side, runs in payload.get("runs", {}).items():
+        if runs:
+            right.plot(runs[0]["scores"], label=side)
+    right.set(xlabel="iteration", ylabel="mean score", title="reward curve (first run)")
+    right.legend(fontsize=8)
+    fig.suptitle(f"TRL's PPOTrainer and rlhf_torchrl ({_subtitle(payload)})", fontsize=10)
+    return fig
+
+
+def estimators_table(plt, payload: dict):
+    import statistics
+
+    runs = {name: list(seeds.values()) for name, seeds in payload.get("runs", {}).items() if seeds}
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    names = list(runs)
+    after = [statistics.fmean(f["after"] for f in runs[n]) for n in names]
+    spread = [statistics.stdev(f["after"] for f in runs[n]) if len(runs[n]) > 1 else 0.0
+              for n in names]
+    ax.bar(names, after, yerr=spread, capsize=4, label="after training (mean, std over seeds)")
+    ax.plot(names, [statistics.fmean(f["before"] for f in runs[n]) for n in names], "k_",
+            markersize=20, label="before")
+    ax.set(ylabel="held-out figure", title=f"Advantage estimators on {payload['args'].get('task')}")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def data_loading(plt, payload: dict):
+    rows = payload.get("results", [])
+    if not rows:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for form in sorted({r["form"] for r in rows}):
+        cell = sorted((r for r in rows if r["form"] == form), key=lambda r: r["rows"])
+        for when, style in (("cold", "o--"), ("warm", "o-")):
+            left.plot([r["rows"] for r in cell], [r[when]["start_s"] for r in cell], style,
+                      label=f"{form}, {when}")
+            right.plot([r["rows"] for r in cell], [r[when]["peak_rss_mb"] for r in cell], style,
+                       label=f"{form}, {when}")
+    left.set(xscale="log", yscale="log", xlabel="prompts", ylabel="seconds to the first batch",
+             title="start-up")
+    right.set(xscale="log", xlabel="prompts", ylabel="peak resident set (MB)", title="memory")
+    left.legend(fontsize=7)
+    return fig
+
+
+def reward_server(plt, payload: dict):
+    rows = sorted(payload.get("results", []), key=lambda r: r["clients"])
+    if not rows:
+        return None
+    clients = [r["clients"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    left.plot(clients, [r["p50_ms"] for r in rows], "o-", label="p50")
+    left.plot(clients, [r["p99_ms"] for r in rows], "o--", label="p99")
+    left.set(xlabel="concurrent clients", ylabel="latency per request (ms)", title="latency")
+    left.legend(fontsize=8)
+    right.plot(clients, [r["responses_per_s"] for r in rows], "o-")
+    right.set(xlabel="concurrent clients", ylabel="responses scored per second", title="throughput")
+    fig.suptitle(f"A served reward model under load ({_subtitle(payload)})", fontsize=10)
+    return fig
+
+
+def compare(plt, payload: dict):
+    """Each shared figure of the compared files as its ratio to the first file's."""
+    files, metrics = payload["files"], payload["metrics"]
+    names = [m for m, values in metrics.items() if values[0]]
+    if not names or len(files) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.28 * len(names) * (len(files) - 1)))
+    height = 0.8 / (len(files) - 1)
+    for k, label in enumerate(files[1:], start=1):
+        ratios = [metrics[m][k] / metrics[m][0] for m in names]
+        ax.barh([i + (k - 1 - (len(files) - 2) / 2) * height for i in range(len(names))], ratios,
+                height, label=f"{payload['labels'][k]}: {label}")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xlabel=f"ratio to {payload['labels'][0]} ({files[0]})", title="Shared figures")
+    ax.legend(fontsize=7)
+    return fig
+
+
+#: benchmark name -> its drawing function
+PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": backends,
+         "scaling": scaling, "vs_trl": vs_trl, "gpu_suite": gpu_suite,
+         "estimators_table": estimators_table, "data_loading": data_loading,
+         "reward_server": reward_server, "compare": compare}
