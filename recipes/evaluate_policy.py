@@ -14,7 +14,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from rlhf_torchrl.cli import check_overrides, run
+from rlhf_torchrl.cli import check_overrides, run, with_run_dir
 from rlhf_torchrl.config.builders import evaluate_policy as evaluate
 
 
@@ -25,4 +25,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     check_overrides(sys.argv[1:], "rlhf_ppo", "evaluate")  # a bad key: one line
+    sys.argv[1:] = with_run_dir(sys.argv[1:])  # Hydra's .hydra/ and log: under output_dir
     main()

@@ -14,7 +14,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from rlhf_torchrl.cli import check_overrides, run
+from rlhf_torchrl.cli import check_overrides, run, with_run_dir
 from rlhf_torchrl.config import builders
 
 
@@ -39,4 +39,5 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     # an unknown task= or key, a wrong type: one line, not Hydra's search path or five lines
     check_overrides(sys.argv[1:])
+    sys.argv[1:] = with_run_dir(sys.argv[1:])  # Hydra's .hydra/ and log: under output_dir
     main()

@@ -182,6 +182,17 @@ def _kind(hint) -> str | None:
     return f"{words} or null" if optional else words
 
 
+def with_run_dir(args: list[str]) -> list[str]:
+    """``args`` with ``hydra.run.dir`` set to the ``output_dir=`` among them (unless it is set
+    itself): Hydra's own files (``.hydra/``, the job's log) then go under the run's output
+    directory, and nothing is written in the working directory. Without ``output_dir=`` Hydra's
+    run directory is the output directory (``outputs/<command>/...``)."""
+    if any(a.lstrip("+").startswith("hydra.run.dir=") for a in args):
+        return list(args)
+    given = [a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("output_dir=")]
+    return [*args, f"hydra.run.dir={given[-1]}"] if given else list(args)
+
+
 def _hydra_app(fn, config_name: str, job: str, args: list[str]) -> None:
     """Run ``fn(cfg)`` as the Hydra app of config ``config_name`` over ``args`` (overrides and
     Hydra's own flags: ``--cfg job``, ``--multirun``, ``hydra.run.dir=...``)."""
@@ -195,7 +206,7 @@ def _hydra_app(fn, config_name: str, job: str, args: list[str]) -> None:
     def app(cfg) -> None:
         run(fn, cfg)
 
-    sys.argv = [f"rlhf-torchrl {job}", f"hydra.job.name={job}", *args]
+    sys.argv = [f"rlhf-torchrl {job}", f"hydra.job.name={job}", *with_run_dir(args)]
     app()
 
 

@@ -15,10 +15,12 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 
 from torchrl.trainers import TrainerHookBase
 
+from . import keys as K
 from .evaluation import format_metrics, rollout_samples
 from .metrics import MetricsWriter, read_metrics
 from .report import trend, write_report
@@ -54,7 +56,8 @@ class OnPolicyCheck(_Stateless):
     against a training forward's (:func:`~rlhf_torchrl.sampling.check_on_policy`): PPO's first
     ratio is 1 only if the tokens came from the loss's distribution. A sampler that gets pushed weights (vLLM, a Ray worker, a
     copy) is checked again on the batch after its first push; a resumed run checks its first
-    batch unless it was sampled before the interruption.
+    batch unless it was sampled before the interruption. With partial rollouts only the tokens the
+    current weights sampled are compared (a paused response's earlier tokens came from older ones).
     """
 
     def __init__(self, *, num_rows: int = 4, atol: float = 1e-3, recheck_after_push: bool = False):
@@ -71,8 +74,15 @@ class OnPolicyCheck(_Stateless):
         first = t.iteration == t.first_iteration and not t.pending
         recheck = self.recheck_after_push and t.iteration == t.first_iteration + 1
         if first or recheck:
-            agreement = check_on_policy(rollout, t.actor, num_rows=self.num_rows, atol=self.atol,
-                                        critic=t.critic)
+            rows, tokens = rollout, None
+            if K.TOKEN_VERSION in rollout.keys(True):  # partial rollouts: several versions a row
+                from .collectors.partial import current_tokens
+
+                rows, tokens = current_tokens(rollout, t.iteration)
+                if not rows.shape[0]:
+                    return rollout  # no token of this batch was sampled by the current weights
+            agreement = check_on_policy(rows, t.actor, num_rows=self.num_rows, atol=self.atol,
+                                        critic=t.critic, tokens=tokens)
             log.info("On-policy check: recorded and recomputed log-probs of %d tokens agree to %.2g "
                      "nats%s", agreement["tokens"], agreement["max_abs_diff"],
                      f", values to {agreement['value_max_abs_diff']:.2g}"
@@ -102,7 +112,8 @@ class Evaluation(TrainerHookBase):
     """Held-out evaluation (:class:`~rlhf_torchrl.evaluation.Evaluator`): the reference's
     responses once, the untrained policy's at setup, then every ``every`` iterations and after the
     last (``eval/...`` metrics, timed as ``time/eval``). Keeps the before/after responses of the
-    first :data:`HELD_OUT_SAMPLES` prompts for the report.
+    first :data:`HELD_OUT_SAMPLES` prompts for the report, and each evaluation's for the tracker
+    (``unlogged_samples``, which :class:`RunLog` sends: ``eval/samples_before``, ``eval/samples``).
 
     ``reference``: the reference model (None with LoRA: the policy with its adapters off);
     ``offload_reference``: it visits ``device`` while it answers.
@@ -113,6 +124,8 @@ class Evaluation(TrainerHookBase):
         self.evaluator, self.every, self.policy = evaluator, every, policy
         self.reference, self.device, self.offload_reference = reference, device, offload_reference
         self.before = self.held_out_before = self.held_out_after = None
+        #: (name, step, samples) of the evaluations not yet sent to the tracker (RunLog takes them)
+        self.unlogged_samples: list[tuple[str, int, list[dict]]] = []
 
     def register(self, trainer, name: str = "evaluation") -> None:
         self.trainer = trainer
@@ -134,6 +147,7 @@ class Evaluation(TrainerHookBase):
         if self.before is None:
             self.before, rollout = self.evaluator(self.policy)
             self.held_out_before = rollout_samples(rollout, HELD_OUT_SAMPLES)
+            self.unlogged_samples.append(("eval/samples_before", 0, self.held_out_before))
             log.info("Evaluation before training: %s", format_metrics(self.before))
 
     def maybe_evaluate(self, batch) -> dict | None:
@@ -145,6 +159,8 @@ class Evaluation(TrainerHookBase):
         with getattr(self.trainer.collector, "paused", nullcontext)():
             metrics, rollout = self.evaluator(self.policy)  # held-out prompts, after this update
         self.held_out_after = rollout_samples(rollout, HELD_OUT_SAMPLES)
+        # at the step of this iteration's row (its eval/ metrics)
+        self.unlogged_samples.append(("eval/samples", done - 1, self.held_out_after))
         return {**metrics, "time/eval": time.perf_counter() - start}
 
     def report(self, history: list[dict]) -> dict:
@@ -246,6 +262,10 @@ class RunLog(TrainerHookBase):
     ``report.html`` (:func:`~rlhf_torchrl.report.write_report`) with the score and KL trend, a few
     responses from the first and last iterations (``num_samples``) and the evaluation's entries.
 
+    The tracker (``logger``: :mod:`rlhf_torchrl.trackers`) gets the run as ``run_name`` of
+    ``project`` with ``tags``, ``config`` as its hyperparameters and each evaluation's sample
+    responses as text.
+
     Progress: with ``progress_bar`` and a terminal on stderr, a tqdm bar (iteration, score, KL,
     time left) under which log lines are printed whole; otherwise (a pipe, a log file, CI) a log
     line every ``log_every`` iterations (None: about 20 in a run) and at the last one, never a
@@ -254,8 +274,10 @@ class RunLog(TrainerHookBase):
 
     def __init__(self, output_dir: str, *, logger: str | None = "csv", progress_bar: bool = True,
                  num_samples: int = 3, config: dict | None = None, evaluation: Evaluation | None = None,
-                 log_every: int | None = None):
+                 log_every: int | None = None, project: str = "rlhf_torchrl",
+                 run_name: str | None = None, tags: Sequence[str] = ()):
         self.output_dir, self.logger, self.progress_bar = output_dir, logger, progress_bar
+        self.project, self.run_name, self.tags = project, run_name, list(tags)
         self.log_every = log_every
         self.bar = None
         self.num_samples, self.config, self.evaluation = num_samples, config or {}, evaluation
@@ -276,7 +298,10 @@ class RunLog(TrainerHookBase):
         from tqdm.auto import tqdm
 
         t = self.trainer
-        self.writer = MetricsWriter(self.output_dir, logger=self.logger, start=t.first_iteration)
+        self.writer = MetricsWriter(self.output_dir, logger=self.logger, start=t.first_iteration,
+                                    project=self.project, run_name=self.run_name, tags=self.tags)
+        self.writer.log_config(self.config)
+        self._log_samples()
         earlier = read_metrics(self.output_dir, before=t.first_iteration)
         row, last = self._checkpointed_row, t.first_iteration - 1
         # killed after the checkpoint, before its row was written: the checkpoint's copy (in this
@@ -308,9 +333,17 @@ class RunLog(TrainerHookBase):
             if self.first_samples is None:
                 self.first_samples = self.last_samples
 
+    def _log_samples(self) -> None:
+        """The evaluations' sample responses not yet sent to the tracker."""
+        if self.evaluation is not None:
+            for name, step, samples in self.evaluation.unlogged_samples:
+                self.writer.log_samples(name, step, samples)
+            self.evaluation.unlogged_samples.clear()
+
     def log(self, metrics: dict) -> None:
         t = self.trainer
         self.writer.log(t.iteration - 1, metrics)
+        self._log_samples()
         scored = "objective/scores" in metrics  # (not a skipped iteration)
         if scored:
             self.history.append(metrics)

@@ -58,6 +58,11 @@ POLICY_VERSION = "policy_version"
 # (B,) float64, asynchronous collection: the seconds the sampler spent on the row's batch (the
 # trainer waits for it only in part, so its own clock cannot give the sampling speed).
 SAMPLING_SECONDS = "sampling_seconds"
+# (B, R) int64, partial rollouts: the policy version that sampled each response token (a paused
+# response is continued by newer weights; 0 on pads). POLICY_VERSION is then a row's oldest.
+TOKEN_VERSION = ("policy_versions", "response")
+# (B,) int64, partial rollouts: the rounds that sampled each response (1: never paused).
+SEGMENTS = ("partial", "segments")
 # (B, R) float32: the same tokens under the frozen reference model.
 REF_LOG_PROB = ("ref_log_probs", "response")
 # (B, R) float32: per-token KL estimate between policy and reference.

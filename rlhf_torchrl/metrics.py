@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -76,13 +77,25 @@ def sampler_metrics(td: TensorDictBase, version: int) -> dict[str, float]:
     """How far the sampler was from the trainer (``version``: updates done): the staleness of
     asynchronous rows (``async/staleness``, mean and max, in updates) and, where the old log-probs
     were recomputed, ``policy/behaviour_approxkl``: ``0.5 * mean((log pi_old - log
-    pi_sampler)^2)`` over response tokens (other weights, or other kernels, e.g. vLLM's)."""
+    pi_sampler)^2)`` over response tokens (other weights, or other kernels, e.g. vLLM's). Partial
+    rollouts add each token's staleness (``partial/token_staleness``, mean and max over response
+    tokens), the share of responses sampled by more than one version (``partial/mixed_version_frac``)
+    and the rounds per response (``partial/segments``)."""
     out = {}
     keys = td.keys(True)
     if K.POLICY_VERSION in keys:
         lag = (version - td.get(K.POLICY_VERSION)).double()
         out["async/staleness"] = float(lag.mean())
         out["async/max_staleness"] = float(lag.max())
+    if K.TOKEN_VERSION in keys:
+        mask, versions = td.get(K.RESPONSE_MASK), td.get(K.TOKEN_VERSION)
+        lag = (version - versions).double()
+        out["partial/token_staleness"] = float(F.masked_mean(lag, mask))
+        out["partial/max_token_staleness"] = float(lag.masked_fill(~mask, 0).max())
+        oldest = versions.masked_fill(~mask, version).amin(-1)
+        out["partial/mixed_version_frac"] = float((oldest != versions.masked_fill(~mask, -1).amax(-1))
+                                                  .double().mean())
+        out["partial/segments"] = float(td.get(K.SEGMENTS).double().mean())
     if K.BEHAVIOUR_LOG_PROB in keys:
         gap = td.get(K.LOG_PROB) - td.get(K.BEHAVIOUR_LOG_PROB)
         out["policy/behaviour_approxkl"] = float(F.masked_mean(0.5 * gap**2, td.get(K.RESPONSE_MASK)))
@@ -93,25 +106,39 @@ class MetricsWriter:
     """Writes each iteration's metrics as one JSON object per line, and to a TorchRL logger.
 
     ``logger``: ``"csv"`` (TorchRL ``CSVLogger``, the default), ``"tensorboard"``, ``"wandb"``,
-    ``"mlflow"`` (TorchRL's ``get_logger``) or ``None`` for the JSON file only.
+    ``"mlflow"`` or ``None`` for the JSON file only; opened by
+    :func:`~rlhf_torchrl.trackers.open_logger` as run ``run_name`` (default: the output
+    directory's last two folders) of ``project`` with ``tags``. Where each writes:
+    :mod:`rlhf_torchrl.trackers`.
 
     ``start``: the first iteration this writer logs. Lines of iterations ``>= start`` that an earlier
     run left in ``metrics.jsonl`` and in the CSV logs (written after its last checkpoint) are
     dropped, so that a resumed run's logs hold every iteration once. Loggers that keep their data
     elsewhere (TensorBoard, W&B, MLflow) get the repeated iterations again.
+
+    Example:
+        >>> import tempfile
+        >>> writer = MetricsWriter(tempfile.mkdtemp(), logger=None)
+        >>> writer.log(0, {"objective/scores": 0.5})
+        >>> writer.close()
     """
 
     def __init__(self, output_dir: str, *, logger: str | None = "csv", exp_name: str = "ppo",
-                 start: int = 0):
+                 start: int = 0, project: str = "rlhf_torchrl", run_name: str | None = None,
+                 tags: Sequence[str] = ()):
+        from . import trackers
+
         os.makedirs(output_dir, exist_ok=True)
         self.path = os.path.join(output_dir, "metrics.jsonl")
         _keep_lines(self.path, lambda line: json.loads(line)["iteration"] < start)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.project, self.tags = project, list(tags)
+        self.run_name = run_name or trackers.default_run_name(output_dir)
         self.logger = None
         if logger:
-            from torchrl.record.loggers import get_logger
-
-            self.logger = get_logger(logger, logger_name=output_dir, experiment_name=exp_name)
+            self.logger = trackers.open_logger(logger, output_dir, project=project,
+                                               run_name=self.run_name, tags=self.tags,
+                                               csv_name=exp_name)
             scalars = os.path.join(getattr(self.logger.experiment, "log_dir", ""), "scalars")
             if logger == "csv":  # scalars/<name>.csv, "objective/kl" in a folder of its own
                 for folder, _, files in os.walk(scalars):
@@ -128,8 +155,28 @@ class MetricsWriter:
                 if isinstance(value, float) and math.isfinite(value):
                     self.logger.log_scalar(name, value, step=step)
 
+    def log_config(self, config: dict) -> None:
+        """The resolved config (a nested dict) as the run's hyperparameters."""
+        if self.logger is not None:
+            from .trackers import log_config
+
+            log_config(self.logger, config, project=self.project, run_name=self.run_name,
+                       tags=self.tags)
+
+    def log_samples(self, name: str, step: int, samples: list[dict]) -> None:
+        """Sample responses (:func:`~rlhf_torchrl.evaluation.rollout_samples`) as text."""
+        if self.logger is not None and samples:
+            from .trackers import log_samples
+
+            log_samples(self.logger, name, step, samples)
+
     def close(self) -> None:
         self._file.close()
+        if self.logger is not None:
+            from .trackers import close_logger
+
+            close_logger(self.logger)
+            self.logger = None
 
 
 def read_metrics(output_dir: str, before: int | None = None) -> list[dict]:

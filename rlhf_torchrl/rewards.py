@@ -19,8 +19,10 @@ column. A reward never receives ``None`` in place of a rollout.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import math
+import os
 import traceback
 from collections.abc import Callable, Sequence
 
@@ -30,7 +32,7 @@ from tensordict.nn import TensorDictModuleBase
 
 from . import functional as F
 from . import keys as K
-from .errors import ConfigError, MissingDependencyError
+from .errors import ConfigError, MissingDependencyError, MissingFileError
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -41,25 +43,68 @@ def load_reward_function(path: str) -> RewardFn:
 
 
 def load_callable(path: str, *, what: str = "Function") -> Callable:
-    """Import ``package.module.name`` (or ``package.module:name``); ``what`` names it in errors."""
+    """The function ``path`` names: ``package.module.name`` or ``package.module:name`` (the module
+    importable: installed, or its folder on ``PYTHONPATH``), or a Python file and a name in it,
+    ``./my_rewards.py:name`` (relative to the working directory). ``what`` names it in errors.
+
+    Example:
+        >>> load_callable("rlhf_torchrl.reward_functions.gsm8k_correct").__name__
+        'gsm8k_correct'
+    """
     module_name, sep, attr = path.partition(":")
+    if sep and module_name.endswith(".py"):
+        return _load_from_file(path, module_name, attr, what)
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise ConfigError(
-            f"{what} {path!r} is not a dotted path: write it as "
-            "'package.module.function' (or 'package.module:function')."
+            f"{what} {path!r} is not a dotted path: write it as 'package.module.function' (or "
+            "'package.module:function'), or name a file and a function in it: './my_rewards.py:function'."
         )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise MissingDependencyError(
-            f"{what} {path!r}: cannot import module {module_name!r} ({e}). "
-            "Is the package installed and on PYTHONPATH?"
+            f"{what} {path!r}: cannot import module {module_name!r} ({e}). The module must be "
+            "importable: install its package (pip install -e .), or put the folder that holds it "
+            "on PYTHONPATH (PYTHONPATH=. for one in the working directory); or name the file: "
+            f"'./{module_name.replace('.', '/')}.py:{attr}'."
         ) from e
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise MissingDependencyError(f"{what} {path!r}: module {module_name!r} has no callable {attr!r}.")
+    return fn
+
+
+def _load_from_file(path: str, file: str, attr: str, what: str) -> Callable:
+    """``attr`` of the Python file ``file``, run once as a module of its own (named after the
+    file: ``rlhf_torchrl_user_<name>_<hash>``, so that pickle finds it in this process), whose folder
+    also goes on ``sys.path`` for its imports."""
+    import hashlib
+    import sys
+
+    full = os.path.abspath(os.path.expanduser(file))
+    if not os.path.isfile(full):
+        raise MissingFileError(f"{what} {path!r}: there is no file {full} (a file path is taken "
+                               "from the working directory).")
+    stem = os.path.splitext(os.path.basename(full))[0]
+    name = f"rlhf_torchrl_user_{stem}_{hashlib.sha1(full.encode()).hexdigest()[:8]}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, full)
+        module = importlib.util.module_from_spec(spec)
+        folder = os.path.dirname(full)
+        if folder not in sys.path:
+            sys.path.append(folder)  # the file's own imports of its neighbours
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    fn = getattr(module, attr, None) if attr else None
+    if fn is None or not callable(fn):
+        raise MissingDependencyError(f"{what} {path!r}: {file} has no function {attr!r}.")
     return fn
 
 

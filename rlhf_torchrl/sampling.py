@@ -79,9 +79,11 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[:, -1:]).squeeze(1)
 
 
-def row_stream_seeds(seed: int, batch: int, rows: range | list[int], turn: int = 0) -> list[int]:
+def row_stream_seeds(seed: int, batch: int, rows: range | list[int], turn: int = 0,
+                     segment: int = 0) -> list[int]:
     """One 63-bit seed per prompt row, from (run seed, batch index, global row index) and, after a
-    multi-turn episode's first turn, the turn.
+    multi-turn episode's first turn, the turn; after a partial rollout's first segment (a paused
+    response continued, :mod:`~rlhf_torchrl.collectors.partial`), the segment.
 
     The random stream a row's tokens are drawn with then depends on which prompt of which batch it
     is, never on which process drew it or which rows share its batch: a run is world-size invariant.
@@ -89,7 +91,9 @@ def row_stream_seeds(seed: int, batch: int, rows: range | list[int], turn: int =
     import numpy as np
 
     later_turn = [turn] if turn else []  # turn 0 keeps the single-response streams
-    return [int(np.random.SeedSequence([seed, batch, row, *later_turn])
+    # segment 0 keeps them too; a later one is a fifth word (SeedSequence ignores trailing zeros)
+    later_segment = [turn, segment] if segment else []
+    return [int(np.random.SeedSequence([seed, batch, row, *(later_segment or later_turn)])
                 .generate_state(2, np.uint64)[0] >> 1) for row in rows]
 
 
@@ -335,7 +339,7 @@ class OffPolicyError(RuntimeError):
 
 @torch.no_grad()
 def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3,
-                    critic=None) -> dict[str, float]:
+                    critic=None, tokens: torch.Tensor | None = None) -> dict[str, float]:
     """Recompute a few rows' sampled-token log-probs with ``actor`` and compare with the recorded ones.
 
     The ratio ``exp(new - old)`` of PPO's first minibatch is 1 only when the recorded ``old``
@@ -344,6 +348,8 @@ def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3,
     ``atol`` (nats); returns ``{"max_abs_diff", "mean_abs_diff", "tokens"}`` otherwise. With a
     ``critic`` and values recorded while sampling (``"state_value"``, :class:`ValueRecorder`),
     those are checked against the critic's forward too (same ``atol``; ``"value_max_abs_diff"``).
+    ``tokens`` (B, R) bool: compare these response tokens alone (partial rollouts: those the
+    current weights sampled, :func:`~rlhf_torchrl.collectors.partial.current_tokens`).
 
     Shapes: reads (B, P) prompt and (B, R) response tokens/masks and (B, R) ``("log_probs",
     "response")``; ``actor`` is a :class:`~rlhf_torchrl.modules.TokenLevelActor`.
@@ -362,6 +368,8 @@ def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3,
     recomputed = actor.get_dist(rows).log_prob(rows.get(K.RESPONSE_TOKENS))
     mask = rows.get(K.RESPONSE_MASK)
     value_stats = _check_recorded_values(rows, critic, mask, atol) if check_values else {}
+    if tokens is not None:
+        mask = mask & tokens[:num_rows]
     gap = (recorded.double() - recomputed.double()).abs().masked_fill(~mask, 0.0)  # (B, R)
     n = int(mask.sum())
     stats = {"max_abs_diff": float(gap.max()), "mean_abs_diff": float(gap.sum()) / max(n, 1),
@@ -408,18 +416,19 @@ def low_precision(*, autocast: str | None = None, dtype: str = "float32") -> boo
 
 def log_probs_from_sampling(*, backend: str = "transformers", autocast: str | None = None,
                             dtype: str = "float32", overlap: int | None = None,
-                            setting: bool | None = None) -> bool:
+                            setting: bool | None = None, partial_rollout: bool = False) -> bool:
     """Whether PPO's old log-probs can be those recorded while sampling (``setting`` decides when
     given). By default yes for the transformers backend in fp32, sampling with the weights being
     trained: its sampling forward is the training forward, so they are equal. No for vLLM or
     bf16/fp16, whose kernels round differently, and no when a sampler runs ``overlap`` >= 1
-    updates ahead (its weights are older than the trainer's): PPO's first ratio would not be 1,
+    updates ahead (its weights are older than the trainer's), or with ``partial_rollout`` (a
+    paused response's earlier tokens come from older weights): PPO's first ratio would not be 1,
     so the trainer's forward recomputes them and the sampler's weight the loss (TIS; decoupled
     PPO, Hilton et al. 2021: the trust region is anchored at the policy being updated)."""
     if setting is not None:
         return bool(setting)
     return (not low_precision(autocast=autocast, dtype=dtype) and backend == "transformers"
-            and not overlap)
+            and not overlap and not partial_rollout)
 
 
 def on_policy_tolerance(*, autocast: str | None = None, dtype: str = "float32",

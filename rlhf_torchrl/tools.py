@@ -175,7 +175,8 @@ BUILTIN_TOOLS = ("calculator", "python")
 
 def load_tools(names: Sequence[str], *, python_sandbox: SandboxSpec | None = None) -> dict[str, Callable]:
     """The tools ``env.tools`` names: a built-in (:data:`BUILTIN_TOOLS`) or a dotted path to a
-    function (``my_pkg.tools.lookup``, called by its last component: ``lookup``). ``python`` runs
+    function (``my_pkg.tools.lookup`` or ``./my_tools.py:lookup``, called by its last
+    component: ``lookup``). ``python`` runs
     its code as ``python_sandbox`` says (default :class:`~rlhf_torchrl.sandbox.SandboxSpec`);
     where that sandbox cannot run here, a :class:`~rlhf_torchrl.errors.ConfigError` says how to
     install one or opt out."""
@@ -188,7 +189,7 @@ def load_tools(names: Sequence[str], *, python_sandbox: SandboxSpec | None = Non
             raise ConfigError(
                 f"Unknown tool {name!r} in env.tools: the built-in tools are "
                 f"{', '.join(BUILTIN_TOOLS)}; name a function of your own by its dotted path "
-                "(my_pkg.tools.lookup).")
+                "(my_pkg.tools.lookup) or its file (./my_tools.py:lookup).")
         fn = (calculator if name == "calculator" else PythonTool(python_sandbox) if name == "python"
               else load_callable(name, what="Tool"))
         key = name if name in BUILTIN_TOOLS else name.replace(":", ".").rsplit(".", 1)[-1]

@@ -201,6 +201,23 @@ def test_reward_server_benchmark_tiny(tmp_path, capsys):
     assert (tmp_path / "rs.png").stat().st_size > 0
 
 
+def test_partial_rollout_benchmark_tiny(tmp_path, capsys):
+    """``rlhf-torchrl bench partial_rollout``: the recipe with whole responses and with partial
+    rollouts, one run each in this process, on the built Llama of geometric lengths; seconds per
+    iteration and tokens per second reported (never asserted), and the price in staleness."""
+    out = tmp_path / "p.json"
+    cli(["bench", "partial_rollout", "--batch-size", "4", "--response-length", "16", "--segment",
+         "4", "--mean-length", "4", "--iterations", "2", "--repeats", "1", "--threads", "1",
+         "--out", str(out)])
+    assert "tokens/s (generation)" in capsys.readouterr().out
+    modes = json.loads(out.read_text())["modes"]
+    assert set(modes) == {"whole", "partial"}
+    assert all(m["seconds_per_iteration"] > 0 and m["tokens_per_second_generation"] > 0
+               for m in modes.values())
+    assert modes["partial"]["segments"] >= 1 and "token_staleness" in modes["partial"]
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
 def test_data_loading_benchmark(tmp_path, capsys):
     """A form's start-up in a process of its own, converted once (cold) and from the cache (warm):
     times and peak memory; the rows it writes in each form load as the same prompts."""

@@ -236,3 +236,50 @@ def test_packed_runs_under_bf16_autocast(tiny_llama_dir, tokenizer):
     for key in (K.LOG_PROB, K.VALUE):
         assert out[True][key].dtype == torch.float32
         torch.testing.assert_close(out[True][key], out[False][key], atol=0.05, rtol=0.05)
+
+
+def test_ppo_iteration_times_the_layouts(tmp_path, capsys):
+    """``bench ppo_iteration --packing true --variants ...``: ours packed, the other layouts'
+    evaluation and update timed on the same rollouts, each against the padded floor."""
+    import json
+
+    from rlhf_torchrl.cli import main as cli
+
+    out = tmp_path / "it.json"
+    cli(["bench", "ppo_iteration", "--model", "tiny-gpt2", "--batch-size", "4",
+         "--response-length", "4", "--iterations", "1", "--warmup", "0", "--threads", "1",
+         "--no-reuse-freed-memory", "--packing", "true", "--variants", "padded", "auto",
+         "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "ours (packing true)" in printed and "update (s)" in printed
+    result = json.loads(out.read_text())
+    for name in ("padded", "auto"):
+        assert result["ours"][f"update, {name}"] > 0 and result["first"][f"evaluation, {name}"] > 0
+    assert result["args"]["packing"] == "true"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_packed_equals_padded_on_cuda(attn, tiny_llama_dir, tokenizer):
+    """On the GPU: sdpa's masks on packed rows, and flash-attn's variable-length kernel on one
+    packed row (bf16, as flash-attn computes), give the padded forward's log-probs and values."""
+    import importlib.util
+
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed (pip install flash-attn)")
+    model = load_causal_lm(tiny_llama_dir, tokenizer, attn_implementation=attn).cuda().eval()
+    dtype = torch.bfloat16 if attn == "flash_attention_2" else None
+    td = _multi_turn(tokenizer.pad_token_id).to("cuda")
+    out = {}
+    for packing in (False, True):
+        critic = make_critic(policy=model, tokenizer=tokenizer, init="shared", packing=packing,
+                             autocast_dtype=dtype)
+        torch.manual_seed(1)
+        torch.nn.init.normal_(critic.head.weight)
+        actor = TokenLevelActor(model, temperature=0.7, trunk_critic=critic, packing=packing,
+                                autocast_dtype=dtype)
+        out[packing] = evaluate_rollout(td.clone(), actor=actor, reference=actor, critic=critic)
+    tolerance = 1e-5 if dtype is None else 0.05
+    for key in (K.LOG_PROB, K.VALUE):
+        torch.testing.assert_close(out[True][key], out[False][key], atol=tolerance, rtol=tolerance)

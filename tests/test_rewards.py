@@ -144,6 +144,29 @@ def test_load_reward_function_errors():
         load_reward_function("rlhf_torchrl.reward_functions.nope")
     with pytest.raises(ValueError, match="dotted path"):
         load_reward_function("vader")
+    with pytest.raises(ImportError, match=r"PYTHONPATH=\. .*'\./mypkg/rewards\.py:bonus'"):
+        load_reward_function("mypkg.rewards.bonus")  # says how to make it importable, or name the file
+
+
+def test_reward_function_from_a_file(tmp_path, monkeypatch):
+    """``reward.functions=[./my_rewards.py:exact_match]``: a file in the working directory, its
+    own imports of its neighbours working, loaded once, picklable in this process."""
+    import pickle
+
+    (tmp_path / "helpers.py").write_text("def norm(s):\n    return s.strip().lower()\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "from helpers import norm\n\n"
+        "def exact_match(prompts, responses, answer):\n"
+        "    return [float(norm(r) == norm(a)) for r, a in zip(responses, answer)]\n")
+    monkeypatch.chdir(tmp_path)
+    fn = load_reward_function("./my_rewards.py:exact_match")
+    assert fn([""], [" Yes"], ["yes "]) == [1.0]
+    assert load_reward_function("my_rewards.py:exact_match") is fn
+    assert pickle.loads(pickle.dumps(fn)) is fn
+    with pytest.raises(FileNotFoundError, match="no file"):
+        load_reward_function("./nope.py:exact_match")
+    with pytest.raises(ImportError, match="has no function 'nope'"):
+        load_reward_function("./my_rewards.py:nope")
 
 
 def test_scorer_needs_a_reward():

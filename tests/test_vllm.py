@@ -283,3 +283,77 @@ def test_vllm_samples_multi_turn_episodes(tokenizer):
     assert rollout.get(K.OBSERVATION_MASK)[called].any(-1).all()
     stats = check_on_policy(rollout, TokenLevelActor(model, temperature=0.5), num_rows=4, atol=1e-4)
     assert stats["tokens"] == int(rollout.get(K.RESPONSE_MASK).sum())
+
+
+def _stopping(model, tokenizer):
+    """``model`` made to answer with EOS or one of three words, each about as likely (conftest's
+    stopping_llama_dir at head size 32): responses of 1, 2, ... tokens."""
+    import copy
+
+    stopping = copy.deepcopy(model)
+    words = tokenizer(" good bad fine", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        stopping.model.embed_tokens.weight[:, 0] = 10.0
+        stopping.lm_head.weight.zero_()
+        for token in (tokenizer.eos_token_id, *words):
+            stopping.lm_head.weight[token, 0] = 3.0
+    return stopping
+
+
+def test_vllm_partial_rollouts_keep_each_tokens_version_and_log_prob(engine, model, tokenizer):
+    """The engine samples partial rollouts: responses paused after 2 tokens are continued after
+    the next weight push, and every token's recorded log-prob is that of the version that sampled
+    it (the training forward over the whole response, at the sampling temperature)."""
+    import copy
+
+    from rlhf_torchrl.collectors import PartialRolloutCollector
+    from rlhf_torchrl.collectors.partial import current_tokens
+
+    stopping = _stopping(model, tokenizer)
+    generator = VLLMGenerator(engine, temperature=T)
+    sync = WeightSync(stopping, generator)
+    sync(0)
+    env = make_generation_env(PROMPTS, tokenizer, batch_size=4, seed=0)
+    policy = make_vllm_generation_policy(generator, tokenizer, max_new_tokens=8)
+    collector = PartialRolloutCollector(env, policy, tokenizer=tokenizer, max_new_tokens=8,
+                                        segment_tokens=2, seed=0)
+    snapshots, reference, mixed = [copy.deepcopy(stopping.state_dict())], copy.deepcopy(stopping), 0
+    for k, rollout in enumerate(collector):
+        mask, versions = rollout.get(K.RESPONSE_MASK), rollout.get(K.TOKEN_VERSION)
+        for version in versions[mask].unique().tolist():
+            reference.load_state_dict(snapshots[version])
+            rows, tokens = current_tokens(rollout, version)
+            check_on_policy(rows, TokenLevelActor(reference, temperature=T), num_rows=4, atol=1e-4,
+                            tokens=tokens)
+        mixed += int((versions.masked_fill(~mask, k).amin(-1) < versions.amax(-1)).sum())
+        if k == 3:
+            break
+        with torch.no_grad():  # an "update": EOS a little less likely
+            stopping.lm_head.weight[tokenizer.eos_token_id, 0] -= 0.05
+        snapshots.append(copy.deepcopy(stopping.state_dict()))
+        sync(k + 1)
+    assert mixed > 0
+
+
+def test_recipe_with_vllm_partial_rollouts_resumes_exactly(tmp_path, model, tokenizer):
+    """The recipe with vLLM and partial rollouts, resumed from checkpoint 1 (a new engine, the
+    paused responses restored through the weight-synced collector), logs what the uninterrupted
+    run logs."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import ppo
+    from test_recipe import _cfg
+    from test_resume import _rows, _stop_at
+
+    model_dir = _save_tiny(tmp_path / "model", _stopping(model, tokenizer), tokenizer)
+    settings = ["generation.backend=vllm", "vllm.kv_cache_gb=0.25", "ppo.num_iterations=3",
+                "collection.partial_rollout=true", "collection.partial_rollout_tokens=2",
+                "generation.max_new_tokens=8", "checkpoint.every=1", "checkpoint.keep=null",
+                "threads=1"]
+    ppo.train(_cfg(tmp_path / "whole", model_dir, *settings))
+    whole = _rows(tmp_path / "whole")
+    assert max(r["partial/mixed_version_frac"] for r in whole) > 0
+    cut = tmp_path / "cut"
+    ppo.train(_cfg(cut, model_dir, *settings))
+    _stop_at(cut, 1)
+    ppo.train(_cfg(cut, model_dir, *settings))
+    assert _rows(cut) == whole

@@ -16,5 +16,6 @@ BENCHMARKS = {
     "estimators_table": "the table of estimators.sh's runs (GAE, GRPO, RLOO, REINFORCE++)",
     "data_loading": "start-up time and peak memory of a prompt set by form and size (10k-1M rows)",
     "reward_server": "a served reward model under N concurrent clients: p50/p99 latency, throughput",
+    "partial_rollout": "partial rollouts against whole responses of widely varying lengths: s/iteration, tokens/s",
     "compare": "the figures two or more --out files share, side by side with ratios (--plot draws them)",
 }

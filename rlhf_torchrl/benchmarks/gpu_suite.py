@@ -5,6 +5,9 @@ Rows, each the PPO recipe in its own process (``scaling``'s variants with
 
 - the transformers backend in fp32 (old log-probs and values read off the sampling pass) and
   with bf16 autocast;
+- the floor's own rows (issue 33): packed sequences (``model.packing=true``: sdpa's masks on
+  packed rows, or flash-attn's variable-length kernel where flash-attn is installed), compiled
+  decoder layers (``model.compile=true``: inductor on CUDA) and both in bf16;
 - the vLLM backend with sleep mode (the engine frees its memory while the trainer runs), and
   awake with ``collection.overlap=1``: seconds per weight push after each update, and the share of
   sampling hidden behind the update (1 - the trainer's wait / the sampler's own time);
@@ -36,6 +39,10 @@ from .common import add_out_arg, finish, machine, make_parser, recipe_model, tab
 ROWS = {  # row label -> scaling.py variant
     "transformers fp32": "fp32",
     "transformers bf16 autocast": "bf16",
+    "transformers fp32, packed": "packed",
+    "transformers fp32, compiled": "compiled",
+    "transformers bf16, packed + compiled": "bf16-packed-compiled",
+    "transformers bf16, packed, flash-attn varlen": "bf16-packed-flash",
     "transformers, overlap 1 (a copy samples)": "async",
     "vLLM, sleep mode": "vllm-sleep",
     "vLLM awake, overlap 1": "async-vllm-awake",
@@ -57,6 +64,9 @@ def recipe_rows(args) -> tuple[list, dict]:
     skip = {}
     if (reason := vllm_on_cuda()) is not None:
         skip.update({label: reason for label, v in ROWS.items() if "vllm" in v})
+    if importlib.util.find_spec("flash_attn") is None:
+        skip.update({label: "flash-attn is not installed (pip install flash-attn)"
+                     for label, v in ROWS.items() if v.endswith("flash")})
     if torch.cuda.device_count() < 2:
         skip.update({label: "needs 2 GPUs" for label, v in ROWS.items() if v.startswith("two")})
     run_args = argparse.Namespace(

@@ -203,6 +203,24 @@ def reward_server(plt, payload: dict):
     return fig
 
 
+def partial_rollout(plt, payload: dict):
+    modes = payload.get("modes", {})
+    if not modes:
+        return None
+    names = list(modes)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    _grouped_bars(left, names, {"iteration": [modes[n]["seconds_per_iteration"] for n in names],
+                                "generation": [modes[n]["generation_seconds"] for n in names]})
+    left.set(ylabel="seconds (median)", title="seconds per iteration")
+    left.legend(fontsize=8)
+    _grouped_bars(right, names, {"of generation": [modes[n]["tokens_per_second_generation"] for n in names],
+                                 "of the iteration": [modes[n]["tokens_per_second_iteration"] for n in names]})
+    right.set(ylabel="response tokens trained per second", title="throughput")
+    right.legend(fontsize=8)
+    fig.suptitle(f"Partial rollouts against whole responses ({_subtitle(payload)})", fontsize=10)
+    return fig
+
+
 def compare(plt, payload: dict):
     """Each shared figure of the compared files as its ratio to the first file's."""
     files, metrics = payload["files"], payload["metrics"]
@@ -227,4 +245,4 @@ def compare(plt, payload: dict):
 PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": backends,
          "scaling": scaling, "vs_trl": vs_trl, "gpu_suite": gpu_suite,
          "estimators_table": estimators_table, "data_loading": data_loading,
-         "reward_server": reward_server, "compare": compare}
+         "reward_server": reward_server, "partial_rollout": partial_rollout, "compare": compare}

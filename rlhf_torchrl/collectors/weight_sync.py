@@ -89,5 +89,10 @@ class SyncedCollector:
     def update_weights(self, version: int) -> float:
         return self.weight_sync(version)
 
+    def pending(self) -> list:
+        """The inner collector's state a checkpoint keeps (partial rollouts' paused responses)."""
+        pending = getattr(self.collector, "pending", None)
+        return pending() if pending is not None else []
+
     def shutdown(self) -> None:
         self.collector.shutdown()

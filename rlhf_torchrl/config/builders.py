@@ -41,6 +41,7 @@ from ..rewards import (
 from ..runtime import ThreadTuner, native_bf16, resolve_device
 from ..sampling import check_full_distribution
 from ..sandbox import SandboxSpec
+from ..trackers import check_logger
 from . import schema
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,8 @@ def check_config(cfg: DictConfig) -> Sizes:
         raise ConfigError("ppo.tis_cap corrects recomputed old log-probs towards the sampler's: set "
                          "generation.log_probs_from_sampling=false (or drop ppo.tis_cap).")
     check_off_policy_correction(cfg)
+    check_partial_rollout(cfg, world)
+    check_logger(cfg.logging.logger)  # its package installed
     if not cfg.reward.model and not cfg.reward.remote_url and not cfg.reward.functions:
         raise ConfigError(
             "No reward: set reward.model (a sequence classifier) or reward.remote_url (one "
@@ -289,18 +292,53 @@ def log_probs_from_sampling(cfg: DictConfig) -> bool:
 
     return from_sampling(backend=cfg.generation.backend, autocast=cfg.model.autocast,
                          dtype=cfg.model.dtype, overlap=cfg.collection.overlap,
-                         setting=cfg.generation.log_probs_from_sampling)
+                         setting=cfg.generation.log_probs_from_sampling,
+                         partial_rollout=cfg.collection.partial_rollout)
 
 
 def tis_cap(cfg: DictConfig) -> float | None:
-    """``ppo.tis_cap``; when null, :data:`AUTO_TIS_CAP` under ``collection.overlap`` >= 1 with
-    recomputed old log-probs (the sampler's, one or more updates old, weight the loss: decoupled
-    PPO), else off."""
+    """``ppo.tis_cap``; when null, :data:`AUTO_TIS_CAP` under ``collection.overlap`` >= 1 or
+    ``collection.partial_rollout`` with recomputed old log-probs (the sampler's, one or more
+    updates old, weight the loss: decoupled PPO), else off."""
     if cfg.ppo.tis_cap is not None:
         return float(cfg.ppo.tis_cap)
-    if cfg.collection.overlap and not log_probs_from_sampling(cfg):
+    stale = cfg.collection.overlap or cfg.collection.partial_rollout
+    if stale and not log_probs_from_sampling(cfg):
         return AUTO_TIS_CAP
     return None
+
+
+def partial_rollout_tokens(cfg: DictConfig) -> int | None:
+    """The tokens a response grows per round of partial rollouts: ``collection.partial_rollout_tokens``,
+    or a quarter of ``generation.max_new_tokens`` when null (the longest response spans 4 rounds,
+    as MindSpeed-RL's ``partial_rollout_max_split``); None without partial rollouts."""
+    c = cfg.collection
+    if not c.partial_rollout:
+        return None
+    return c.partial_rollout_tokens or max(1, cfg.generation.max_new_tokens // 4)
+
+
+def check_partial_rollout(cfg: DictConfig, world: int) -> None:
+    """``collection.partial_rollout`` against the settings it cannot be combined with (yet)."""
+    c, g = cfg.collection, cfg.generation
+    if not c.partial_rollout:
+        if c.partial_rollout_tokens is not None:
+            raise ConfigError(f"collection.partial_rollout_tokens={c.partial_rollout_tokens} is the "
+                              "budget of partial rollouts: set collection.partial_rollout=true.")
+        return
+    clash = {"collection.overlap": c.overlap is not None, "collection.ray_workers": bool(c.ray_workers),
+             "env.tools": bool(cfg.env.tools),
+             "distributed.strategy=fsdp2": cfg.distributed.strategy == "fsdp2" and world > 1,
+             "generation.log_probs_from_sampling=true": bool(g.log_probs_from_sampling)}
+    for name, on in clash.items():
+        if on:
+            raise ConfigError(f"collection.partial_rollout with {name} is not supported: paused "
+                              "responses are kept by each process's synchronous collector (and the "
+                              "old log-probs recomputed: mixed versions); drop one of the two.")
+    if partial_rollout_tokens(cfg) >= g.max_new_tokens:
+        raise ConfigError(f"collection.partial_rollout_tokens={c.partial_rollout_tokens} is not below "
+                          f"generation.max_new_tokens={g.max_new_tokens}: no response would ever be "
+                          "paused; lower it (null: a quarter of max_new_tokens).")
 
 
 def check_off_policy_correction(cfg: DictConfig) -> None:
@@ -438,8 +476,8 @@ def make_prompts(cfg: DictConfig, tokenizer) -> PromptSet | PromptMixture:
             f"The prompt set has {len(prompts)} prompts, {held_out} of them held out for evaluation "
             f"(eval.num_prompts): fewer than the {per_batch} of a batch (ppo.batch_size="
             f"{cfg.ppo.batch_size} / generation.samples_per_prompt={cfg.generation.samples_per_prompt})"
-            " are left to train on. Add prompts, lower the batch size or eval.num_prompts, or set "
-            "eval.every=0."
+            f" are left to train on. {_what_fits(len(prompts), held_out, per_batch, cfg)}Add "
+            "prompts, lower the batch size or eval.num_prompts, or set eval.every=0."
         )
     return prompts
 
@@ -465,6 +503,19 @@ def _load_source(cfg: DictConfig, entry: DictConfig, system: str | None) -> Prom
                           f"not give it ({e}). Give a local file (.jsonl, .json, .parquet, .csv, "
                           ".tsv), a saved dataset's folder, 'polarity', or a dataset name reachable "
                           "from here.") from None
+
+
+def _what_fits(n: int, held_out: int, per_batch: int, cfg: DictConfig) -> str:
+    """A setting that fits ``n`` prompts: fewer held out (an eighth of them) when a batch is then
+    left to train on, else a smaller batch."""
+    k = min(n - per_batch, max(1, n // 8))
+    if held_out and k >= 1:
+        return f"E.g. eval.num_prompts={k} leaves {n - k} to train on. "
+    left = n - (min(held_out, max(1, n // 8)) if held_out else 0)
+    if left >= 1:
+        shown = f"eval.num_prompts={n - left} with " if held_out and n - left != held_out else ""
+        return f"E.g. {shown}ppo.batch_size={left * cfg.generation.samples_per_prompt} or less. "
+    return ""
 
 
 def eval_prompt_count(cfg: DictConfig) -> int:
@@ -566,6 +617,7 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
         ray_gpus_per_worker=c.ray_gpus_per_worker, samples_per_prompt=g.samples_per_prompt,
         max_turns=cfg.env.max_turns, tools=tuple(cfg.env.tools), max_tokens=cfg.env.max_tokens,
         tool_timeout=cfg.env.tool_timeout, python_sandbox=python_sandbox(cfg),
+        partial_rollout_tokens=partial_rollout_tokens(cfg),
         vllm=VLLMSpec(
             max_model_len=v.max_model_len or cfg.data.max_prompt_length + g.max_new_tokens,
             dtype=v.dtype or cfg.model.dtype, gpu_memory_utilization=v.gpu_memory_utilization,
@@ -1058,8 +1110,8 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
         trainer.register_hook("run_log", RunLog(
             cfg.output_dir, logger=cfg.logging.logger, num_samples=cfg.logging.num_samples,
             progress_bar=cfg.logging.progress_bar, log_every=cfg.logging.log_every,
-            evaluation=evaluation,
-            config=OmegaConf.to_container(cfg, resolve=True)))
+            evaluation=evaluation, project=cfg.logging.project, run_name=cfg.logging.run_name,
+            tags=list(cfg.logging.tags), config=OmegaConf.to_container(cfg, resolve=True)))
     if resume_from:
         trainer.load_checkpoint(resume_from)
     log.info("Output directory: %s (device %s, %d process%s)", cfg.output_dir, device,

@@ -151,6 +151,8 @@ class Collection:
     ray_address: str | None = MISSING
     ray_cpus_per_worker: float = MISSING
     ray_gpus_per_worker: float = MISSING
+    partial_rollout: bool = MISSING
+    partial_rollout_tokens: int | None = MISSING
 
 
 @dataclass
@@ -242,6 +244,9 @@ class Guards:
 @dataclass
 class Logging:
     logger: str | None = MISSING
+    project: str = MISSING
+    run_name: str | None = MISSING
+    tags: list[str] = MISSING
     num_samples: int = MISSING
     progress_bar: bool = MISSING
     log_every: int | None = MISSING
@@ -345,6 +350,7 @@ RANGES = {
     "collection.ray_workers": (0, _INF, True, True),
     "collection.ray_cpus_per_worker": (0, _INF, True, True),
     "collection.ray_gpus_per_worker": (0, _INF, True, True),
+    "collection.partial_rollout_tokens": (1, _INF, True, True),
     "vllm.max_model_len": (1, _INF, True, True),
     "vllm.gpu_memory_utilization": (0, 1, False, True),
     "vllm.kv_cache_gb": (0, _INF, False, True),

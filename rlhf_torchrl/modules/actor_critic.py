@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..runtime import autocast
 from .compiled import compiled_region
 from .models import lm_head_in_fp32
-from .packing import head_inputs, packed_hidden, packed_logits, packing_for, rows_for
+from .packing import head_inputs, packed_hidden, packed_logits, packing_for, rows_for, to_rows
 
 _IN_KEYS = [K.PROMPT_TOKENS, K.PROMPT_MASK, K.RESPONSE_TOKENS, K.RESPONSE_MASK]
 _OPTIONAL_IN_KEYS = [K.OBSERVATION_MASK]  # multi-turn episodes: tokens the environment wrote
@@ -89,30 +89,20 @@ class ResponseTokenDistribution(Distribution):
         self.mask = mask.bool()
         super().__init__(batch_shape=mask.shape, validate_args=False)
 
-    @property
-    def packed(self) -> bool:
-        return self.logits.dim() == 2
-
-    def _rows(self, values: torch.Tensor) -> torch.Tensor:
-        """(n,) of the valid tokens -> (B, R), 0 elsewhere; a (B, R) input with its pads at 0."""
-        if self.packed:
-            return values.new_zeros(self.mask.shape).masked_scatter(self.mask, values)
-        return torch.where(self.mask, values, torch.zeros_like(values))
-
     def log_prob(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.packed:  # (1, n, V) and (1, n): the function's (B, R, V) layout
+        if self.logits.dim() == 2:  # packed: (1, n, V) and (1, n), the function's layout
             lp = F.log_probs_from_logits(self.logits.unsqueeze(0), tokens[self.mask].unsqueeze(0),
                                          self.temperature)[0]
         else:
             lp = F.log_probs_from_logits(self.logits, tokens, self.temperature)
-        return self._rows(lp)
+        return to_rows(lp, self.mask)
 
     def entropy(self) -> torch.Tensor:
-        return self._rows(F.entropy_from_logits(self.logits.float() / self.temperature))
+        return to_rows(F.entropy_from_logits(self.logits.float() / self.temperature), self.mask)
 
     def sample(self, sample_shape=torch.Size()):  # noqa: B008 - torch's signature
         logits = self.logits.float() / self.temperature
-        if self.packed:  # pads: uniform (they are masked anyway)
+        if logits.dim() == 2:  # packed; pads: uniform (they are masked anyway)
             full = logits.new_zeros(*self.mask.shape, logits.shape[-1])
             full[self.mask] = logits
             logits = full
@@ -122,8 +112,8 @@ class ResponseTokenDistribution(Distribution):
 class HiddenStateHandoff:
     """Hands a trunk's hidden states from the actor to a critic on the same trunk, once.
 
-    :meth:`put` keeps the hidden states with the input tensors they were computed from and the grad
-    mode; :meth:`take` returns them only for the same input tensors (identity, not equality: a
+    :meth:`put` keeps the hidden states ((B, R, H), or (n, H) of the policy tokens when packed)
+    with the input tensors they were computed from and the grad mode; :meth:`take` returns them only for the same input tensors (identity, not equality: a
     stale rollout with equal tokens never matches) in the same grad mode, and forgets them, so a
     hidden state is never used twice or across an optimiser step.
     """
@@ -306,11 +296,7 @@ class TokenCritic(TensorDictModuleBase):
         # the head outside autocast: values in the head's dtype (fp32 unless built otherwise)
         values = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1)
         values = values.to(torch.promote_types(values.dtype, torch.float32))  # fp32 (fp64 kept)
-        mask = td.get(K.RESPONSE_MASK)
-        if hidden.dim() == 2:  # packed: the n policy tokens' values
-            values = values.new_zeros(mask.shape).masked_scatter(mask, values)
-        else:
-            values = torch.where(mask, values, torch.zeros_like(values))
+        values = to_rows(values, td.get(K.RESPONSE_MASK))  # packed: (n,), the policy tokens'
         td.set(K.VALUE, values.unsqueeze(-1))
         return td
 

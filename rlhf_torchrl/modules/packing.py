@@ -17,9 +17,10 @@ finds that with a two-sequence probe, and such a model keeps the padded forward.
 
 The row width ``C`` is chosen by a cost estimate (:class:`SequenceCost`): attention is computed
 over all ``C x C`` pairs of a packed row (masked, not skipped, on CPU and by sdpa on CUDA), so one
-long row of the whole batch would trade the padding's linear cost for a quadratic one; rows of
-the longest sequence's length or a few times it never cost more attention per token than the
-padded batch. Sequences are placed first-fit decreasing; a row's unused tail holds token 0 at
+long row of the whole batch would trade the padding's linear cost for a quadratic one. Rows as
+wide as the longest sequence cost no more attention per token than the padded batch; wider ones
+(2, 4 ... times, up to one row) are chosen where the estimate says the padding they save pays for
+their attention. Sequences are placed first-fit decreasing; a row's unused tail holds token 0 at
 position 0, each such token a sequence of its own that nothing reads.
 
 Only the positions that predict a policy token reach the LM head and the value head: ``n``
@@ -27,9 +28,11 @@ hidden states, gathered by :attr:`PackedRows.index`, and scattered back to the `
 with zeros elsewhere (:meth:`PackedRows.scatter`), as the padded path leaves its pads.
 
 Example:
-    >>> rows = pack_rows(td, cost=SequenceCost.of(model))
+    >>> rows = pack_rows(td, cost=SequenceCost.of(model))  # None: run the padded forward
     >>> logits, hidden = packed_logits(model, rows)  # (n, V), (n, H)
-    >>> log_probs = rows.scatter(log_probs_from_logits(logits, rows.tokens(td)))  # (B, R)
+    >>> tokens = td.get(K.RESPONSE_TOKENS)[rows.response_mask]  # (n,)
+    >>> log_probs = rows.scatter(log_probs_from_logits(logits[None], tokens[None])[0])  # (B, R)
+    >>> actor = TokenLevelActor(model, packing=True)  # the same, inside get_dist
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from .. import keys as K
 from ..errors import ConfigError
 
 #: ``model.packing``: off (the padded forward), on (packed wherever the layout allows it), or
-#: auto (packed where :class:`SequenceCost` estimates it at least :data:`AUTO_SAVING` cheaper)
+#: auto (packed where :class:`SequenceCost` estimates it at most :data:`AUTO_SAVING` of the padded)
 PACKING = (False, True, "auto")
 #: ``auto`` packs a batch when its estimated cost is at most this share of the padded one: the
 #: packing itself (index building, a mask per row) is not free. A first guess, to be measured.
@@ -54,6 +57,7 @@ AUTO_SAVING = 0.9
 
 
 def check_packing(packing) -> None:
+    """A :data:`PACKING` value, or a ConfigError naming the three."""
     if packing not in PACKING or isinstance(packing, int) and not isinstance(packing, bool):
         raise ConfigError(f"packing={packing!r}: choose false (padded rows), true (packed rows) "
                           "or auto (packed where the estimated cost is lower).")
@@ -82,7 +86,7 @@ class SequenceCost:
         trunk = sum(p.numel() for p in model.parameters()
                     if id(p) not in embeddings and id(p) not in head_params)
         width = config.hidden_size
-        vocab = head.weight.shape[0] if head is not None else 0
+        vocab = config.vocab_size if head is not None else 0
         return cls(token=2.0 * trunk, pair=4.0 * width * layers, head=2.0 * width * vocab)
 
     def padded(self, rows: int, width: int, response_width: int) -> float:
@@ -145,7 +149,15 @@ class PackedRows:
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """(n,) values of the policy tokens -> (B, R), 0 elsewhere (as the padded path gives)."""
-        return values.new_zeros(self.response_mask.shape).masked_scatter(self.response_mask, values)
+        return to_rows(values, self.response_mask)
+
+
+def to_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, R) from the (n,) values of ``mask``'s valid tokens (a packed forward's) or from (B, R)
+    values; 0 wherever ``mask`` is False, as the padded path leaves its pads."""
+    if values.dim() == 1:
+        return values.new_zeros(mask.shape).masked_scatter(mask, values)
+    return torch.where(mask, values, torch.zeros_like(values))
 
 
 def pack_rows(td: TensorDictBase, *, cost: SequenceCost, one_row: bool = False,
