@@ -25,6 +25,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "api_refs",  # docs/_ext: references checked against the code, napoleon kept off prose comments
+    "api_signatures",  # docs/_ext: a class's own constructor, no private bases
     "generated_pages",  # docs/_ext: the configuration and keys references, written from the code
 ]
 
@@ -44,8 +45,11 @@ myst_links_external_new_tab = False
 
 # --- autodoc: the API reference from the docstrings (Google style, reST markup inside)
 autodoc_default_options = {"members": True, "member-order": "bysource", "show-inheritance": True}
+# every parameter listed with its type under "Parameters" (described or not); signatures longer
+# than the page get one parameter a line
 autodoc_typehints = "description"
-autodoc_typehints_description_target = "documented_params"
+autodoc_typehints_description_target = "all"
+python_maximum_signature_line_length = 88
 autodoc_preserve_defaults = True
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -60,7 +64,19 @@ nitpick_ignore_regex = [
     (r"py:class", r"Trainer"),
 ]
 
-# --- HTML
+# --- HTML: the version and the repository in the sidebar, code that fits the page
+# the repository's address: set RLHF_TORCHRL_REPOSITORY to build the site for a fork
+REPOSITORY = os.environ.get("RLHF_TORCHRL_REPOSITORY", "https://github.com/rlhf-torchrl/rlhf_torchrl")
 html_theme = "furo"
-html_title = "rlhf_torchrl"
-html_static_path: list[str] = []
+html_title = f"rlhf_torchrl {version}"
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+html_theme_options = {
+    "source_repository": REPOSITORY,
+    "source_branch": "main",
+    "source_directory": "docs/",
+}
+html_sidebars = {"**": ["sidebar/brand.html", "sidebar/search.html", "sidebar/scroll-start.html",
+                        "sidebar/navigation.html", "sidebar-links.html", "sidebar/scroll-end.html"]}
+templates_path = ["_templates"]
+html_context = {"repository": REPOSITORY, "release": release}

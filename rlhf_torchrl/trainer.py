@@ -61,28 +61,64 @@ class PPOTrainer:
     """PPO over a rollout TensorDict, one method per phase; with a token-level critic (GAE) or
     a critic-free advantage estimator (GRPO, RLOO, REINFORCE++).
 
-    Components (each swappable): ``collector`` (an iterable of rollouts, or a callable
-    ``(start_batch, pending) -> collector`` that :meth:`fit` calls, so that a resumed run's
-    collector starts where the checkpoint stopped); ``scorer`` (writes ``"score"``); ``actor``,
-    ``reference`` (:class:`~rlhf_torchrl.modules.TokenLevelActor`) and ``critic``
-    (:class:`~rlhf_torchrl.modules.TokenCritic`, or None with a critic-free estimator); ``shaper``
-    (per-token KL rewards, owns the KL coefficient); ``advantage`` (a TensorDict module writing
-    ``"advantage"``, and ``"value_target"`` for a critic: :mod:`~rlhf_torchrl.advantages`);
-    ``loss_module`` (a TorchRL ``ClipPPOLoss``, given the rollout's keys and mask here if it
-    has TorchRL's: :func:`~rlhf_torchrl.loss_inputs.use_rollout_keys`); ``filter_groups``: drop the groups of responses whose
-    scores are all equal before the advantages (DAPO's dynamic filtering, with a group estimator
-    and no critic; logged as ``group/filtered_frac``); ``reward_transform``: applied to each
-    scored rollout before the old quantities (a TorchRL ``Transform`` or any TensorDict ->
-    TensorDict callable that reshapes ``"score"``: a length penalty, a format bonus;
-    ``examples/reward_transform.py``); ``optimizer`` and ``scheduler``;
-    ``replay_buffer`` (the minibatch sampler, :func:`~rlhf_torchrl.objectives.make_minibatch_buffer`
-    with a seed of its own; None: one per update, shuffled by torch's global generator); ``parallel`` (this process's place in a torchrun
-    job; None: one process). ``critic_warmup``: the first N iterations train the critic alone (the
-    optimiser's schedule holds the policy: :func:`~rlhf_torchrl.optim.make_optimizer`'s
-    ``critic_warmup_steps``), or a :class:`~rlhf_torchrl.optim.CriticWarmup` that ends when the
-    critic's fit stops improving; ``critic_epochs``: passes over each rollout that train the
-    critic, those after the PPO epochs the value loss alone
-    (:func:`~rlhf_torchrl.update.ppo_update`).
+    Every component is swappable; everything that is not the algorithm hangs on hooks
+    (:meth:`register_hook`, :meth:`register_op`).
+
+    Args:
+        collector (Iterable | Callable): an iterable of rollouts, or a callable
+            ``(start_batch, pending) -> collector`` that :meth:`fit` calls, so that a resumed
+            run's collector starts where the checkpoint stopped.
+        scorer (nn.Module): writes ``"score"`` (:class:`~rlhf_torchrl.rewards.Scorer`).
+        actor (nn.Module): the policy's token-level log-probs
+            (:class:`~rlhf_torchrl.modules.TokenLevelActor`).
+        reference (nn.Module): the frozen reference's, written as ``("ref_log_probs", "response")``.
+        critic (nn.Module | None): a :class:`~rlhf_torchrl.modules.TokenCritic`, or None with a
+            critic-free estimator.
+        shaper (nn.Module): per-token KL rewards; owns the KL coefficient
+            (:class:`~rlhf_torchrl.rewards.KLRewardShaper`).
+        advantage (nn.Module): a TensorDict module writing ``"advantage"``, and ``"value_target"``
+            for a critic (:mod:`~rlhf_torchrl.advantages`).
+        loss_module (nn.Module): a TorchRL ``ClipPPOLoss``, given the rollout's keys and mask here
+            if it has TorchRL's (:func:`~rlhf_torchrl.loss_inputs.use_rollout_keys`).
+        optimizer (torch.optim.Optimizer): steps the policy and the critic.
+        num_iterations (int): iterations (rollout + update) :meth:`fit` runs, in all.
+        pad_token_id (int): the tokenizer's pad id, for the update's batches.
+        replay_buffer (torchrl.data.ReplayBuffer | None): the minibatch sampler
+            (:func:`~rlhf_torchrl.objectives.make_minibatch_buffer`, with a seed of its own);
+            None: one per update, shuffled by torch's global generator.
+        num_ppo_epochs (int): passes over each rollout.
+        num_mini_batches (int): minibatches per epoch, one optimiser step each.
+        gradient_accumulation_steps (int): micro-batches per minibatch and process.
+        micro_batch_tokens (int | None): instead, micro-batches of at most this many padded tokens.
+        max_grad_norm (float | None): gradient-norm clip (None: none).
+        forward_batch_size (int): rows per no-grad forward (old and reference log-probs, values).
+        scheduler (torch.optim.lr_scheduler.LRScheduler | None): stepped after each optimiser step
+            (:func:`~rlhf_torchrl.optim.make_optimizer`).
+        grad_scaler (torch.amp.GradScaler | None): fp16 autocast's loss scaler.
+        parallel (DataParallel | None): this process's place in a torchrun job; None: one process.
+        recompute_log_probs (bool): old log-probs from a training forward (vLLM, bf16) instead
+            of those recorded while sampling.
+        keep_sampler_log_probs (bool): keep the recorded ones beside them (truncated importance
+            sampling, ``policy/behaviour_approxkl``).
+        exact_entropy (bool): ``objective/entropy`` from the softmax over the vocabulary, or the
+            sample estimate ``-log p``.
+        offload_reference (bool): the reference visits the device only while it runs.
+        critic_warmup (int | CriticWarmup): the first N iterations train the critic alone (the
+            optimiser's schedule holds the policy: :func:`~rlhf_torchrl.optim.make_optimizer`'s
+            ``critic_warmup_steps``), or a :class:`~rlhf_torchrl.optim.CriticWarmup` that ends
+            when the critic's fit stops improving.
+        critic_epochs (int | None): passes over each rollout that train the critic, those after
+            the PPO epochs the value loss alone (:func:`~rlhf_torchrl.update.ppo_update`); None:
+            ``num_ppo_epochs``.
+        on_non_finite (Callable | None): ``(error, iteration, batch)``, called on a NaN/inf: it
+            raises to stop, returns to skip the iteration (no further optimiser step); None: the
+            error propagates.
+        filter_groups (bool): drop the groups of responses whose scores are all equal before the
+            advantages (DAPO's dynamic filtering, with a group estimator and no critic; logged as
+            ``group/filtered_frac``).
+        reward_transform (Callable | None): applied to each scored rollout before the old
+            quantities: a TorchRL ``Transform`` or any TensorDict -> TensorDict callable that
+            reshapes ``"score"`` (a length penalty, a format bonus; ``examples/reward_transform.py``).
 
     Where TorchRL's ``Trainer`` does not fit, and why: an iteration is one rollout of whole
     responses, not a frame count; minibatches are split into token-weighted micro-batches
@@ -411,8 +447,9 @@ class PPOTrainer:
         return modules
 
     def pending_rollouts(self) -> list:
-        """This process's rollouts sampled ahead by older weights (asynchronous collection; none
-        after the last iteration): a checkpoint keeps them, each process its own rows."""
+        """This process's rollouts sampled ahead by older weights (asynchronous collection), or
+        its responses partial rollouts paused (one TensorDict); none after the last iteration: a
+        checkpoint keeps them, each process its own rows."""
         pending = getattr(self.collector, "pending", None)
         return pending() if pending is not None and self.iteration < self.num_iterations else []
 

@@ -1,7 +1,7 @@
 """The code blocks of the documentation (``docs/**/*.md`` and ``README.md``), as the tests in
 ``tests/test_docs.py`` run them.
 
-Every ``bash`` and ``python`` block is taken. An HTML comment on the line just above a block's
+Every ``bash`` and ``python`` block is taken. An HTML comment among those just above a block's
 fence (invisible on the rendered page) says how it is tested::
 
     <!-- docs-test: run [KEY=VALUE ...] [replace=OLD->NEW ...] [continue] [save=FILE] [setup] -->
@@ -71,8 +71,11 @@ def blocks(path: Path) -> list[Block]:
         if lang not in ("bash", "python"):
             continue
         line = text.count("\n", 0, m.start()) + 1
-        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        marker = MARKER.search(before)
+        marker = None
+        for before in reversed(text[:m.start()].rstrip("\n").split("\n")[-3:]):
+            if not before.strip().startswith("<!--"):
+                break  # the HTML comments right above the fence (another may share them)
+            marker = marker or MARKER.search(before)
         block = Block(str(path.relative_to(ROOT)), line, lang, _dedent(m.group("body"), m.group("indent")),
                       "run" if lang == "python" else "check")
         if marker:

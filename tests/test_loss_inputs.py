@@ -46,7 +46,7 @@ def test_a_plain_clip_ppo_loss_gets_the_layout_and_updates_as_make_ppo_loss(
     assert plain.tensor_keys.action == "action" and plain.loss_mask_key == "auto"
     with caplog.at_level(logging.WARNING, logger="rlhf_torchrl.loss_inputs"):
         _update(policy_p, critic_p, plain, td_p)
-    (record,) = caplog.records
+    (record,) = [r for r in caplog.records if r.name == "rlhf_torchrl.loss_inputs"]
     assert record.getMessage().startswith("ppo_update: set this ClipPPOLoss's keys for the rollout")
     assert "loss.loss_mask_key = ('masks', 'response')" in record.getMessage()
     assert plain.tensor_keys.action == K.RESPONSE_TOKENS and plain.loss_mask_key == K.RESPONSE_MASK

@@ -116,6 +116,9 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
         from .partial import resume_batch
 
         partial_state, pending = (pending[0] if pending else None), ()
+    if pending and "next_batch" in pending[0].keys():
+        raise ConfigError("The checkpoint holds the responses partial rollouts paused: resume with "
+                          "collection.partial_rollout=true and the same partial_rollout_tokens.")
     if pending and spec.overlap is None:
         raise ConfigError(f"The checkpoint holds {len(pending)} batches sampled ahead "
                           "(collection.overlap was set): resume with the same collection.overlap.")
