@@ -325,6 +325,56 @@ def test_every_form_serves_the_same_first_batch(forms, tokenizer):
     assert [2 * int(m[-1]["content"].split()[2]) for m in messages] == [int(a) for a in answers]
 
 
+#: the tiniest run of the recipe's path: 2 iterations of 4 responses of 2 tokens, no evaluation,
+#: checkpoint, saved policy or tracker
+TWO_TINY_ITERATIONS = [
+    "task=custom", "reward.functions=[rlhf_torchrl.reward_functions.gsm8k_correct]",
+    "ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batches=1",
+    "ppo.forward_batch_size=4", "generation.max_new_tokens=2", "optim.lr=1e-3", "eval.every=0",
+    "checkpoint.every=0", "logging.save_model=false", "logging.logger=null",
+    "logging.progress_bar=false", "model.autocast=null", "reuse_freed_memory=false", "threads=1"]
+
+
+def test_every_form_trains_two_iterations_from_the_same_first_batch(forms, tiny_llama_dir,
+                                                                    tmp_path):
+    """Each form as a user gives it, the same command for all (`task=custom data.source=...`, the
+    GSM8K verifier reading the answer column; verl's rows: their chat prompt and ground truth as
+    written), through the recipe's path, build_trainer then fit, in this process: two PPO
+    iterations with finite metrics and moved weights, the first rollout the same prompts and
+    answers whatever the form."""
+    import math
+
+    from rlhf_torchrl.config import builders, compose
+
+    first = {}
+    for name, source in forms.items():
+        out = tmp_path / name
+        cfg = compose([f"output_dir={out}", f"model.policy={tiny_llama_dir}",
+                       f"data.source={source}", *TWO_TINY_ITERATIONS])
+        trainer = builders.build_trainer(cfg)
+
+        def record(rollout, name=name):
+            if name not in first:
+                first[name] = (rollout.get(K.PROMPT_MESSAGES).tolist(),
+                               rollout.get(K.PROMPT_TEXT).tolist(),
+                               [str(a) for a in rollout.get((K.DATA, "answer")).tolist()])
+
+        trainer.register_op("batch_process", record)
+        before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
+        report = trainer.fit()
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert report["iterations"] == 2 and len(rows) == 2, name
+        for row in rows:
+            for metric in ("objective/kl", "objective/scores", "loss/policy_avg", "loss/value_avg"):
+                assert math.isfinite(row[metric]), (name, metric)
+        after = trainer.actor.model.state_dict()
+        assert any(not torch.equal(before[k], after[k]) for k in before), name
+    assert all(batch == first["jsonl"] for batch in first.values()), first
+    messages, _, answers = first["jsonl"]
+    assert len(messages) == 4
+    assert [2 * int(m[-1]["content"].split()[2]) for m in messages] == [int(a) for a in answers]
+
+
 def test_a_large_parquet_is_read_lazily_and_held_out_reproducibly(tmp_path, tokenizer, monkeypatch):
     """An Arrow source costs no rows until a batch serves them (data.check_prompts=served): the
     set is made, its columns checked, the held-out prompts carved out (the last rows), and the
