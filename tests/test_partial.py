@@ -144,6 +144,24 @@ def test_a_collector_resumed_from_its_pending_state_continues_exactly(stopping_l
         _collector(model, tokenizer, start_batch=3, state=state)
 
 
+@pytest.mark.parametrize("overlap", [None, 1], ids=["synchronous", "overlap"])
+def test_paused_responses_are_not_resumed_without_partial_rollouts(overlap):
+    """A checkpoint's pending state of paused responses (its ``next_batch``), given to a collector
+    without partial rollouts, synchronous or sampling ahead, is refused with the setting to use:
+    it is neither dropped nor read as batches sampled ahead."""
+    from tensordict import TensorDict
+
+    from rlhf_torchrl.collectors.factory import CollectorSpec, make_collector
+    from rlhf_torchrl.errors import ConfigError
+
+    paused = TensorDict({"next_batch": torch.tensor(2)}, batch_size=[])
+    spec = CollectorSpec(batch_size=4, max_new_tokens=MAX_NEW, stop_token_ids=(0,), overlap=overlap)
+    with pytest.raises(ConfigError, match="partial rollouts paused: resume with "
+                                          "collection.partial_rollout=true and the same "
+                                          "partial_rollout_tokens"):
+        make_collector(spec, PROMPTS, None, None, start_batch=2, pending=[paused])
+
+
 # ---- the recipe ---------------------------------------------------------------------------------
 PARTIAL = ["collection.partial_rollout=true", "collection.partial_rollout_tokens=2"]
 
