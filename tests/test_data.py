@@ -114,6 +114,23 @@ def test_conversations_are_rendered_by_the_template(tmp_path, tiny_llama_dir, to
     assert rollout.get(K.PROMPT_MESSAGES).tolist() == [conversation[:4]] * 2
 
 
+def test_a_plain_chat_template_gives_the_text_to_continue(tmp_path, tiny_llama_dir):
+    """data.chat_template=plain: the policy reads the prompt's text as it is (no roles, no
+    markers), in the trainer and in a Ray worker's tokenizer; a Jinja string is used as given."""
+    from rlhf_torchrl.config import builders, compose
+
+    cfg = compose([f"output_dir={tmp_path}", f"model.policy={tiny_llama_dir}",
+                   "data.chat_template=plain", "data.system_prompt=null"])
+    tokenizer = builders.make_tokenizer(cfg)
+    assert builders.collector_spec(cfg, [tokenizer.eos_token_id]).chat_template == "plain"
+    prompts = load_prompts("polarity", template="{prompt}", max_words=4, limit=2)
+    rollout = _collect(tiny_llama_dir, tokenizer, prompts, batch_size=2)
+    assert rollout.get(K.PROMPT_TEXT).tolist() == [p.text for p in prompts]
+    custom = load_tokenizer(tiny_llama_dir, chat_template="{{ messages[-1]['content'] }} =>")
+    rendered = custom.apply_chat_template([{"role": "user", "content": "2 + 2"}], tokenize=False)
+    assert rendered == "2 + 2 =>"
+
+
 def test_prompt_length_check_and_left_truncation(tokenizer):
     long_prompt = "word " * 100
     short = "hello"

@@ -56,7 +56,8 @@ class CollectorSpec:
     with ``overlap`` a copy of it, samples) or ``vllm`` (an engine given ``vllm``'s settings).
     ``overlap``: None, synchronous; N >= 0, a background thread N updates ahead. ``ray_workers``:
     N > 0 Ray actors each sample their share with a policy of their own, loaded from ``policy``
-    (``dtype``, ``attn_implementation``). ``record_entropy``: the sampler records exact entropies
+    (``dtype``, ``attn_implementation``; its tokenizer with ``chat_template``, as
+    :func:`~rlhf_torchrl.modules.load_tokenizer` takes it). ``record_entropy``: the sampler records exact entropies
     (log-probs are always recorded). ``autocast_dtype``: ``bfloat16``/``float16`` generation.
     ``samples_per_prompt``: responses sampled for each prompt (a group; ``batch_size`` counts
     responses); vLLM draws a group as one request with ``n`` samples. ``max_turns``, ``tools``
@@ -81,6 +82,7 @@ class CollectorSpec:
     record_entropy: bool = False
     autocast_dtype: str | None = None
     policy: str | None = None
+    chat_template: str | None = None
     dtype: str = "float32"
     attn_implementation: str | None = None
     ray_workers: int = 0
@@ -240,7 +242,7 @@ def ray_worker(spec: CollectorSpec, prompts: list, rank: int, world_size: int,
 
     spec = replace(spec, ray_workers=0, overlap=None)
     device = resolve_device("cuda" if spec.ray_gpus_per_worker else "cpu")
-    tokenizer = load_tokenizer(spec.policy)
+    tokenizer = load_tokenizer(spec.policy, chat_template=spec.chat_template)
     model = load_causal_lm(spec.policy, tokenizer, dtype=spec.dtype,
                            attn_implementation=spec.attn_implementation).to(device)
     # the worker's model is only sampled from; weights arrive merged (LoRA) from the trainer

@@ -563,7 +563,7 @@ def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device)
 def make_tokenizer(cfg: DictConfig):
     """The policy's tokenizer: left padding, a pad token distinct from EOS."""
     try:
-        return load_tokenizer(cfg.model.policy)
+        return load_tokenizer(cfg.model.policy, chat_template=cfg.data.chat_template)
     except OSError as e:
         raise ConfigError(f"model.policy={cfg.model.policy}: its tokenizer cannot be loaded "
                          f"({str(e).strip().splitlines()[0]}).") from None
@@ -612,7 +612,7 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
         seed=cfg.seed, backend=g.backend, overlap=c.overlap,
         record_entropy=log_probs_from_sampling(cfg) and cfg.logging.exact_entropy,
         autocast_dtype=cfg.model.autocast, policy=cfg.model.policy, dtype=cfg.model.dtype,
-        attn_implementation=cfg.model.attn_implementation, ray_workers=c.ray_workers,
+        chat_template=cfg.data.chat_template, attn_implementation=cfg.model.attn_implementation, ray_workers=c.ray_workers,
         ray_address=c.ray_address, ray_cpus_per_worker=c.ray_cpus_per_worker,
         ray_gpus_per_worker=c.ray_gpus_per_worker, samples_per_prompt=g.samples_per_prompt,
         max_turns=cfg.env.max_turns, tools=tuple(cfg.env.tools), max_tokens=cfg.env.max_tokens,

@@ -74,6 +74,7 @@ class Data:
     truncate_side: str = MISSING
     truncate_at: str | None = MISSING
     system_prompt: str | None = MISSING
+    chat_template: str | None = MISSING
 
 
 @dataclass

@@ -143,20 +143,27 @@ def _linear_in_fp32(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(hidden.float(), head.weight.float(), bias)
 
 
-def load_tokenizer(name_or_path: str, padding_side: str = "left"):
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def load_tokenizer(name_or_path: str, padding_side: str = "left", chat_template: str | None = None):
     """Load a tokenizer and give it a pad token distinct from EOS.
 
     Prefers an existing special token (``unk``) as pad; otherwise adds ``<|pad|>`` (the caller
-    must then resize the models' embeddings, see :func:`match_vocab`). A tokenizer without a chat
-    template gets one that passes the prompt through unchanged, so base models see raw text.
+    must then resize the models' embeddings, see :func:`match_vocab`). ``chat_template``: None
+    keeps the tokenizer's own; ``"plain"`` passes the messages' text through unchanged, so the
+    model continues the text as a base model does; any other string is a Jinja template. A
+    tokenizer without a chat template gets the plain one.
     """
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name_or_path))
     tokenizer.padding_side = padding_side
     ensure_pad_token(tokenizer)
-    if not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    if chat_template is not None:
+        tokenizer.chat_template = PLAIN_TEMPLATE if chat_template == "plain" else chat_template
+    elif not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = PLAIN_TEMPLATE
     return tokenizer
 
 
