@@ -131,6 +131,19 @@ def test_a_plain_chat_template_gives_the_text_to_continue(tmp_path, tiny_llama_d
     assert rendered == "2 + 2 =>"
 
 
+def test_a_stop_token_ends_responses_beside_eos(tmp_path, tiny_llama_dir):
+    """generation.stop_token adds a stop to the tokenizer's EOS (a sentence ends at "."; a
+    response that emits EOS first still ends there)."""
+    from rlhf_torchrl.config import builders, compose
+
+    cfg = compose([f"output_dir={tmp_path}", f"model.policy={tiny_llama_dir}"])
+    tokenizer = builders.make_tokenizer(cfg)
+    assert builders.stop_token_ids(cfg, tokenizer) == [tokenizer.eos_token_id]
+    cfg.generation.stop_token = "."
+    period = tokenizer.convert_tokens_to_ids(".")
+    assert builders.stop_token_ids(cfg, tokenizer) == [period, tokenizer.eos_token_id]
+
+
 def test_prompt_length_check_and_left_truncation(tokenizer):
     long_prompt = "word " * 100
     short = "hello"

@@ -600,7 +600,7 @@ def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
     ids = tokenizer.convert_tokens_to_ids([token])
     if ids[0] is None or ids[0] == tokenizer.unk_token_id:
         raise ConfigError(f"generation.stop_token {token!r} is not a single token of the tokenizer.")
-    return ids
+    return list(dict.fromkeys([ids[0], tokenizer.eos_token_id]))  # EOS ends a response too
 
 
 def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
