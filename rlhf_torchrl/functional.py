@@ -675,7 +675,10 @@ def off_policy_log_weight(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str
         [[[2.0, 1.5, 0.25]], [[0.0, 1.5, 0.25]], [[0.0, 1.5, 0.0]], [[3.0, 1.5, 0.25]]]
     """
     check_off_policy_correction(mode, cap, low)
-    high = math.log(cap)
+    high, mask = math.log(cap), mask.bool()
+    # pads get weight 1 (log 0) whatever they hold: a non-finite pad would give the masked
+    # surrogate a NaN gradient (0 * exp(nan))
+    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
     if mode == "tis":
         log_weight = log_ratio.clamp_max(high)
         if low is not None:
@@ -688,7 +691,7 @@ def off_policy_log_weight(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str
     else:
         lower = math.log(low) if low is not None else -high
         statistic = log_ratio if mode == "icepop" else masked_mean(  # (B, 1): g_i's log
-            torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio)), mask, dim=-1).unsqueeze(-1)
+            log_ratio, mask, dim=-1).unsqueeze(-1)
         keep = ((statistic >= lower) & (statistic <= high)).expand_as(log_ratio)
-    keep = keep | ~mask.bool()
+    keep = keep | ~mask
     return torch.where(keep, log_ratio, torch.full_like(log_ratio, -math.inf)), keep

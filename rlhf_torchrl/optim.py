@@ -213,7 +213,13 @@ class CriticWarmup:
 
     def frozen_steps(self) -> float:
         """The optimiser steps in which the policy's learning rate is 0: infinite while the
-        warm-up runs, then the steps taken when it ended."""
+        warm-up runs, then the steps taken when it ended. A fixed warm-up (``until`` None) has
+        no such schedule to follow: give :func:`make_optimizer` its steps as a number."""
+        if self.until is None and self.max_iterations:
+            raise ConfigError(
+                f"CriticWarmup({self.max_iterations}) runs a fixed number of iterations: pass "
+                f"make_optimizer(critic_warmup_steps={self.max_iterations} * optimiser steps per "
+                "iteration) rather than its frozen_steps, which only a warm-up with until= moves.")
         return math.inf if self.running else self.ended_at_step
 
     def observe(self, metrics: Mapping[str, float], steps_done: int) -> bool:

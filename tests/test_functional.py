@@ -386,7 +386,13 @@ def test_off_policy_corrections_hand_computed(mode):
     dropped = F.masked_mean((~keep).double(), mask)  # what policy/is_masked_frac logs
     assert float(dropped) == pytest.approx(sum(w == 0 for r in IS_WEIGHTS[mode] for w in r) / 9)
     if mode == "tis":  # today's TIS, bit for bit
-        assert torch.equal(log_weight, log_ratio.clamp_max(math.log(2.0)))
+        assert torch.equal(log_weight[mask], log_ratio.clamp_max(math.log(2.0))[mask])
+    # a pad's log-probs may hold anything (NaN): its weight is 1, and no NaN reaches a gradient
+    poisoned = torch.where(mask, log_ratio, torch.full_like(log_ratio, math.nan)).requires_grad_()
+    log_weight, _ = F.off_policy_log_weight(poisoned, mask, mode, cap=2.0)
+    assert torch.equal(log_weight[~mask], torch.zeros_like(log_weight[~mask]))
+    (log_weight.exp() * mask).sum().backward()
+    assert torch.isfinite(poisoned.grad).all()
 
 
 def test_off_policy_corrections_with_a_lower_bound():

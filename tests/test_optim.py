@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.optim import clip_grad_norm, parameter_groups, policy_lr_multiplier
 
 
@@ -68,6 +69,10 @@ def test_critic_warmup_ends_when_its_signal_stops_improving():
     fixed = CriticWarmup(3)  # a fixed count: known from the start
     assert fixed.warmup_iterations == 3 and [fixed.trains_critic_alone(i) for i in (2, 3)] == [True, False]
     assert not CriticWarmup(0).running and CriticWarmup(0).frozen_steps() == 0
+    # a fixed count has no schedule of its own to follow: frozen_steps would hold the policy
+    # forever, so it names the number make_optimizer needs instead
+    with pytest.raises(ConfigError, match=r"CriticWarmup\(3\) runs a fixed number of iterations"):
+        fixed.frozen_steps()
     copy = CriticWarmup(10, until="explained_variance")
     copy.load_state_dict(ev.state_dict())
     assert copy.state_dict() == ev.state_dict() and copy.frozen_steps() == 12
