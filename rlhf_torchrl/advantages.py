@@ -57,6 +57,14 @@ class ResponseGAE(TensorDictModuleBase):
     or, with ``lmbda_length_alpha``, each response its own ``1 - 1 / (alpha * length)``
     (:func:`~rlhf_torchrl.functional.length_adaptive_lmbda`, VAPO). With neither set, one GAE
     pass serves both, as in PPO.
+
+    Args:
+        gamma: the discount.
+        lmbda: the policy's GAE lambda.
+        whiten_advantages: whiten the advantages over the batch's valid tokens.
+        lmbda_critic: the value targets' lambda (None: ``lmbda``; VC-PPO: 1).
+        lmbda_length_alpha: VAPO's ``alpha``, a length-adaptive policy lambda per response (None:
+            ``lmbda``).
     """
 
     needs_critic = True
@@ -140,6 +148,10 @@ class GRPOAdvantage(_GroupBaseline):
     Bessel-corrected; a group of equal scores gets no score advantage. Reads
     ``("next", "reward")``, ``("next", "non_score_reward")``, ``("masks", "response")``,
     ``"group"``; writes ``"advantage"`` (B, R, 1).
+
+    Args:
+        scale_by_std: divide by the group's score std (False: Dr. GRPO).
+        eps: added to the std before dividing.
     """
 
     def __init__(self, *, scale_by_std: bool = True, eps: float = 1e-6):
@@ -176,7 +188,11 @@ class RLOOAdvantage(_GroupBaseline):
 class ReinforcePPAdvantage(_CriticFree):
     """REINFORCE++ (Hu 2025): returns-to-go of the shaped per-token rewards, whitened over all
     valid tokens of the batch (the batch is the baseline). Needs no groups. Reads
-    ``("next", "reward")``, ``("masks", "response")``; writes ``"advantage"``."""
+    ``("next", "reward")``, ``("masks", "response")``; writes ``"advantage"``.
+
+    Args:
+        gamma: the discount of the returns-to-go.
+    """
 
     def __init__(self, *, gamma: float = 1.0):
         super().__init__()
@@ -194,9 +210,19 @@ def make_advantage(estimator: str = "gae", *, gamma: float = 1.0, lmbda: float =
                    whiten_advantages: bool = True, scale_by_std: bool = True,
                    lmbda_critic: float | None = None,
                    lmbda_length_alpha: float | None = None) -> TensorDictModuleBase:
-    """The module of ``estimator`` (:data:`ESTIMATORS`). ``gamma``: GAE and REINFORCE++;
-    ``lmbda``, ``whiten_advantages``, ``lmbda_critic`` and ``lmbda_length_alpha``: GAE
-    (:class:`ResponseGAE`); ``scale_by_std``: GRPO."""
+    """The module of ``estimator`` (:data:`ESTIMATORS`); each setting reaches the estimators
+    that use it and is ignored by the others.
+
+    Args:
+        estimator: ``gae`` (:class:`ResponseGAE`, needs a critic), ``grpo``, ``rloo`` or
+            ``reinforce_pp``.
+        gamma: the discount (GAE and REINFORCE++).
+        lmbda: GAE's lambda.
+        whiten_advantages: whiten GAE's advantages over the batch's valid tokens.
+        scale_by_std: divide GRPO's advantages by the group's score std (False: Dr. GRPO).
+        lmbda_critic: GAE's lambda for the value targets (None: ``lmbda``).
+        lmbda_length_alpha: VAPO's length-adaptive policy lambda's ``alpha`` (None: ``lmbda``).
+    """
     if estimator == "gae":
         return ResponseGAE(gamma=gamma, lmbda=lmbda, whiten_advantages=whiten_advantages,
                            lmbda_critic=lmbda_critic, lmbda_length_alpha=lmbda_length_alpha)
@@ -219,7 +245,11 @@ def _kl_part(td: TensorDictBase) -> torch.Tensor:
 
 def needs_critic(advantage) -> bool:
     """Whether ``advantage`` reads values (``"state_value"``): a module's ``needs_critic``, else
-    whether ``"state_value"`` is one of its ``in_keys``."""
+    whether ``"state_value"`` is one of its ``in_keys``.
+
+    Args:
+        advantage (torch.nn.Module): an advantage module (:func:`make_advantage`'s or your own).
+    """
     flag = getattr(advantage, "needs_critic", None)
     return bool(flag) if flag is not None else K.VALUE in list(getattr(advantage, "in_keys", []))
 
@@ -227,7 +257,11 @@ def needs_critic(advantage) -> bool:
 def compares_groups(advantage) -> bool:
     """Whether ``advantage`` baselines each response against the responses to the same prompt
     (``"group"`` in its ``in_keys``: GRPO, RLOO, a group estimator of your own): where a group of
-    equal scores has no signal, and DAPO's filter (:func:`informative_groups`) means something."""
+    equal scores has no signal, and DAPO's filter (:func:`informative_groups`) means something.
+
+    Args:
+        advantage (torch.nn.Module): an advantage module (:func:`make_advantage`'s or your own).
+    """
     return K.GROUP in list(getattr(advantage, "in_keys", []))
 
 
@@ -242,6 +276,9 @@ def group_scores(td: TensorDictBase) -> torch.Tensor:
     else ``sum_t (r_it - N_it)`` from ``("next", "reward")`` and ``("next", "non_score_reward")``
     (a shaper of your own; float rounding may then tell equal scores apart); a rollout not shaped
     yet: its ``"score"``.
+
+    Args:
+        td: a scored rollout, shaped or not.
     """
     keys = td.keys(True)
     if K.SHAPED_SCORE in keys:
@@ -257,7 +294,11 @@ def informative_groups(td: TensorDictBase) -> torch.Tensor:
     """Bool (B,): rows whose group's scores (:func:`group_scores`, as the group baseline compares
     them: clipped, with the turn rewards) are not all equal. Under a group baseline a group of
     equal scores has a score advantage of 0 (no signal) and only dilutes the token-mean loss;
-    DAPO's dynamic sampling drops such groups (Yu et al. 2025)."""
+    DAPO's dynamic sampling drops such groups (Yu et al. 2025).
+
+    Args:
+        td: a scored rollout with ``"group"`` ids.
+    """
     score, groups = group_scores(td), td.get(K.GROUP)
     index, sizes = F.group_index(groups)
     high = torch.full((len(sizes),), -torch.inf, dtype=score.dtype, device=score.device)
@@ -272,7 +313,11 @@ def group_metrics(td: TensorDictBase) -> dict[str, float]:
     ``group/size`` (responses per prompt), ``group/score_std`` (the mean within-group standard
     deviation of the scores, as :func:`group_scores` reads them: the signal a group baseline
     works with), ``group/equal_score_frac`` (groups whose scores are all equal: no signal under a
-    group baseline)."""
+    group baseline).
+
+    Args:
+        td: a scored rollout with ``"group"`` ids.
+    """
     if K.GROUP not in td.keys():
         return {}
     groups, score = td.get(K.GROUP), group_scores(td).double()

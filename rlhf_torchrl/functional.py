@@ -17,7 +17,11 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def check_kl_estimator(estimator: str) -> str:
-    """Return ``estimator`` if it is one of :data:`KL_ESTIMATORS`, else raise naming the options."""
+    """Return ``estimator`` if it is one of :data:`KL_ESTIMATORS`, else raise naming the options.
+
+    Args:
+        estimator: the name to check (``k1``, ``k2`` or ``k3``).
+    """
     if estimator not in KL_ESTIMATORS:
         raise ConfigError(
             f"Unknown KL estimator {estimator!r}: choose one of {KL_ESTIMATORS} "
@@ -30,6 +34,11 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     """Mean of ``x`` over the positions where ``mask`` is true.
 
     ``sum(x * m) / sum(m)``; an all-false mask gives 0 rather than NaN.
+
+    Args:
+        x: the values.
+        mask: where ``x`` counts (bool or 0/1).
+        dim: the dim(s) to reduce; None: all.
 
     Shapes: ``x`` and ``mask`` broadcastable; reduces ``dim`` (all dims when None).
 
@@ -47,6 +56,11 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     """Variance of ``x`` over the masked positions (all dims).
 
     ``sum(m * (x - mean)^2) / (n - 1)`` with Bessel's correction when ``unbiased``, else ``/ n``.
+
+    Args:
+        x: the values.
+        mask: where ``x`` counts (bool or 0/1), broadcastable to ``x``.
+        unbiased: divide by ``n - 1`` (Bessel's correction) rather than ``n``.
 
     Example:
         >>> masked_var(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([1, 1, 0]))
@@ -73,6 +87,12 @@ def masked_whiten(
     how rewards are whitened without changing their sign (N+ details, §whitening). Positions outside
     the mask are returned as 0.
 
+    Args:
+        x: the values.
+        mask: where ``x`` counts (bool or 0/1), broadcastable to ``x``.
+        shift_mean: subtract the mean (False: only scale, keeping the mean).
+        eps: added to the variance before the square root.
+
     Example:
         >>> masked_whiten(torch.tensor([1.0, 3.0, 7.0]), torch.tensor([1, 1, 0]))
         tensor([-0.7071,  0.7071,  0.0000])
@@ -97,6 +117,11 @@ def kl_estimate(
     - ``k2 = (log r)^2 / 2``        (biased, low variance, >= 0)
     - ``k3 = (r - 1) - log r``      (unbiased, low variance, >= 0)
 
+    Args:
+        log_prob: ``log pi`` of the sampled tokens.
+        ref_log_prob: ``log pi_ref`` of the same tokens.
+        estimator: ``k1``, ``k2`` or ``k3``.
+
     Shapes: any; elementwise.
 
     Example:
@@ -116,13 +141,20 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """Index of the last valid position in each row of a right-padded ``(B, R)`` mask.
 
     Rows with no valid token give index 0.
+
+    Args:
+        mask: (B, R) right-padded valid-token mask.
     """
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
     return torch.where(mask.bool(), positions, torch.zeros_like(positions)).amax(-1)
 
 
 def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Bool (B, R): True only at the last valid position of each right-padded row (``done``)."""
+    """Bool (B, R): True only at the last valid position of each right-padded row (``done``).
+
+    Args:
+        mask: (B, R) right-padded valid-token mask.
+    """
     done = torch.zeros_like(mask, dtype=torch.bool)
     done[torch.arange(mask.shape[0], device=mask.device), last_token_index(mask)] = True
     return done & mask.bool()
@@ -135,6 +167,12 @@ def per_token_rewards(
 
     ``r[t] = -kl_coef * KL[t] * m[t] + score * [t == last valid token]``
     (Ziegler et al. 2019, §2.2; the score enters once, where the episode ends).
+
+    Args:
+        score: each response's scalar score.
+        kl: the per-token KL estimate (:func:`kl_estimate`).
+        mask: the valid response tokens (right-padded).
+        kl_coef: the KL penalty's coefficient.
 
     Shapes: ``score`` (B,), ``kl`` and ``mask`` (B, R). Returns ``(reward, non_score_reward)``,
     both (B, R), zero outside the mask.
@@ -164,6 +202,11 @@ def truncate_after_stop(
     The stop token itself is kept and counts as a response token (the policy chose it; the
     reward model reads the sequence up to it). N+ details, §"truncate at EOS".
 
+    Args:
+        tokens: the sampled response tokens.
+        stop_token_ids: the ids that end a response (EOS and any stop tokens).
+        pad_token_id: the id written after the stop token.
+
     Shapes: ``tokens`` (B, R) right-padded. Returns ``(tokens, mask, has_stop)`` with shapes
     (B, R), (B, R) bool and (B,) bool.
 
@@ -186,6 +229,9 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
     ``pos[t] = (sum_{s<=t} m[s]) - 1`` clamped at 0; pads get 0 (they are masked anyway). With
     these, a left-padded row gets the same logits as the unpadded sequence.
+
+    Args:
+        attention_mask: (B, T) left-padded attention mask.
     """
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
@@ -202,6 +248,11 @@ def log_probs_from_logits(
     forward (``exp(z - max z)``) and allocates one in the backward, the gradient. The update phase
     is dominated by such vocabulary-sized passes on small models (``rlhf-torchrl bench
     ppo_iteration``).
+
+    Args:
+        logits: the model's logits at the positions that predict ``tokens``.
+        tokens: the chosen token ids ``y_t``.
+        temperature: the sampling temperature ``T`` the logits are divided by.
 
     Shapes: ``logits`` (B, R, V) any float dtype, ``tokens`` (B, R). Returns (B, R) float32
     (float64 for float64 logits).
@@ -240,6 +291,10 @@ def entropy_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor | None = N
 
     ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``.
 
+    Args:
+        logits: the unnormalised log-probabilities ``z``.
+        logsumexp: ``logsumexp(z)`` over the last dim, if already computed (None: computed here).
+
     Shapes: (..., V) -> (...).
     """
     logits = logits.float()
@@ -254,18 +309,30 @@ def packing_order(mask: torch.Tensor) -> torch.Tensor:
     ``x.gather(1, order)`` packs each row's valid tokens to the left (a multi-turn response
     has observation tokens between the policy's turns); :func:`unpack` puts them back. For a
     right-padded mask the order is the identity.
+
+    Args:
+        mask: (B, R) valid-token mask, possibly with holes.
     """
     return torch.sort((~mask.bool()).to(torch.uint8), dim=1, stable=True).indices
 
 
 def has_holes(mask: torch.Tensor) -> bool:
-    """Whether a valid token follows an invalid one in some row (not a right-padded mask)."""
+    """Whether a valid token follows an invalid one in some row (not a right-padded mask).
+
+    Args:
+        mask: (B, R) valid-token mask.
+    """
     mask = mask.bool()
     return bool((mask[:, 1:] & ~mask[:, :-1]).any())
 
 
 def unpack(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``x_packed = x.gather(1, order)``."""
+    """The inverse of ``x_packed = x.gather(1, order)``.
+
+    Args:
+        x: (B, R) values in packed order.
+        order: (B, R) the order they were packed with (:func:`packing_order`).
+    """
     return torch.zeros_like(x).scatter_(1, order, x)
 
 
@@ -287,6 +354,13 @@ def gae(
     :func:`length_adaptive_lmbda`). The steps are the valid tokens in order: where the mask has
     holes (the observation tokens of a multi-turn episode), ``t + 1`` is the policy's next token,
     after the hole.
+
+    Args:
+        rewards: the per-token rewards ``r_t``.
+        values: the critic's values ``V_t``.
+        mask: the valid response tokens (right-padded, or with holes).
+        gamma: the discount.
+        lmbda: the GAE lambda, one for all rows or one per row.
 
     Shapes: ``rewards``, ``values``, ``mask``: (B, R); ``lmbda`` a float or (B,), one per row.
     Returns two (B, R) tensors.
@@ -327,6 +401,10 @@ def length_adaptive_lmbda(mask: torch.Tensor, alpha: float) -> torch.Tensor:
     response still reaches its first tokens, while a short one leans on the critic. With alpha =
     0.05 every response of 20 tokens or fewer gets 0 (one-step TD).
 
+    Args:
+        mask: the valid response tokens; ``l_i`` is each row's count.
+        alpha: VAPO's ``alpha``, in 1/tokens.
+
     Shapes: ``mask`` (B, R). Returns (B,) float32.
 
     Example:
@@ -345,6 +423,11 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     ``1 - Var(R - V) / Var(R)`` (population variances over the masked positions; CleanRL's
     ``explained_var``, VC-PPO's measure of a pretrained critic): 1 is a perfect critic, 0 one
     that predicts the mean, negative one worse than that. Targets without variance give 0.
+
+    Args:
+        values: the critic's values ``V``.
+        returns: the value targets ``R``.
+        mask: the valid response tokens.
 
     Shapes: ``values``, ``returns``, ``mask`` (B, R). Returns a scalar.
 
@@ -366,6 +449,11 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0)
     ``G_t = sum_{s >= t} gamma^(s - t) r_s`` over the valid tokens of the row (the episode ends
     at its last valid token); ``G_0`` is the row's whole return. A thin layer over TorchRL's
     ``reward2go``.
+
+    Args:
+        rewards: the per-token rewards ``r_t``.
+        mask: the valid response tokens.
+        gamma: the discount.
 
     Shapes: ``rewards``, ``mask`` (B, R). Returns (B, R), zero outside the mask. Holes in the
     mask (a multi-turn episode's observation tokens) are skipped: the sum runs over the valid
@@ -390,13 +478,22 @@ def returns_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0)
 def group_index(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(index, sizes)``: each row's group as ``0..G-1`` (in order of first appearance in
     sorted group ids) and the number of rows of each group. ``groups`` (B,) holds any integer
-    ids; rows sharing an id answer the same prompt."""
+    ids; rows sharing an id answer the same prompt.
+
+    Args:
+        groups: (B,) integer group ids.
+    """
     _, index, sizes = torch.unique(groups, return_inverse=True, return_counts=True)
     return index, sizes
 
 
 def group_mean(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` (B,) over each row's group, per row (B,)."""
+    """Mean of ``values`` (B,) over each row's group, per row (B,).
+
+    Args:
+        values: (B,) one value per row.
+        groups: (B,) integer group ids; rows sharing an id answer the same prompt.
+    """
     index, sizes = group_index(groups)
     sums = torch.zeros(len(sizes), dtype=values.dtype, device=values.device).index_add_(0, index, values)
     return (sums / sizes.to(values.dtype))[index]
@@ -404,7 +501,12 @@ def group_mean(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
 
 def group_std(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """Standard deviation of ``values`` (B,) over each row's group (Bessel-corrected, as GRPO
-    uses it), per row (B,). Groups of one row have none: ``ValueError``."""
+    uses it), per row (B,). Groups of one row have none: ``ValueError``.
+
+    Args:
+        values: (B,) one value per row.
+        groups: (B,) integer group ids; rows sharing an id answer the same prompt.
+    """
     index, sizes = group_index(groups)
     if bool((sizes < 2).any()):
         raise ValueError("A group standard deviation needs at least 2 rows per group; some group "
@@ -416,7 +518,12 @@ def group_std(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
 
 def leave_one_out_mean(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """For each row, the mean of ``values`` (B,) over the *other* rows of its group (RLOO's
-    baseline): ``(sum_group - v_i) / (n - 1)``. Groups of one row have none: ``ValueError``."""
+    baseline): ``(sum_group - v_i) / (n - 1)``. Groups of one row have none: ``ValueError``.
+
+    Args:
+        values: (B,) one value per row.
+        groups: (B,) integer group ids; rows sharing an id answer the same prompt.
+    """
     index, sizes = group_index(groups)
     if bool((sizes < 2).any()):
         raise ValueError("A leave-one-out baseline needs at least 2 rows per group; some group "
@@ -434,7 +541,12 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
 
 def check_loss_aggregation(mode: str, constant: float | None = None) -> str:
     """Return ``mode`` if it is one of :data:`LOSS_AGGREGATIONS` (with the constant
-    ``seq_mean_token_sum_norm`` needs), else raise naming the options."""
+    ``seq_mean_token_sum_norm`` needs), else raise naming the options.
+
+    Args:
+        mode: the name to check.
+        constant: ``seq_mean_token_sum_norm``'s ``C``, which must then be a positive number.
+    """
     if mode not in LOSS_AGGREGATIONS:
         raise ConfigError(
             f"Unknown loss aggregation {mode!r}: choose one of {LOSS_AGGREGATIONS} (token_mean: mean "
@@ -460,6 +572,11 @@ def aggregation_size(mask: torch.Tensor, mode: str = "token_mean",
 
     The loss of a batch split into parts ``j`` is ``sum_j (size_j / size) * loss_j``: a part's
     weight is its share of the whole batch's size, computed before the parts run (``ppo_update``).
+
+    Args:
+        mask: the valid response tokens.
+        mode: one of :data:`LOSS_AGGREGATIONS`.
+        constant: ``C`` of ``seq_mean_token_sum_norm``; unused by the other modes.
 
     Shapes: ``mask`` (B, R). Returns a float64 scalar.
 
@@ -493,6 +610,13 @@ def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_me
 
     Masked positions are selected away (``where``), so a non-finite value there cannot leak.
 
+    Args:
+        loss: the per-token loss ``l_it``.
+        mask: the valid response tokens ``m_it``.
+        mode: one of :data:`LOSS_AGGREGATIONS`, as above.
+        constant: ``C`` of ``seq_mean_token_sum_norm`` (the response budget, in tokens); unused by
+            the other modes.
+
     Shapes: ``loss`` and ``mask`` (B, R). Returns a scalar in ``loss``'s dtype.
 
     Example:
@@ -524,6 +648,12 @@ def dual_clip(pg_loss: torch.Tensor, advantage: torch.Tensor, c: float,
     sampler did stops pushing the gradient. With an importance ``weight`` ``w`` on the surrogate
     (truncated importance sampling: ``pg_loss = w max(...)``), the cap is ``-A c w``.
 
+    Args:
+        pg_loss: the clipped surrogate's per-token loss ``max(-A r, -A clip(r))``.
+        advantage: the advantage ``A``.
+        c: the cap, ``c > 1``.
+        weight: the importance weight ``w`` the surrogate was multiplied by (None: 1).
+
     Shapes: all broadcastable, elementwise.
 
     Example:
@@ -547,6 +677,13 @@ def clip_binds(ratio: torch.Tensor, advantage: torch.Tensor, clip_epsilon_low: f
     ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``. The upper bound binds where ``A > 0``
     and ``r > 1 + eps_high``, the lower where ``A < 0`` and ``r < 1 - eps_low`` (the two add up to
     TRL's ``pg_clipfrac``); dual clip (:func:`dual_clip`) where ``A < 0`` and ``r > c``.
+
+    Args:
+        ratio: the importance ratio ``r``.
+        advantage: the advantage ``A``.
+        clip_epsilon_low: ``eps_low``.
+        clip_epsilon_high: ``eps_high``.
+        dual_clip: the dual-clip cap ``c`` (None: no dual clip, ``dual`` all False).
 
     Shapes: ``ratio``, ``advantage`` broadcastable. Returns three bool tensors.
 
@@ -572,6 +709,11 @@ def positive_nll(log_prob: torch.Tensor, mask: torch.Tensor, positive: torch.Ten
     NeMo-RL ``positive_example_nll_weight``). 0 when no response is positive. The reference
     formula for a whole batch; :func:`positive_nll_weights` keeps it exact over a split batch.
 
+    Args:
+        log_prob: the policy's log-probs of the response tokens.
+        mask: the valid response tokens.
+        positive: which responses are in ``T`` (scored at or above the threshold).
+
     Shapes: ``log_prob``, ``mask`` (B, R); ``positive`` (B,) bool. Returns a scalar.
 
     Example:
@@ -596,6 +738,12 @@ def positive_nll_weights(positive: torch.Tensor, mask: torch.Tensor, mode: str =
     :func:`positive_nll`, normalised once by all its positive tokens (NeMo-RL normalised per
     micro-batch: the loss grew with the number of micro-batches).
 
+    Args:
+        positive: which responses are in ``T``.
+        mask: the valid response tokens of the whole batch.
+        mode: the loss's aggregation, one of :data:`LOSS_AGGREGATIONS`.
+        constant: ``C`` of ``seq_mean_token_sum_norm``; unused by the other modes.
+
     Shapes: ``positive`` (B,) bool, ``mask`` (B, R). Returns (B,) float64.
 
     Example:
@@ -616,7 +764,13 @@ OFF_POLICY_CORRECTIONS = ("tis", "mis", "icepop", "seq_mask_tis")
 
 def check_off_policy_correction(mode: str, cap: float | None, low: float | None = None) -> str:
     """Return ``mode`` if it is one of :data:`OFF_POLICY_CORRECTIONS` and its bounds make a window,
-    else raise naming the options or the bound to fix."""
+    else raise naming the options or the bound to fix.
+
+    Args:
+        mode: the name to check.
+        cap: the upper bound ``C`` on the importance weight.
+        low: the lower bound ``c`` (None: the mode's default, see :func:`off_policy_log_weight`).
+    """
     if mode not in OFF_POLICY_CORRECTIONS:
         raise ConfigError(
             f"Unknown off-policy correction {mode!r}: choose one of {OFF_POLICY_CORRECTIONS} (tis: "
@@ -664,6 +818,13 @@ def off_policy_log_weight(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str
     denominator (IcePop's ``1 / |o_i|``, OpenRLHF's and NeMo-RL's weight 0; verl and slime's
     ``mis.py`` take it out of the loss mask instead), so :func:`aggregate_loss` and its exactness
     over micro-batches hold as they are. ``tis`` is ``delta.clamp_max(log C)``, bit for bit.
+
+    Args:
+        log_ratio: ``delta_t``, the old policy's log-probs minus the sampler's.
+        mask: the valid response tokens.
+        mode: one of :data:`OFF_POLICY_CORRECTIONS`, as above.
+        cap: ``C``, the upper bound on the weight.
+        low: ``c``, the lower bound (None: none for ``tis`` and ``mis``, ``1 / C`` for the others).
 
     Shapes: ``log_ratio``, ``mask`` (B, R). Returns the log weights (B, R) and the kept tokens
     (B, R) bool (padding counts as kept).

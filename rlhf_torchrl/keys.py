@@ -112,7 +112,11 @@ TOKEN_POSITION = "token_position"
 
 
 def written_by(key) -> str:
-    """The pipeline step that writes ``key`` into a rollout (for errors about a missing key)."""
+    """The pipeline step that writes ``key`` into a rollout (for errors about a missing key).
+
+    Args:
+        key (str | tuple[str, ...]): a rollout entry, e.g. ``("log_probs", "response")``.
+    """
     collector = "the collector (RolloutCollector, to_rollout)"
     text = "the collector (RolloutCollector, to_rollout with a tokenizer)"
     shaper = "the reward shaper (KLRewardShaper, after the Scorer)"
@@ -135,7 +139,13 @@ def written_by(key) -> str:
 
 def require(td, *keys, what: str) -> None:
     """Raise a one-line :class:`~rlhf_torchrl.errors.ConfigError` for the first of ``keys`` that
-    ``td`` lacks, naming the key, ``what`` reads it and the step that writes it."""
+    ``td`` lacks, naming the key, ``what`` reads it and the step that writes it.
+
+    Args:
+        td (tensordict.TensorDictBase): the rollout (or minibatch) to check.
+        *keys: the entries ``what`` reads.
+        what: the reader, named in the error (e.g. ``"ResponseGAE"``).
+    """
     present = td.keys(True, True)
     for key in keys:
         if key not in present:

@@ -33,7 +33,11 @@ def _is_ppo_loss(loss_module) -> bool:
 
 
 def setup_lines(keys: dict | None = None) -> str:
-    """The set-up a PPO loss needs for the rollout, as code (for the errors and the log)."""
+    """The set-up a PPO loss needs for the rollout, as code (for the errors and the log).
+
+    Args:
+        keys: loss key name to rollout entry (None: :data:`LOSS_KEYS`).
+    """
     keys = LOSS_KEYS if keys is None else keys
     pairs = ", ".join(f"{name}={key!r}" for name, key in keys.items())
     return f"loss.set_keys({pairs}); loss.loss_mask_key = {K.RESPONSE_MASK!r}"
@@ -48,6 +52,10 @@ def use_rollout_keys(loss_module, *, where: str = "ppo_update"):
     or mask pointed at another entry is refused with one :class:`ConfigError` line naming it and
     the set-up to use. :func:`~rlhf_torchrl.objectives.make_ppo_loss`'s loss is set up already,
     and a loss that is not a TorchRL PPO loss is left alone. Returns ``loss_module``.
+
+    Args:
+        loss_module (torch.nn.Module): the loss to set up, in place.
+        where: who sets it up, named in the warning.
 
     Example:
         >>> loss = use_rollout_keys(ClipPPOLoss(actor, critic, functional=False))
@@ -85,7 +93,11 @@ def loss_input_keys(loss_module) -> list:
     """The rollout entries a PPO loss reads: the actor's prompt and response, the old log-probs,
     the advantages; with a critic the value targets (and the old values with ``clip_value``);
     :class:`~rlhf_torchrl.objectives.TokenPPOLoss`'s KL term the reference log-probs, its
-    positive-example term the scores."""
+    positive-example term the scores.
+
+    Args:
+        loss_module (torch.nn.Module): a TorchRL PPO loss, set up for the rollout.
+    """
     if not _is_ppo_loss(loss_module):
         return [K.PROMPT_TOKENS, K.PROMPT_MASK, K.RESPONSE_TOKENS, K.RESPONSE_MASK]
     keys = loss_module.tensor_keys
@@ -111,6 +123,14 @@ def check_replay_buffer(replay_buffer, *, rows: int | None = None, sizes: list[i
     must be each of them; without one the sizes follow ``num_mini_batches``, as a batch that the
     group filter shrinks needs: with ``filtered`` it must have none). One :class:`ConfigError`
     line naming ``arg``.
+
+    Args:
+        replay_buffer (torchrl.data.ReplayBuffer): the buffer the caller passed.
+        rows: the rollout's rows (None: not checked).
+        sizes: the minibatch sizes ``num_mini_batches`` gives (None: not checked).
+        filtered: the rollout may shrink (DAPO's group filter), so the buffer must have no batch
+            size.
+        arg: the caller's name for the buffer, used in the error.
     """
     from torchrl.data import SamplerWithoutReplacement
 

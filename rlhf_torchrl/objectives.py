@@ -49,6 +49,20 @@ class TokenPPOLoss(ClipPPOLoss):
       token's surrogate (:func:`~rlhf_torchrl.functional.off_policy_log_weight`: ``tis``, ``mis``,
       ``icepop``, ``seq_mask_tis``), passed to ``ClipPPOLoss`` as its ``log_is_weight``.
 
+    Args:
+        *args: ``ClipPPOLoss``'s positional arguments (the actor, the critic).
+        tis_cap: the upper bound on the off-policy weight (None: no correction).
+        kl_loss_coef: the weight of the KL term in the loss (0: off).
+        dual_clip: the dual-clip cap ``c > 1`` (None: off).
+        loss_aggregation: one of :data:`~rlhf_torchrl.functional.LOSS_AGGREGATIONS`.
+        loss_aggregation_constant: ``seq_mean_token_sum_norm``'s ``C``, in tokens.
+        positive_nll_coef: VAPO's positive-example LM loss weight (0: off).
+        positive_nll_threshold: the ``"score"`` at or above which a response is positive.
+        off_policy_correction: ``tis``, ``mis``, ``icepop`` or ``seq_mask_tis``.
+        off_policy_low: the off-policy weight's lower bound (None: the correction's default).
+        **kwargs: ``ClipPPOLoss``'s keyword arguments, except ``reduction`` (always ``"none"``
+            here).
+
     Its diagnostics are
     not TRL's quantities (``kl_approx`` is ``mean(old - new)`` and can be negative; its clip
     fractions count ratios and values outside the clip range whether or not the clip binds;
@@ -106,7 +120,11 @@ class TokenPPOLoss(ClipPPOLoss):
         splits it into micro-batches and processes: with ``positive_nll_coef``, each response's
         weight in that term (:func:`~rlhf_torchrl.functional.positive_nll_weights`, written as
         ``"positive_nll_weight"``), so that the term is normalised once, by the positive tokens of
-        the whole minibatch. Returns ``td``."""
+        the whole minibatch. Returns ``td``.
+
+        Args:
+            td (tensordict.TensorDictBase): the whole minibatch, written in place.
+        """
         if self.positive_nll_coef:
             td.set(K.POSITIVE_NLL_WEIGHT, self._positive_weights(td))
         return td
@@ -261,35 +279,46 @@ def make_ppo_loss(
     the loss, as GRPO has it, rather than, or beside, the per-token reward's; reads
     ``("ref_log_probs", "response")``). ``mean_t`` is over valid response tokens
     (``loss_mask_key = ("masks", "response")``) as ``loss_aggregation`` says.
+    :func:`ppo_update` keeps that average exact over a whole minibatch, however it is split into
+    micro-batches and processes.
 
-    ``clip_epsilon_low`` / ``clip_epsilon_high`` (None: ``clip_epsilon``): DAPO's clip-higher,
-    ``eps_high > eps_low`` (DAPO uses 0.2 / 0.28), passed to ``ClipPPOLoss`` as its asymmetric
-    ``clip_epsilon=(low, high)``. ``dual_clip``: ``c > 1``, the per-token policy loss on ``A < 0``
-    is capped at ``-A c`` (:func:`~rlhf_torchrl.functional.dual_clip`; None: off).
-
-    ``loss_aggregation``: how every ``loss_*`` term (policy, value, entropy, KL) averages its
-    per-token values (:func:`~rlhf_torchrl.functional.aggregate_loss`): ``token_mean`` (over
-    all valid tokens), ``seq_mean_token_mean``, ``seq_mean_token_sum``, or
-    ``seq_mean_token_sum_norm`` (Dr. GRPO: token sums over ``loss_aggregation_constant`` ``C``, the
-    generation budget, then the mean over responses). :func:`ppo_update` keeps that average exact
-    over a whole minibatch, however it is split into micro-batches and processes.
-
-    ``positive_nll_coef`` (0: off): VAPO's positive-example LM loss, ``loss_positive_nll = coef *
-    mean_{t in T} -log pi(y_t)`` over the tokens of the responses whose ``"score"`` is at least
-    ``positive_nll_threshold`` (VAPO: mu = 0.1 on the correct answers, score >= 1 for a verifier
-    that gives 1; :func:`~rlhf_torchrl.functional.positive_nll`), normalised once per minibatch.
-
-    ``critic=None``: a critic-free loss (GRPO, RLOO, REINFORCE++ advantages): no value term, and
-    ``clip_value``/``vf_coef`` are ignored.
-
-    ``tis_cap``: truncated importance sampling (verl's and OpenRLHF's TIS) where the old log-probs
-    were recomputed by the trainer and the sampler's are kept as ``("log_probs", "behaviour")``:
-    each token's surrogate is weighted by ``min(pi_old / pi_behaviour, tis_cap)`` (no gradient),
-    correcting for tokens sampled by a stale policy (asynchronous collection) or other kernels.
-    ``off_policy_correction`` (``tis``, ``mis``, ``icepop`` or ``seq_mask_tis``) picks how the
-    ratio ``pi_old / pi_behaviour`` becomes that weight, ``tis_cap`` its upper bound and
-    ``off_policy_low`` its lower (:func:`~rlhf_torchrl.functional.off_policy_log_weight`, each
-    with its formula and source).
+    Args:
+        actor (torch.nn.Module): the policy's token-level log-probs
+            (:class:`~rlhf_torchrl.modules.TokenLevelActor`).
+        critic (torch.nn.Module | None): a :class:`~rlhf_torchrl.modules.TokenCritic`; None: a
+            critic-free loss (GRPO, RLOO, REINFORCE++ advantages), no value term, and
+            ``clip_value``/``vf_coef`` are ignored.
+        clip_epsilon: the ratio's clip range ``eps`` (both sides, unless the next two are given).
+        clip_value: the value clip ``c`` around the old values (None: no value clip).
+        vf_coef: the value loss's weight.
+        entropy_coef: the entropy bonus's weight (0: off).
+        tis_cap: the upper bound on the off-policy weight ``pi_old / pi_behaviour`` (None: no
+            correction). Used where the old log-probs were recomputed by the trainer and the
+            sampler's are kept as ``("log_probs", "behaviour")``: tokens sampled by a stale policy
+            (asynchronous collection) or other kernels (verl's and OpenRLHF's TIS).
+        kl_loss_coef: the weight of the KL term in the loss (0: off).
+        clip_epsilon_low: DAPO's clip-higher lower bound (None: ``clip_epsilon``), passed to
+            ``ClipPPOLoss`` as its asymmetric ``clip_epsilon=(low, high)``.
+        clip_epsilon_high: the upper bound (None: ``clip_epsilon``; DAPO uses 0.2 / 0.28).
+        dual_clip: ``c > 1``: the per-token policy loss on ``A < 0`` is capped at ``-A c``
+            (:func:`~rlhf_torchrl.functional.dual_clip`; None: off).
+        loss_aggregation: how every ``loss_*`` term (policy, value, entropy, KL) averages its
+            per-token values (:func:`~rlhf_torchrl.functional.aggregate_loss`): ``token_mean``
+            (over all valid tokens), ``seq_mean_token_mean``, ``seq_mean_token_sum``, or
+            ``seq_mean_token_sum_norm`` (Dr. GRPO).
+        loss_aggregation_constant: ``seq_mean_token_sum_norm``'s ``C``, the generation budget in
+            tokens that each response's token sum is divided by.
+        positive_nll_coef: VAPO's positive-example LM loss weight (0: off):
+            ``loss_positive_nll = coef * mean_{t in T} -log pi(y_t)`` over the tokens of the
+            positive responses (:func:`~rlhf_torchrl.functional.positive_nll`), normalised once
+            per minibatch.
+        positive_nll_threshold: the ``"score"`` at or above which a response is positive (VAPO:
+            mu = 0.1 on the correct answers, score >= 1 for a verifier that gives 1).
+        off_policy_correction: how the ratio ``pi_old / pi_behaviour`` becomes the weight:
+            ``tis``, ``mis``, ``icepop`` or ``seq_mask_tis``
+            (:func:`~rlhf_torchrl.functional.off_policy_log_weight`, each with its formula).
+        off_policy_low: the weight's lower bound (None: none for ``tis`` and ``mis``,
+            ``1 / tis_cap`` for ``icepop`` and ``seq_mask_tis``).
     """
     if tis_cap is not None and tis_cap <= 0:
         raise ConfigError(f"tis_cap must be > 0 (or None), got {tis_cap}.")

@@ -26,6 +26,13 @@ def parameter_groups(policy: nn.Module, critic: nn.Module | None, *, lr: float,
 
     Shared parameters are counted once (a shared-trunk critic adds only its head); frozen ones
     (a LoRA base model) are left out. ``critic=None`` (critic-free): the policy's group alone.
+
+    Args:
+        policy: the policy model.
+        critic: the critic (a :class:`~rlhf_torchrl.modules.TokenCritic`), or None.
+        lr: the policy's learning rate.
+        critic_lr: the critic trunk's learning rate (None: ``lr``).
+        value_head_lr: the value head's learning rate (None: ``critic_lr``, else ``lr``).
     """
     policy_params = [p for p in policy.parameters() if p.requires_grad]
     if critic is None:
@@ -49,6 +56,13 @@ def policy_lr_multiplier(step: int, *, total_steps: int, schedule: str = "linear
     ``warmup_steps`` (Adam's first steps move every weight by about ``lr``, whatever its
     gradient) times the schedule (``linear``: from 1 after the warm-up to 0 at ``total_steps``;
     ``constant``: 1).
+
+    Args:
+        step: the optimiser step, 0 first.
+        total_steps: the run's optimiser steps.
+        schedule: ``linear`` or ``constant``.
+        warmup_steps: the linear warm-up's steps, after the frozen ones.
+        frozen_steps: steps at 0 (the critic warm-up).
     """
     if step < frozen_steps:
         return 0.0
@@ -59,7 +73,14 @@ def policy_lr_multiplier(step: int, *, total_steps: int, schedule: str = "linear
 
 def schedule_multiplier(step: int, *, total_steps: int, schedule: str = "linear",
                         start: int = 0) -> float:
-    """``linear``: 1 at step ``start``, falling to 0 at ``total_steps``; ``constant``: 1."""
+    """``linear``: 1 at step ``start``, falling to 0 at ``total_steps``; ``constant``: 1.
+
+    Args:
+        step: the optimiser step, 0 first.
+        total_steps: the step at which ``linear`` reaches 0.
+        schedule: ``linear`` or ``constant``.
+        start: the step at which ``linear`` starts at 1.
+    """
     if schedule not in SCHEDULES:
         raise ConfigError(f"schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}.")
     return 1.0 - (step - start) / (total_steps - start) if schedule == "linear" else 1.0
@@ -72,11 +93,22 @@ def make_optimizer(policy: nn.Module, critic: nn.Module | None, *, lr: float, to
                    critic_warmup_steps: int | Callable[[], float] = 0):
     """AdamW over :func:`parameter_groups` and its ``LambdaLR`` schedule; returns both.
 
-    ``critic_warmup_steps``: the first optimiser steps train the critic alone
-    (:func:`policy_lr_multiplier`), or a callable read at every step that gives their number (a
-    warm-up that ends on its own: :attr:`CriticWarmup.frozen_steps`, infinite while it runs); the
-    critic's groups follow ``schedule`` from step 0. ``critic=None``: the policy alone
-    (critic-free estimators).
+    Args:
+        policy: the policy model.
+        critic: the critic (a :class:`~rlhf_torchrl.modules.TokenCritic`); None: the policy alone
+            (critic-free estimators).
+        lr: the policy's peak learning rate.
+        total_steps: the run's optimiser steps (``linear`` reaches 0 there).
+        critic_lr: the critic trunk's learning rate (None: ``lr``).
+        value_head_lr: the value head's learning rate (None: ``critic_lr``, else ``lr``).
+        weight_decay: AdamW's decoupled weight decay.
+        eps: AdamW's ``eps``.
+        schedule: ``linear`` (decay to 0 at ``total_steps``) or ``constant``.
+        warmup_steps: the policy's linear warm-up from 0, in optimiser steps.
+        critic_warmup_steps: the first optimiser steps train the critic alone
+            (:func:`policy_lr_multiplier`), or a callable read at every step that gives their
+            number (a warm-up that ends on its own: :attr:`CriticWarmup.frozen_steps`, infinite
+            while it runs); the critic's groups follow ``schedule`` from step 0.
     """
     if critic is None and critic_warmup_steps:
         raise ConfigError("A critic warm-up needs a critic: critic_warmup_steps=0 with critic=None "
@@ -101,7 +133,12 @@ def adamw(params, **kwargs) -> torch.optim.AdamW:
     """``torch.optim.AdamW`` with the fastest kernel torch has for the parameters' device: fused
     (one kernel per step for all parameters: CPU, CUDA, XPU, MPS ...), else ``foreach`` (a few
     kernels over lists of tensors), else the loop over tensors. They give the same update to
-    float rounding (tests/test_optim.py)."""
+    float rounding (tests/test_optim.py).
+
+    Args:
+        params (Iterable): the parameters or parameter groups, as ``torch.optim.AdamW`` takes them.
+        **kwargs: ``torch.optim.AdamW``'s other arguments (``lr``, ``eps``, ...).
+    """
     try:
         from torch.utils._foreach_utils import (
             _get_foreach_kernels_supported_devices,
@@ -126,6 +163,10 @@ def clip_grad_norm(optimizer: torch.optim.Optimizer, max_norm: float | None) -> 
     gradients that move nothing must not throttle those that do (the value head). They are
     clipped by their own norm, since AdamW still gathers them into its moments; a non-finite norm
     there is returned instead, so that the caller's guard sees it before any step.
+
+    Args:
+        optimizer: the optimiser whose groups' parameters are clipped.
+        max_norm: the global norm to clip to (None: no clipping).
     """
     limit = max_norm if max_norm else float("inf")
     moving, still = [], []
@@ -170,6 +211,13 @@ class CriticWarmup:
     The warm-up ends after ``patience`` iterations in a row without an improvement on the best,
     or after ``max_iterations``.
 
+    Args:
+        max_iterations: the warm-up's iterations (its most, with ``until``).
+        until: None (all of them), or a signal of :data:`WARMUP_SIGNALS`, as above.
+        patience: iterations in a row without an improvement that end the warm-up.
+        min_delta: the least change that counts as an improvement (absolute for
+            ``explained_variance``, relative to the best for ``value_loss``).
+
     Example:
         >>> warmup = CriticWarmup(10, until="explained_variance", patience=2)
         >>> optimizer, scheduler = make_optimizer(policy, critic, lr=1e-5, total_steps=400,
@@ -207,7 +255,11 @@ class CriticWarmup:
         return None if self.running else self.iterations
 
     def trains_critic_alone(self, iteration: int) -> bool:
-        """Whether iteration ``iteration`` (0 first) is a warm-up iteration."""
+        """Whether iteration ``iteration`` (0 first) is a warm-up iteration.
+
+        Args:
+            iteration: the iteration, 0 first.
+        """
         done = self.warmup_iterations
         return iteration < done if done is not None else True
 
@@ -224,7 +276,12 @@ class CriticWarmup:
 
     def observe(self, metrics: Mapping[str, float], steps_done: int) -> bool:
         """Count one warm-up iteration from its ``metrics`` (``steps_done``: optimiser steps taken
-        so far); returns True when the warm-up ends with it."""
+        so far); returns True when the warm-up ends with it.
+
+        Args:
+            metrics: the warm-up iteration's metrics (:data:`WARMUP_SIGNALS`' entries).
+            steps_done: optimiser steps taken so far.
+        """
         if not self.running:
             return False
         self.iterations += 1
@@ -259,6 +316,10 @@ class CriticWarmup:
 
 def refresh_lr(scheduler) -> None:
     """Set each group's learning rate for the next step again from ``scheduler``'s schedule (a
-    ``LambdaLR``), after something it reads has changed (a warm-up that ended)."""
+    ``LambdaLR``), after something it reads has changed (a warm-up that ended).
+
+    Args:
+        scheduler (torch.optim.lr_scheduler.LambdaLR): :func:`make_optimizer`'s scheduler.
+    """
     scheduler.last_epoch -= 1
     scheduler.step()  # the same step again: lr = base_lr * lambda(step)

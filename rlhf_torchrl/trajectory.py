@@ -40,6 +40,9 @@ def token_view(rollout: TensorDictBase) -> TensorDict:
     ``"token_position"`` (the response position of each step). Per-response (B,) and text entries
     are left out; the prompt is not a time step.
 
+    Args:
+        rollout: a rollout (:func:`~rlhf_torchrl.collectors.to_rollout`'s layout), scored or not.
+
     Steps: step ``t`` of row ``i`` is its ``t``-th policy token (``("masks", "response")``), then
     its pads (mask False). A single-response rollout is right-padded: its steps are its positions,
     and the view shares the rollout's tensors. A multi-turn rollout has the environment's tokens
@@ -85,6 +88,11 @@ def merge_token_view(rollout: TensorDictBase, view: TensorDictBase, keys=None) -
     ``"value_target"`` after a TorchRL estimator) become (B, R, ...) entries of ``rollout``, 0 on
     the positions that are not the policy's tokens (pads, the environment's tokens), as the
     library's estimators write them. Returns ``rollout``.
+
+    Args:
+        rollout: the rollout the view was made from; written in place.
+        view: the :func:`token_view` of ``rollout``, with the entries to bring back.
+        keys (list | None): the view's entries to write back (None: those the rollout lacks).
     """
     if K.TOKEN_POSITION not in view.keys():
         raise ConfigError(f"merge_token_view needs a view made by token_view: {K.TOKEN_POSITION!r} "
@@ -122,6 +130,10 @@ class LogProbReader(TensorDictModuleBase):
     ``VTrace``'s ``sample_log_prob`` key. With a trainer that recomputes the old log-probs and
     keeps the sampler's (``keep_sampler_log_probs``): ``key=("log_probs", "response")`` (the
     trained policy's) and ``sample_log_prob=("log_probs", "behaviour")`` (the sampler's).
+
+    Args:
+        key (tuple[str, str]): the view's entry read as ``log_pi`` (default: the policy's
+            ``("log_probs", "response")``).
 
     Example:
         >>> vtrace = VTrace(gamma=1.0, value_network=None, actor_network=LogProbReader())

@@ -24,12 +24,16 @@ def make_minibatch_buffer(batch_size: int, mini_batch_size: int | None = None,
                           seed: int | None = None):
     """TorchRL replay buffer that serves one rollout as shuffled minibatches, without replacement.
 
-    ``mini_batch_size``: that of every minibatch :func:`ppo_update` draws (None: as its
-    ``num_mini_batches`` gives, which a batch the group filter shrinks needs).
     ``LazyStackStorage`` because the padded widths change from one rollout to the next
     (``LazyTensorStorage`` fails then); :func:`ppo_update` empties and refills it every iteration.
     With ``seed`` the shuffle has its own generator: every data-parallel process draws the same
     minibatches, whatever else consumes torch's global random numbers.
+
+    Args:
+        batch_size: the rollout's rows (the storage's size).
+        mini_batch_size: that of every minibatch :func:`ppo_update` draws (None: as its
+            ``num_mini_batches`` gives, which a batch the group filter shrinks needs).
+        seed: the shuffle's own generator's seed (None: torch's global generator).
     """
     from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
 
@@ -50,6 +54,9 @@ def trim_padding(td: TensorDictBase) -> TensorDictBase:
     Every entry whose second dimension is the response width is cut with the response. Left
     padding only shifts nothing (position ids count from the first real token) and right padding
     is never attended to, so a trimmed batch gives the same log-probs and values on its tokens.
+
+    Args:
+        td: a rollout or a slice of one.
     """
     from .modules.actor_critic import response_attention
 
@@ -82,6 +89,13 @@ def token_budget_split(mask_prompt: torch.Tensor, mask_response: torch.Tensor, m
     costliest micro-batches are halved until there are ``min_parts`` (data-parallel processes must
     run the same number of micro-batches); where no micro-batch can be halved, empty ones (no rows)
     are added. Returns one index tensor per micro-batch, longest rows first.
+
+    Args:
+        mask_prompt: (B, P) the prompts' attention mask (left-padded).
+        mask_response: (B, R) the valid response tokens.
+        max_tokens: the token budget of a micro-batch.
+        min_parts: the fewest micro-batches to return.
+        packed: count real tokens (packed rows) instead of padded ones.
     """
     p_len, r_len = mask_prompt.sum(-1), mask_response.sum(-1)
     order = torch.argsort(p_len + r_len, descending=True, stable=True).tolist()
@@ -167,8 +181,18 @@ def micro_batches(
     tokens; the ``seq_mean_*`` modes: the share of the responses). verl's bug #6957 and NeMo-RL's
     #3791 normalised per micro-batch instead, which changes the objective with the split.
 
-    ``max_parts`` (``DataParallel.max_int``): the most micro-batches any process has; every
-    process runs as many (one with no rows runs a stand-in row with weight 0).
+    Args:
+        minibatch: the whole minibatch (every process's rows).
+        rank: this process's rank.
+        world_size: the number of processes.
+        gradient_accumulation_steps: equal row slices of this process's rows.
+        micro_batch_tokens: instead, micro-batches of at most this many tokens (None: off).
+        loss_aggregation: the loss's aggregation (:data:`~rlhf_torchrl.functional.LOSS_AGGREGATIONS`).
+        loss_aggregation_constant: ``seq_mean_token_sum_norm``'s ``C``.
+        max_parts (Callable | None): ``DataParallel.max_int``, which gives the most micro-batches
+            any process has; every process runs as many (one with no rows runs a stand-in row
+            with weight 0). None: this process's own count (one process).
+        packed: ``micro_batch_tokens`` counts real tokens, not padded ones.
 
     Returns ``[(micro_batch, weight), ...]``, ``weight`` a float.
     """
@@ -256,6 +280,12 @@ def critic_pass_loss(loss_module, micro_batch: TensorDictBase, parallel=None) ->
     :func:`ppo_update` drops the policy's gradients before the step either way, so only the
     critic's own parameters (the value head, a separate critic's trunk) move.
 
+    Args:
+        loss_module (torch.nn.Module): the PPO loss, with a critic.
+        micro_batch: one micro-batch of the rollout.
+        parallel (rlhf_torchrl.distributed.DataParallel | None): this process's place in a torchrun
+            job; None: one process.
+
     Returns a TensorDict with ``"loss_critic"``, and under DDP/FSDP2 the other ``loss_*`` at 0.
     """
     if parallel is not None and parallel.enabled:
@@ -330,8 +360,7 @@ def ppo_update(
     each (sizes as equal as the row count allows: a filtered batch need not divide evenly). A
     minibatch is split into micro-batches whose gradients add up before the step: either
     ``gradient_accumulation_steps`` equal row slices, or, with ``micro_batch_tokens``, groups of
-    rows of similar length holding at most that many padded tokens (:func:`token_budget_split`;
-    ``packed``, real tokens: None, as the actor runs, ``packing=True`` packed).
+    rows of similar length holding at most that many tokens (:func:`token_budget_split`).
     Each micro-batch is cut to its own prompt and response widths (:func:`trim_padding`). The loss
     of a minibatch is the loss module's ``loss_aggregation`` (``token_mean`` for a plain
     ``ClipPPOLoss``) over all its rows, whatever the split: micro-batch ``j``'s loss is weighted by
@@ -341,29 +370,42 @@ def ppo_update(
     (:class:`~rlhf_torchrl.objectives.TokenPPOLoss`: the positive-example NLL's per-response
     weights) sees each whole minibatch before it is split.
 
-    ``critic_epochs`` (None: ``num_ppo_epochs``): passes over the rollout that train the critic.
-    The ``critic_epochs - num_ppo_epochs`` passes after the PPO epochs train the value loss alone
-    (:func:`critic_pass_loss`; several critic updates per policy update, slime's request): the
-    policy's gradients are dropped before each of their steps, so only the value head and a
-    separate critic's trunk move, and the learning-rate ``scheduler`` does not advance (its steps
-    are the PPO epochs'). They draw new shuffles of the same rollout: no data from another
-    iteration is kept.
+    With ``critic_epochs`` above ``num_ppo_epochs``, the passes after the PPO epochs train the
+    value loss alone (:func:`critic_pass_loss`; several critic updates per policy update, slime's
+    request): the policy's gradients are dropped before each of their steps, so only the value
+    head and a separate critic's trunk move, and the learning-rate ``scheduler`` does not advance
+    (its steps are the PPO epochs'). They draw new shuffles of the same rollout: no data from
+    another iteration is kept.
 
-    Data parallel (``parallel``, a :class:`~rlhf_torchrl.distributed.DataParallel`): ``rollout`` is
-    the global batch on every process (the same minibatches are drawn everywhere); process ``r``
-    runs the ``r``-th of ``world_size`` equal slices of each minibatch, its losses go through the
-    DDP wrapper (or FSDP2-sharded modules) and the gradients are averaged across processes once
-    per minibatch. The result equals the single-process update up to float rounding. (Slices
-    differ by at most a row where a minibatch does not divide evenly: the token weights keep the
-    gradient exact.)
+    Data parallel: ``rollout`` is the global batch on every process (the same minibatches are
+    drawn everywhere); process ``r`` runs the ``r``-th of ``world_size`` equal slices of each
+    minibatch, its losses go through the DDP wrapper (or FSDP2-sharded modules) and the gradients
+    are averaged across processes once per minibatch. The result equals the single-process update
+    up to float rounding. (Slices differ by at most a row where a minibatch does not divide
+    evenly: the token weights keep the gradient exact.) A missing entry is refused first.
 
-    ``loss_module``: :func:`~rlhf_torchrl.objectives.make_ppo_loss`'s, or any TorchRL
-    ``ClipPPOLoss``, given the rollout's keys and mask or refused
-    (:func:`~rlhf_torchrl.loss_inputs.use_rollout_keys`; its own diagnostics are then reported).
-    ``replay_buffer`` (None: one per call) is kept as given, or refused
-    (:func:`~rlhf_torchrl.loss_inputs.check_replay_buffer`). A missing entry is refused first.
-
-    ``grad_scaler`` (a ``torch.amp.GradScaler``) scales the loss for fp16 autocast.
+    Args:
+        rollout: the scored rollout with its advantages (and value targets, with a critic).
+        loss_module (torch.nn.Module): :func:`~rlhf_torchrl.objectives.make_ppo_loss`'s, or any
+            TorchRL ``ClipPPOLoss``, given the rollout's keys and mask or refused
+            (:func:`~rlhf_torchrl.loss_inputs.use_rollout_keys`; its own diagnostics are then
+            reported).
+        optimizer: steps the policy and the critic.
+        num_ppo_epochs: passes over the rollout.
+        num_mini_batches: minibatches per epoch, one optimiser step each.
+        gradient_accumulation_steps: equal row slices per minibatch (and process).
+        micro_batch_tokens: instead, micro-batches of at most this many tokens (None: off).
+        max_grad_norm: gradient-norm clip (None: none).
+        scheduler (torch.optim.lr_scheduler.LRScheduler | None): stepped after each PPO optimiser
+            step.
+        replay_buffer (torchrl.data.ReplayBuffer | None): the minibatch sampler, kept as given or
+            refused (:func:`~rlhf_torchrl.loss_inputs.check_replay_buffer`); None: one per call.
+        grad_scaler (torch.amp.GradScaler | None): scales the loss for fp16 autocast.
+        parallel (rlhf_torchrl.distributed.DataParallel | None): this process's place in a
+            torchrun job; None: one process.
+        critic_epochs: passes over the rollout that train the critic (None: ``num_ppo_epochs``).
+        packed: ``micro_batch_tokens`` counts real tokens, not padded ones (None: as the actor
+            runs, packed with ``packing=True``).
 
     Returned metrics, named and defined as in TRL's ``PPOTrainer``
     (:class:`~rlhf_torchrl.objectives.TokenPPOLoss`), each a mean over a minibatch's valid
