@@ -42,7 +42,11 @@ class _Stateless(TrainerHookBase):
 
 class ThreadTuning(_Stateless):
     """Before each iteration, torch's intra-op threads follow the cores other processes leave
-    free (:class:`~rlhf_torchrl.runtime.ThreadTuner`); logged as ``threads``."""
+    free (:class:`~rlhf_torchrl.runtime.ThreadTuner`); logged as ``threads``.
+
+    Args:
+        tuner (rlhf_torchrl.runtime.ThreadTuner): picks the thread count.
+    """
 
     def __init__(self, tuner):
         self.tuner = tuner
@@ -58,6 +62,11 @@ class OnPolicyCheck(_Stateless):
     copy) is checked again on the batch after its first push; a resumed run checks its first
     batch unless it was sampled before the interruption. With partial rollouts only the tokens the
     current weights sampled are compared (a paused response's earlier tokens came from older ones).
+
+    Args:
+        num_rows: rows of the batch compared.
+        atol: the largest absolute difference allowed, in nats (values: the same number).
+        recheck_after_push: check again on the batch after the sampler's first weight push.
     """
 
     def __init__(self, *, num_rows: int = 4, atol: float = 1e-3, recheck_after_push: bool = False):
@@ -115,8 +124,14 @@ class Evaluation(TrainerHookBase):
     first :data:`HELD_OUT_SAMPLES` prompts for the report, and each evaluation's for the tracker
     (``unlogged_samples``, which :class:`RunLog` sends: ``eval/samples_before``, ``eval/samples``).
 
-    ``reference``: the reference model (None with LoRA: the policy with its adapters off);
-    ``offload_reference``: it visits ``device`` while it answers.
+    Args:
+        evaluator (rlhf_torchrl.evaluation.Evaluator): samples and scores the held-out prompts.
+        every: evaluate every this many iterations (and after the last).
+        policy (torch.nn.Module): the trained policy model.
+        reference (torch.nn.Module | None): the reference model (None with LoRA: the policy with
+            its adapters off).
+        device (torch.device | None): where the reference runs while it answers.
+        offload_reference: the reference visits ``device`` only while it answers.
     """
 
     def __init__(self, evaluator, *, every: int, policy, reference=None, device=None,
@@ -164,7 +179,11 @@ class Evaluation(TrainerHookBase):
         return {**metrics, "time/eval": time.perf_counter() - start}
 
     def report(self, history: list[dict]) -> dict:
-        """The report's evaluation entries: before, after, and the held-out responses paired."""
+        """The report's evaluation entries: before, after, and the held-out responses paired.
+
+        Args:
+            history: the run's metrics rows.
+        """
         if self.before is None or not history:
             return {}
         out = {"eval_before": self.before,
@@ -189,7 +208,12 @@ class Evaluation(TrainerHookBase):
 class KLCeiling(_Stateless):
     """Warn (or, with ``stop``, stop the run with :class:`~rlhf_torchrl.guards.DivergenceError`
     once this iteration's metrics are written, without its checkpoint) when the KL to the
-    reference passes ``ceiling`` nats per response."""
+    reference passes ``ceiling`` nats per response.
+
+    Args:
+        ceiling: the KL to the reference, in nats per response, that triggers it.
+        stop: stop the run rather than warn.
+    """
 
     def __init__(self, ceiling: float, stop: bool = False):
         self.ceiling, self.stop = ceiling, stop
@@ -215,7 +239,14 @@ class Checkpointer(TrainerHookBase):
     and after the last: the trained weights, the optimiser, the trainer's :meth:`state_dict`, each
     process's RNG states and ``config_yaml``; the newest ``keep`` of this run's lineage are kept
     (a resumed run's abandoned future is moved aside). Timed as ``time/checkpoint`` (in
-    ``time/total``)."""
+    ``time/total``).
+
+    Args:
+        output_dir: the run's directory; checkpoints go to ``<output_dir>/checkpoints``.
+        every: a checkpoint every this many iterations and after the last (0: none).
+        keep: how many of the newest checkpoints to keep (None: all).
+        config_yaml: the run's config, saved with each checkpoint.
+    """
 
     def __init__(self, output_dir: str, *, every: int, keep: int | None = None,
                  config_yaml: str = ""):
@@ -262,14 +293,24 @@ class RunLog(TrainerHookBase):
     ``report.html`` (:func:`~rlhf_torchrl.report.write_report`) with the score and KL trend, a few
     responses from the first and last iterations (``num_samples``) and the evaluation's entries.
 
-    The tracker (``logger``: :mod:`rlhf_torchrl.trackers`) gets the run as ``run_name`` of
-    ``project`` with ``tags``, ``config`` as its hyperparameters and each evaluation's sample
-    responses as text.
-
-    Progress: with ``progress_bar`` and a terminal on stderr, a tqdm bar (iteration, score, KL,
-    time left) under which log lines are printed whole; otherwise (a pipe, a log file, CI) a log
-    line every ``log_every`` iterations (None: about 20 in a run) and at the last one, never a
+    The tracker gets the run's config as its hyperparameters and each evaluation's sample
+    responses as text. Progress: a tqdm bar on a terminal (iteration, score, KL, time left) under
+    which log lines are printed whole; otherwise (a pipe, a log file, CI) log lines, never a
     carriage return.
+
+    Args:
+        output_dir: the run's directory (``metrics.jsonl``, the reports, the logger's files).
+        logger: the tracker: ``"csv"``, ``"tensorboard"``, ``"wandb"``, ``"mlflow"`` or None for
+            ``metrics.jsonl`` only (:mod:`rlhf_torchrl.trackers`).
+        progress_bar: a tqdm bar when stderr is a terminal.
+        num_samples: responses of the first and last iterations kept for the report.
+        config: the run's settings, the tracker's hyperparameters (None: none).
+        evaluation: the :class:`Evaluation` hook whose entries go into the report (None: none).
+        log_every: without the bar, a log line every this many iterations and at the last one
+            (None: about 20 in a run).
+        project: the tracker's project.
+        run_name: the tracker's run name (None: the output directory's last two folders).
+        tags: the tracker's tags.
     """
 
     def __init__(self, output_dir: str, *, logger: str | None = "csv", progress_bar: bool = True,
@@ -404,7 +445,14 @@ def _duration(seconds: float) -> str:
 
 def summary(history: list[dict], before: list[dict], after: list[dict], quiet: bool = False) -> dict:
     """Print and return initial vs final score and KL (means over the first and the last quarter
-    of the iterations: one batch is noisy), with a few responses from each end."""
+    of the iterations: one batch is noisy), with a few responses from each end.
+
+    Args:
+        history: the run's metrics rows (``objective/scores``, ``objective/kl``, ``time/total``).
+        before: sample responses from the first iterations (``rollout_samples``' dicts).
+        after: sample responses from the last iterations.
+        quiet: return the summary without printing it.
+    """
     first, last, call, k = trend([r["objective/scores"] for r in history])
     kl_first, kl_last, _, _ = trend([r["objective/kl"] for r in history])
     report = {
@@ -441,7 +489,13 @@ def summary(history: list[dict], before: list[dict], after: list[dict], quiet: b
 class SavePolicy(_Stateless):
     """At the end, the trained policy as a Hugging Face checkpoint in ``<output_dir>/policy``
     (gathered from the shards under FSDP2; LoRA: the adapters, and with ``save_merged`` the merged
-    weights in ``policy_merged``), with the tokenizer."""
+    weights in ``policy_merged``), with the tokenizer.
+
+    Args:
+        output_dir: the run's directory.
+        tokenizer (transformers.PreTrainedTokenizerBase): saved beside the policy.
+        save_merged: with LoRA, also the merged weights in ``policy_merged``.
+    """
 
     def __init__(self, output_dir: str, tokenizer, *, save_merged: bool = False):
         self.output_dir, self.tokenizer, self.save_merged = output_dir, tokenizer, save_merged

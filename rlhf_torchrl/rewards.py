@@ -38,14 +38,22 @@ RewardFn = Callable[..., Sequence[float]]
 
 
 def load_reward_function(path: str) -> RewardFn:
-    """Import ``package.module.function`` (or ``package.module:function``)."""
+    """Import ``package.module.function`` (or ``package.module:function``).
+
+    Args:
+        path: ``package.module.function`` or ``package.module:function``.
+    """
     return load_callable(path, what="Reward function")
 
 
 def load_callable(path: str, *, what: str = "Function") -> Callable:
     """The function ``path`` names: ``package.module.name`` or ``package.module:name`` (the module
     importable: installed, or its folder on ``PYTHONPATH``), or a Python file and a name in it,
-    ``./my_rewards.py:name`` (relative to the working directory). ``what`` names it in errors.
+    ``./my_rewards.py:name`` (relative to the working directory).
+
+    Args:
+        path: where the function is, in one of the forms above.
+        what: what the function is, named in errors (e.g. ``"Reward function"``).
 
     Example:
         >>> load_callable("rlhf_torchrl.reward_functions.gsm8k_correct").__name__
@@ -119,9 +127,17 @@ class RewardModel:
     tokenised without adding special tokens (the template wrote them), raw text with them (a
     BERT-like model needs its ``[CLS]``). The text is encoded with the reward model's own tokenizer (right-padded, truncated from the left), so it
     may use another vocabulary than the policy; HF decoder classifiers read the score at the last
-    non-pad token, encoders at their pooled token. Runs without grad in chunks of ``batch_size``,
-    on ``device`` (default: where the model is); with ``offload`` the model lives on the CPU and
-    visits ``device`` only while it scores.
+    non-pad token, encoders at their pooled token. Runs without grad.
+
+    Args:
+        model (torch.nn.Module): a sequence classifier with one label
+            (:func:`~rlhf_torchrl.modules.load_sequence_classifier`).
+        tokenizer (transformers.PreTrainedTokenizerBase): the reward model's own tokenizer.
+        batch_size: texts scored per forward.
+        max_length: the longest text in tokens, truncated from the left (None: the tokenizer's
+            ``model_max_length``, if it has a real one).
+        device: where it scores (None: where the model is).
+        offload: the model lives on the CPU and visits ``device`` only while it scores.
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int = 16, max_length: int | None = None,
@@ -168,9 +184,11 @@ class RewardModel:
     ) -> list[str]:
         """The exact text the reward model scores, one per response (see the class docstring).
 
-        ``prompts`` are the policy-rendered prompts, ``messages`` the conversations they render
-        (needed with a chat template), ``has_stop`` whether each response ended with its stop token
-        (default: all did).
+        Args:
+            prompts: the policy-rendered prompts.
+            responses: the decoded responses.
+            messages: the conversations the prompts render (needed with a chat template).
+            has_stop: whether each response ended with its stop token (None: all did).
         """
         stopped = has_stop if has_stop is not None else [True] * len(responses)
         if self.has_chat_template:
@@ -209,7 +227,11 @@ class RewardModel:
     @torch.no_grad()
     def score_texts(self, texts: list[str]) -> torch.Tensor:
         """The scores of texts already rendered (:meth:`render`), in chunks of ``batch_size``:
-        (N,) float32, the offset subtracted (what a served reward model runs on its batches)."""
+        (N,) float32, the offset subtracted (what a served reward model runs on its batches).
+
+        Args:
+            texts: rendered texts (:meth:`render`).
+        """
         from .runtime import placed
 
         scores = []
@@ -221,7 +243,11 @@ class RewardModel:
 
     def encode(self, texts: list[str]):
         """Token ids of rendered texts: no special tokens added to templated text (the template
-        wrote them), the tokenizer's own around raw text."""
+        wrote them), the tokenizer's own around raw text.
+
+        Args:
+            texts: rendered texts (:meth:`render`).
+        """
         return self.tokenizer(
             texts,
             return_tensors="pt",
@@ -238,6 +264,11 @@ def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase) -> dict:
     ``tensordict`` gets the rollout, a dataset column's name gets that column (one value per row),
     ``**kwargs`` gets every column; a required parameter that is none of these is an error naming
     the columns there are.
+
+    Args:
+        name: the reward's name, for errors.
+        fn: the reward function.
+        td: the rollout, with its texts and dataset columns.
     """
     params = _parameters(fn)
     if params is None:  # no signature to read (some builtins): the two lists only
@@ -323,6 +354,15 @@ class Scorer(TensorDictModuleBase):
     trainer whose divergence guards name it, save the rollout and stop or skip the iteration
     (:func:`~rlhf_torchrl.guards.check_finite`; the recipe's ``guards.non_finite``).
 
+    Args:
+        rewards: name to ``(reward, weight)``, a reward being a :class:`RewardModel` or a function
+            of ``(prompts, responses, ...)`` (:func:`reward_arguments`) returning one float per
+            response.
+        missing_eos_penalty: subtracted from the score of a response without a stop token (None or
+            0: none).
+        allow_non_finite: keep NaN or inf scores for the trainer's divergence guards instead of
+            refusing them.
+
     Example:
         >>> scorer = Scorer({"vader": (vader_compound, 1.0)}, missing_eos_penalty=1.0)
         >>> scorer(rollout)["score"].shape  # (B,)
@@ -348,10 +388,12 @@ class Scorer(TensorDictModuleBase):
 
     def check(self, probe: TensorDictBase) -> None:
         """Call every reward once on a small rollout, so a broken one fails before any work.
+        Raises the same clear errors as scoring, naming the reward.
 
-        ``probe`` has the layout of a real rollout (e.g.
-        :func:`~rlhf_torchrl.collectors.probe_rollout`: real prompts and their dataset fields,
-        made-up responses). Raises the same clear errors as scoring, naming the reward.
+        Args:
+            probe: a small rollout with the layout of a real one (e.g.
+                :func:`~rlhf_torchrl.collectors.probe_rollout`: real prompts and their dataset
+                fields, made-up responses).
         """
         for name, (fn, _) in self.rewards.items():
             _call_reward(name, fn, probe)
@@ -373,7 +415,11 @@ class Scorer(TensorDictModuleBase):
 
 
 class FixedKLController:
-    """A constant KL coefficient (same interface as TorchRL's ``AdaptiveKLController``)."""
+    """A constant KL coefficient (same interface as TorchRL's ``AdaptiveKLController``).
+
+    Args:
+        init_kl_coef: the coefficient.
+    """
 
     def __init__(self, init_kl_coef: float):
         self.coef = init_kl_coef
@@ -389,6 +435,11 @@ def make_kl_controller(kl_coef: float, target: float | None = None, horizon: int
     ``kl_coef *= 1 + e * n / horizon`` with ``n`` the number of samples in the batch. TorchRL's
     ``update`` expects the per-sample KL *rewards* ``-kl_coef * KL``, which
     :class:`KLRewardShaper` passes.
+
+    Args:
+        kl_coef: the (initial) KL coefficient.
+        target: the KL per response, in nats, the adaptive controller aims for (None: constant).
+        horizon: the adaptive controller's horizon, in samples.
     """
     if target is None:
         return FixedKLController(kl_coef)
@@ -411,6 +462,13 @@ class KLRewardShaper(TensorDictModuleBase):
     the reward. Also writes ``"shaped_score"`` (B,): the reward without its KL part, summed over
     the response (the whitened, clipped score plus the turn rewards), which the group baselines
     compare.
+
+    Args:
+        kl_controller (FixedKLController | torchrl.data.llm.utils.AdaptiveKLController): owns
+            ``kl_coef`` (:func:`make_kl_controller`).
+        kl_estimator: ``k1``, ``k2`` or ``k3`` (:func:`~rlhf_torchrl.functional.kl_estimate`).
+        whiten_scores: whiten the scores over the batch first, keeping their mean.
+        score_clip: clip the scores to ``[-score_clip, score_clip]`` first (None: no clip).
 
     Unlike TorchRL's ``KLRewardTransform``, the score enters once, at the last response token, and
     nothing is put on prompt tokens.
@@ -464,7 +522,11 @@ class KLRewardShaper(TensorDictModuleBase):
         return td
 
     def update_kl_coef(self, td: TensorDictBase) -> float:
-        """Adapt ``kl_coef`` to the KL of this rollout (no-op for a constant coefficient)."""
+        """Adapt ``kl_coef`` to the KL of this rollout (no-op for a constant coefficient).
+
+        Args:
+            td: the shaped rollout, with ``("kl", "response")``.
+        """
         per_sample = td.get(K.NON_SCORE_REWARD).squeeze(-1).sum(-1)  # -kl_coef * KL(seq)
         if not math.isfinite(float(per_sample.sum())):
             return self.kl_coef

@@ -219,7 +219,12 @@ class PPOTrainer:
     # ---- hooks ----------------------------------------------------------------------------------
     def register_op(self, dest: str, op: Callable) -> None:
         """Call ``op`` at stage ``dest`` (:data:`STAGES`) of every iteration, after the ops
-        registered there before it. Ops that return a dict add it to the iteration's metrics."""
+        registered there before it. Ops that return a dict add it to the iteration's metrics.
+
+        Args:
+            dest: the stage, one of :data:`STAGES`.
+            op: called with the stage's arguments (a ``batch_process`` op may return a new rollout).
+        """
         if dest not in self._ops:
             raise ValueError(f"Unknown stage {dest!r}: choose one of {', '.join(STAGES)}.")
         self._ops[dest].append(op)
@@ -227,7 +232,12 @@ class PPOTrainer:
     def register_hook(self, name: str, hook) -> None:
         """Register ``hook`` (a :class:`torchrl.trainers.TrainerHookBase`) under ``name``: it
         picks its stages (``hook.register(trainer, name)``) and its ``state_dict()`` is saved with
-        the trainer's."""
+        the trainer's.
+
+        Args:
+            name: the hook's name, its key in :meth:`state_dict`.
+            hook (torchrl.trainers.TrainerHookBase): the hook.
+        """
         if name in self.hooks:
             raise ValueError(f"A hook named {name!r} is registered already.")
         self.hooks[name] = hook
@@ -245,12 +255,20 @@ class PPOTrainer:
 
     def request_stop(self, error: Exception) -> None:
         """Stop the run with ``error`` once this iteration's metrics are logged (no checkpoint of
-        this iteration is written): how a guard stops it."""
+        this iteration is written): how a guard stops it.
+
+        Args:
+            error: raised after the iteration's metrics are logged.
+        """
         self.stop_error = error
 
     @contextmanager
     def timed(self, name: str):
-        """Time the block as ``time/<name>`` in this iteration's metrics."""
+        """Time the block as ``time/<name>`` in this iteration's metrics.
+
+        Args:
+            name: the metric's name after ``time/``.
+        """
         start = time.perf_counter()
         yield
         self.metrics[f"time/{name}"] = time.perf_counter() - start
@@ -309,7 +327,11 @@ class PPOTrainer:
         return self.report
 
     def old_quantities(self, rollout: TensorDictBase) -> None:
-        """Phase 3: old log-probs (unless recorded while sampling), reference log-probs, values."""
+        """Phase 3: old log-probs (unless recorded while sampling), reference log-probs, values.
+
+        Args:
+            rollout: this process's scored rollout, written in place.
+        """
         if self.keep_sampler_log_probs:
             # the sampler's log-probs stay beside the recomputed ones: TIS and the gap metric
             rollout.set(K.BEHAVIOUR_LOG_PROB, rollout.get(K.LOG_PROB).clone())
@@ -325,7 +347,12 @@ class PPOTrainer:
         (whitened over the whole batch, or the rows the group filter keeps), PPO epochs (each
         process runs its slice of each minibatch). A NaN/inf is caught where it appears (the same
         decision on every process); returns the batch and the update's statistics (None: a
-        skipped iteration; empty: every group filtered out, no update)."""
+        skipped iteration; empty: every group filtered out, no update).
+
+        Args:
+            rollout: this process's rollout with its old quantities.
+            iteration: the iteration, 0 first.
+        """
         batch = stats = None
         try:
             with self.timed("advantages"):
@@ -365,7 +392,11 @@ class PPOTrainer:
         """The rows of the shaped ``batch`` whose group's scores, as the group baseline compares
         them (:func:`~rlhf_torchrl.advantages.group_scores`), are not all equal (DAPO's dynamic
         filtering), shaped again on their own (a whitened score's statistics are then the kept
-        rows'); the share of rows dropped goes to ``group/filtered_frac``."""
+        rows'); the share of rows dropped goes to ``group/filtered_frac``.
+
+        Args:
+            batch: the shaped global batch.
+        """
         keep = informative_groups(batch)
         self.metrics["group/filtered_frac"] = 1.0 - float(keep.float().mean())
         kept = batch[keep]
@@ -375,7 +406,14 @@ class PPOTrainer:
 
     def log_iteration(self, batch: TensorDictBase, stats: dict | None, iteration: int,
                       start: float) -> None:
-        """Phase 7: the iteration's metrics row and the log hooks."""
+        """Phase 7: the iteration's metrics row and the log hooks.
+
+        Args:
+            batch: the iteration's global batch.
+            stats: the update's statistics (None: a skipped iteration).
+            iteration: the iteration, 0 first.
+            start: the iteration's start, a ``time.perf_counter()`` reading in seconds.
+        """
         metrics = self.metrics
         if stats is None:  # a skipped iteration
             metrics["guard/skipped"] = 1.0
@@ -407,7 +445,13 @@ class PPOTrainer:
         """After an update: mark a critic warm-up iteration (``critic_warmup``: 1) and let a
         warm-up that ends on its own read its signal (the explained variance of the batch's old
         values, :func:`~rlhf_torchrl.functional.explained_variance`, or the update's value loss);
-        when it ends, the policy's learning rate is set for the next step."""
+        when it ends, the policy's learning rate is set for the next step.
+
+        Args:
+            batch: the iteration's batch, with its old values and value targets.
+            stats: the update's statistics.
+            iteration: the iteration, 0 first.
+        """
         warmup = self.critic_warmup
         if not warmup.max_iterations:
             return
@@ -427,7 +471,12 @@ class PPOTrainer:
     def update_kl_coef(self, batch: TensorDictBase, iteration: int) -> None:
         """The adaptive KL coefficient's step. A batch sampled by the policy of the critic
         warm-up (updates 0..warm-1 left it as it was) has a KL of 0, which says nothing about the
-        coefficient: it waits (for a warm-up that ends on its own, until it has ended)."""
+        coefficient: it waits (for a warm-up that ends on its own, until it has ended).
+
+        Args:
+            batch: the iteration's shaped batch.
+            iteration: the iteration, 0 first.
+        """
         sampled_by = (int(batch.get(K.POLICY_VERSION).min()) if K.POLICY_VERSION in batch.keys()
                       else iteration)  # asynchronous rows record their version
         warm = self.critic_warmup.warmup_iterations  # None while a warm-up runs on
@@ -490,7 +539,11 @@ class PPOTrainer:
 
     def load_checkpoint(self, path: str) -> None:
         """Continue from checkpoint ``path``: trained weights, optimiser, :meth:`state_dict` and
-        this process's rollouts sampled ahead."""
+        this process's rollouts sampled ahead.
+
+        Args:
+            path: a checkpoint directory (``<output_dir>/checkpoints/iter_<n>``).
+        """
         state = load_checkpoint(path, modules=self.trained_modules, optimizer=self.optimizer)
         if state["pending"] and state["world_size"] != self.parallel.world_size:
             raise ConfigError(

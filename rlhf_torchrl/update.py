@@ -187,7 +187,8 @@ def micro_batches(
         world_size: the number of processes.
         gradient_accumulation_steps: equal row slices of this process's rows.
         micro_batch_tokens: instead, micro-batches of at most this many tokens (None: off).
-        loss_aggregation: the loss's aggregation (:data:`~rlhf_torchrl.functional.LOSS_AGGREGATIONS`).
+        loss_aggregation: the loss's aggregation, one of
+            :data:`~rlhf_torchrl.functional.LOSS_AGGREGATIONS`.
         loss_aggregation_constant: ``seq_mean_token_sum_norm``'s ``C``.
         max_parts (Callable | None): ``DataParallel.max_int``, which gives the most micro-batches
             any process has; every process runs as many (one with no rows runs a stand-in row
