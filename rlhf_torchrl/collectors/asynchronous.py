@@ -32,9 +32,7 @@ class AsyncCollector:
     """Runs ``collector`` in a background thread, ``overlap`` policy versions behind the trainer.
 
     ``update_weights(version)`` is the trainer's call after each update: it pushes the weights
-    with ``weight_sync`` (a :class:`~rlhf_torchrl.collectors.WeightSync`, or None when the sampler
-    reads the trained model itself, which is safe only with ``overlap=0``) between two batches,
-    never during one. Batch k is sampled by exactly version ``max(0, k - overlap)``: the thread
+    with ``weight_sync`` between two batches, never during one. Batch k is sampled by exactly version ``max(0, k - overlap)``: the thread
     waits for that version, and a push waits until the batches the older version still owes are
     sampled. Staleness is therefore fixed, not a matter of timing, and a run is reproducible. The
     rows of each batch get ``"policy_version"`` (B,) int64 and ``"sampling_seconds"`` (B,)
@@ -44,6 +42,18 @@ class AsyncCollector:
     the trainer's next iterations, by versions older than ``v``; a collector rebuilt with
     ``start_version=v`` and those ``pending`` batches, around a collector that starts at the batch
     after them, continues exactly as this one would have.
+
+    Args:
+        collector (Iterable): the collector run in the thread (a
+            :class:`~rlhf_torchrl.collectors.RolloutCollector`, a Ray or vLLM one).
+        weight_sync (rlhf_torchrl.collectors.WeightSync | None): pushes the trainer's weights to
+            the sampler; None when the sampler reads the trained model itself, which is safe only
+            with ``overlap=0``.
+        overlap: policy versions the sampler runs behind the trainer (batch ``k`` is sampled by
+            version ``max(0, k - overlap)``).
+        start_version: the trainer's updates done when this collector starts (a resumed run).
+        pending: the batches a previous collector had sampled ahead (:meth:`pending`), served
+            first.
 
     Example:
         >>> collector = AsyncCollector(RolloutCollector(...), WeightSync(policy, engine), overlap=1)
@@ -114,7 +124,11 @@ class AsyncCollector:
 
     def update_weights(self, version: int) -> float:
         """Push the trainer's weights (``version`` = updates done) once every batch the previous
-        version owes is sampled; returns the seconds the push took (0 without a weight sync)."""
+        version owes is sampled; returns the seconds the push took (0 without a weight sync).
+
+        Args:
+            version: the trainer's updates done.
+        """
         with self._turn:
             self._turn.wait_for(lambda: self._done or self._sampled >= version + self.overlap)
             seconds = self.weight_sync(version) if self.weight_sync is not None else 0.0
@@ -163,7 +177,12 @@ class ModelCopy:
     """A copy of the policy that samples while the trainer updates the original (asynchronous
     collection with the transformers backend); ``load_weights`` takes
     :func:`~rlhf_torchrl.collectors.engine_weights` pairs. A PEFT policy is copied merged (the
-    copy has no adapters). ``copy_model=False`` adopts ``model`` itself (a Ray worker's own)."""
+    copy has no adapters).
+
+    Args:
+        model: the policy to copy.
+        copy_model: copy it (False: adopt ``model`` itself, a Ray worker's own).
+    """
 
     def __init__(self, model: nn.Module, copy_model: bool = True):
         from ..modules.lora import is_peft

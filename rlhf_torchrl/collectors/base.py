@@ -44,9 +44,7 @@ def make_generation_env(
 ):
     """A TorchRL ``ChatEnv`` that yields prompts from global batches of ``batch_size``, cycling forever.
 
-    ``prompts`` are :class:`~rlhf_torchrl.data.Prompt` rows (a conversation and dataset fields)
-    or plain user messages; ``system_prompt`` goes first in conversations that have none. The env
-    renders each conversation with ``tokenizer``'s chat template (a pass-through template for base
+    The env renders each conversation with ``tokenizer``'s chat template (a pass-through template for base
     models, see :func:`~rlhf_torchrl.modules.load_tokenizer`); the conversation and the fields ride
     along in every batch (``"query"`` and ``"fields"``), so that :func:`to_rollout` hands them to
     the reward functions.
@@ -55,17 +53,28 @@ def make_generation_env(
     ``world_size`` gets rows ``rank * b ... (rank + 1) * b - 1`` of each, ``b = batch_size /
     world_size`` (its env's batch size).
 
-    ``start_batch``: begin with global batch ``start_batch`` of that order (a resumed run), the
-    earlier ones skipped without being served.
-
     A :class:`~rlhf_torchrl.prompt_sets.PromptSet` is read lazily: a prompt is made (and
     length-checked) when a batch serves it. A :class:`~rlhf_torchrl.prompt_sets.PromptMixture`
     is served in proportion to its weights (:class:`~rlhf_torchrl.prompt_sets.MixtureBatchSampler`,
     always shuffled).
 
-    ``samples_per_prompt`` (N): a global batch holds ``batch_size / N`` prompts, each served N
-    times in a row (a group of responses to one prompt); a group is never split over processes,
-    so ``batch_size / N`` must be a multiple of ``world_size``.
+    Args:
+        prompts: :class:`~rlhf_torchrl.data.Prompt` rows (a conversation and dataset fields),
+            plain user messages, or a :class:`~rlhf_torchrl.prompt_sets.PromptSet` or
+            :class:`~rlhf_torchrl.prompt_sets.PromptMixture`.
+        tokenizer (transformers.PreTrainedTokenizerBase): renders the conversations with its chat
+            template.
+        batch_size: rows of a global batch (every process's together).
+        shuffle: a new shuffled order every epoch (False: the prompts in order).
+        seed: the shuffle's seed, the same on every process.
+        system_prompt: put first in conversations that have no system message (None: none).
+        rank: this process's rank.
+        world_size: the number of processes.
+        start_batch: begin with global batch ``start_batch`` of that order (a resumed run), the
+            earlier ones skipped without being served.
+        samples_per_prompt: ``N``: a global batch holds ``batch_size / N`` prompts, each served
+            ``N`` times in a row (a group of responses to one prompt); a group is never split over
+            processes, so ``batch_size / N`` must be a multiple of ``world_size``.
     """
     from torchrl.envs import InitTracker, StepCounter
     from torchrl.envs.llm import ChatEnv
@@ -110,9 +119,15 @@ def make_generation_env(
 def check_group_sizes(batch_size: int, samples_per_prompt: int, world_size: int = 1, *,
                       names: tuple[str, str] = ("batch_size", "samples_per_prompt")) -> None:
     """A batch of ``batch_size`` responses holds whole groups of ``samples_per_prompt``, and its
-    groups split evenly over ``world_size`` processes (a group is never split). ``names``: what
-    the caller calls the two sizes (the recipe: ``ppo.batch_size``,
-    ``generation.samples_per_prompt``)."""
+    groups split evenly over ``world_size`` processes (a group is never split).
+
+    Args:
+        batch_size: rows of a global batch.
+        samples_per_prompt: responses per prompt.
+        world_size: the number of processes.
+        names: what the caller calls the two sizes, for the error (the recipe:
+            ``ppo.batch_size``, ``generation.samples_per_prompt``).
+    """
     size, group = (f"{names[0]}={batch_size}", f"{names[1]}={samples_per_prompt}")
     if samples_per_prompt < 1 or batch_size % samples_per_prompt:
         raise ConfigError(f"{size} responses do not make whole groups of {group}: use a "
@@ -129,7 +144,18 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
     incomplete last batch dropped); yields this ``rank``'s contiguous ``batch_size / world_size``
     slice of each, every index ``repeats`` times in a row (a group of responses to one prompt).
     Every process draws the same global order. The first ``skip`` global batches (over epochs)
-    are drawn but not served: a resumed run continues the order where it stopped."""
+    are drawn but not served: a resumed run continues the order where it stopped.
+
+    Args:
+        n: the number of rows (prompts) to draw from.
+        batch_size: rows of a global batch (every process's together).
+        rank: this process's rank.
+        world_size: the number of processes.
+        shuffle: shuffle with ``seed`` (False: in order).
+        seed: the shuffle's seed.
+        skip: global batches drawn but not served (a resumed run).
+        repeats: times each index is yielded in a row (``samples_per_prompt``).
+    """
 
     def __init__(self, n: int, batch_size: int, *, rank: int = 0, world_size: int = 1,
                  shuffle: bool = True, seed: int = 0, skip: int = 0, repeats: int = 1):
@@ -209,18 +235,28 @@ def make_generation_policy(
     policy forward is needed to get PPO's old log-probs. TorchRL's own log-probs are never
     requested: they are wrong for PPO (see :mod:`rlhf_torchrl.modules.actor_critic`).
 
-    Prompts are tokenised onto ``device`` (default: the model's); ``autocast_dtype`` runs
-    ``generate`` under ``torch.autocast``, with the LM head in fp32
-    (:func:`~rlhf_torchrl.modules.models.lm_head_in_fp32`): the sampler reads fp32 logits.
-
-    ``samples_per_prompt`` (N): batches come in groups of N consecutive rows with one prompt
-    (:func:`make_generation_env`); each group's prompt is prefilled once and its KV cache repeated
-    for the N rows (:func:`generate_in_groups`), the same tokens and scores as N prefills.
-
-    ``value_head``: the head of a critic on ``model``'s own trunk
-    (``make_critic(init="shared")``). A :class:`~rlhf_torchrl.sampling.ValueRecorder` then reads
-    each response token's value off the sampling forwards, and :class:`RolloutCollector` writes
-    them as ``"state_value"``: the old values need no trunk forward of their own.
+    Args:
+        model (transformers.PreTrainedModel): the policy's causal LM (the trained model itself).
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        max_new_tokens: the response budget, in tokens.
+        temperature: the sampling temperature.
+        top_k: keep the ``k`` likeliest tokens (0: all).
+        top_p: nucleus sampling's mass (1.0: all).
+        stop_token_ids: the ids that end a response (None: the tokenizer's EOS).
+        record_log_probs: keep the sampled tokens' log-probs.
+        record_entropy: keep their exact entropies too.
+        device: where prompts are tokenised (None: the model's device).
+        autocast_dtype: run ``generate`` under ``torch.autocast`` with this dtype, the LM head in
+            fp32 (:func:`~rlhf_torchrl.modules.models.lm_head_in_fp32`): the sampler reads fp32
+            logits. None: no autocast.
+        samples_per_prompt: ``N``: batches come in groups of ``N`` consecutive rows with one
+            prompt (:func:`make_generation_env`); each group's prompt is prefilled once and its KV
+            cache repeated for the ``N`` rows (:func:`generate_in_groups`), the same tokens and
+            scores as ``N`` prefills.
+        value_head: the head of a critic on ``model``'s own trunk (``make_critic(init="shared")``):
+            a :class:`~rlhf_torchrl.sampling.ValueRecorder` then reads each response token's value
+            off the sampling forwards, and :class:`RolloutCollector` writes them as
+            ``"state_value"`` (the old values need no trunk forward of their own). None: no values.
     """
     from transformers import LogitsProcessorList
 
@@ -353,6 +389,14 @@ def generate_in_groups(model, generate, group: int, *, input_ids: torch.Tensor,
     scores are those of a prefill per row (``tests/test_sampling.py``); on a 2-core CPU with
     SmolLM2, 8 prompts x 4 responses of 48 tokens, the prefill was ~21% of generation and one per
     group saves ~3/4 of it. A batch that is not made of such groups is generated as it is.
+
+    Args:
+        model (transformers.PreTrainedModel): the model whose forward prefills the prompts.
+        generate (Callable): ``model.generate`` or a wrapper of it.
+        group: rows per group (1: a prefill per row).
+        input_ids: (B, P) left-padded prompt tokens.
+        attention_mask: (B, P) their attention mask.
+        **kwargs: passed to ``generate``.
     """
     from transformers import DynamicCache
 
@@ -375,7 +419,12 @@ def generate_in_groups(model, generate, group: int, *, input_ids: torch.Tensor,
 def sampler_of(policy):
     """What draws a generation policy's tokens and records their log-probs: the transformers
     backend's :class:`~rlhf_torchrl.sampling.InverseCDFSampler`, or the
-    :class:`~rlhf_torchrl.collectors.vllm.VLLMGenerator` in the model's place; None otherwise."""
+    :class:`~rlhf_torchrl.collectors.vllm.VLLMGenerator` in the model's place; None otherwise.
+
+    Args:
+        policy (torch.nn.Module): a generation policy (:func:`make_generation_policy` or the vLLM
+            one).
+    """
     from ..sampling import InverseCDFSampler
 
     processors = getattr(policy, "generate_kwargs", {}).get("logits_processor") or []
@@ -395,6 +444,13 @@ def to_rollout(
     tokens/mask (B, R) right-padded and truncated after the first stop token, ``has_stop_token``
     (B,), with ``tokenizer`` the decoded prompt and response text, and, when the env carries them
     (:func:`make_generation_env`), the prompt conversations and the dataset fields.
+
+    Args:
+        batch: one ``LLMCollector`` batch, shape ``[B, 1]``.
+        pad_token_id: the pad id.
+        stop_token_ids: the ids that end a response.
+        tokenizer (transformers.PreTrainedTokenizerBase | None): decodes the text entries (None: no
+            text).
     """
     batch = batch.reshape(-1)
     # dense already when the wrapper pads its outputs; padded here if the stack is ragged
@@ -426,10 +482,17 @@ def build_rollout(
 ) -> TensorDict:
     """The rollout layout of :mod:`rlhf_torchrl.keys` from padded prompt and response tokens.
 
-    Shapes: ``prompt``/``prompt_mask`` (B, P) left-padded; ``response`` (B, R) right-padded, as
-    generated (cut here after the first of ``stop_token_ids``). ``messages`` (one conversation per
-    row) go to ``("messages", "prompt")``, ``fields`` (one dict of dataset columns per row) to
-    ``("data", <column>)``.
+    Args:
+        prompt: (B, P) prompt tokens, left-padded.
+        prompt_mask: (B, P) their attention mask.
+        response: (B, R) response tokens as generated, right-padded (cut here after the first of
+            ``stop_token_ids``).
+        stop_token_ids: the ids that end a response.
+        pad_token_id: the pad id written after a stop token.
+        tokenizer (transformers.PreTrainedTokenizerBase | None): decodes the prompt and response
+            text (None: no text entries).
+        messages: one conversation per row, to ``("messages", "prompt")`` (None: none).
+        fields: one dict of dataset columns per row, to ``("data", <column>)`` (None: none).
     """
     response, response_mask, has_stop = F.truncate_after_stop(response, stop_token_ids, pad_token_id)
     # drop columns that are padding in every row (responses that all stopped early)
@@ -463,7 +526,14 @@ def pad_rollout(rollout: TensorDictBase, prompt_width: int, response_width: int,
     """``rollout`` with its prompt entries left-padded to ``prompt_width`` and its response-wide
     entries right-padded to ``response_width`` (pad token for tokens, False for masks, 0
     otherwise): the layout a collector of a wider batch would have produced. Non-tensor entries
-    are kept."""
+    are kept.
+
+    Args:
+        rollout: a rollout in :func:`to_rollout`'s layout.
+        prompt_width: the prompt width to pad to, ``>=`` the rollout's.
+        response_width: the response width to pad to, ``>=`` the rollout's.
+        pad_token_id: the pad id for token entries.
+    """
     r_local = rollout.get(K.RESPONSE_MASK).shape[1]
     out = rollout.clone(False)
     for key, value in rollout.items(True, True):
@@ -479,7 +549,12 @@ def pad_rollout(rollout: TensorDictBase, prompt_width: int, response_width: int,
 
 def concat_rollouts(rollouts: Sequence[TensorDictBase], pad_token_id: int) -> TensorDict:
     """One rollout of all the rows of ``rollouts`` (in order), padded to the widest prompt and
-    response; text and dataset fields included."""
+    response; text and dataset fields included.
+
+    Args:
+        rollouts: rollouts in :func:`to_rollout`'s layout.
+        pad_token_id: pads the narrower rollouts' tokens.
+    """
     p_width = max(r.get(K.PROMPT_MASK).shape[1] for r in rollouts)
     r_width = max(r.get(K.RESPONSE_MASK).shape[1] for r in rollouts)
     padded = [pad_rollout(r, p_width, r_width, pad_token_id) for r in rollouts]
@@ -516,13 +591,21 @@ def probe_rollout(
     """A rollout in :class:`RolloutCollector`'s layout, made without a model.
 
     One row per prompt, at most ``len(responses)``: row ``i`` pairs ``prompts[i]`` (rendered and
-    tokenised as the env does) with ``responses[i]`` (tokenised, plus the first stop token where
-    ``stopped[i]``; default: rows 0, 2, ... stopped).
-    Used to call every reward on the real rollout layout before any model is loaded; with
-    ``with_log_probs`` it also holds the sampler's records (zeros here), as a recording collector's
-    rollouts do, with ``with_values`` the values of a value recorder (zeros), and with
-    ``multi_turn`` the entries of a :class:`~rlhf_torchrl.collectors.MultiTurnCollector`'s
-    episodes (one turn each, no tool called).
+    tokenised as the env does) with ``responses[i]``. Used to call every reward on the real
+    rollout layout before any model is loaded.
+
+    Args:
+        prompts: the prompts, as :func:`make_generation_env` takes them.
+        tokenizer (transformers.PreTrainedTokenizerBase): renders and tokenises them.
+        responses: made-up response texts.
+        stop_token_ids: the ids that end a response (None: the tokenizer's EOS).
+        stopped: whether each response ends with the first stop token (None: rows 0, 2, ...).
+        with_log_probs: also hold the sampler's records (zeros), as a recording collector's
+            rollouts do.
+        with_values: also hold a value recorder's values (zeros).
+        multi_turn: also hold the entries of a
+            :class:`~rlhf_torchrl.collectors.MultiTurnCollector`'s episodes (one turn each, no
+            tool called).
     """
     rows = [to_prompt(p) for p in prompts[: len(responses)]]
     responses = list(responses)[: len(rows)]
@@ -558,7 +641,14 @@ def probe_rollout(
 
 
 def decode(tokenizer, tokens: torch.Tensor, mask: torch.Tensor, skip_special: bool = False) -> list[str]:
-    """Decode the masked tokens of each row."""
+    """Decode the masked tokens of each row.
+
+    Args:
+        tokenizer (transformers.PreTrainedTokenizerBase): the tokenizer.
+        tokens: (B, T) token ids.
+        mask: (B, T) the tokens to decode.
+        skip_special: leave special tokens out of the text.
+    """
     return [
         tokenizer.decode(row[m].tolist(), skip_special_tokens=skip_special)
         for row, m in zip(tokens, mask.bool())
@@ -645,16 +735,28 @@ class RolloutCollector:
     With ``seed``, row ``i`` of batch ``k`` is sampled from its own random stream, seeded by
     ``(seed, k, row_offset + i)`` (:func:`~rlhf_torchrl.sampling.row_stream_seeds`): a process that
     collects rows ``row_offset...`` of a global batch draws exactly the tokens a single process
-    would for those rows. Rollouts are moved to ``device`` when given. ``start_batch``: the index
-    of the first batch (a resumed run; its env starts at the same batch, see
-    :func:`make_generation_env`).
+    would for those rows.
 
     Each rollout carries ``"group"`` (B,) int64: ``(row_offset + i) // samples_per_prompt``, the
     same for the ``samples_per_prompt`` consecutive rows that answer one prompt (the env serves
     them so, :func:`make_generation_env`) and unique over the processes of a global batch.
 
-    ``batch_size`` (None: the environment's, ``make_generation_env(batch_size=...)`` on one
-    process) is the rows of each rollout; one the environment does not serve is refused.
+    Args:
+        env (torchrl.envs.EnvBase): the prompt env (:func:`make_generation_env`).
+        policy (torch.nn.Module): the generation policy (:func:`make_generation_policy`).
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer (pad id, EOS,
+            decoding).
+        batch_size: the rows of each rollout (None: the environment's,
+            ``make_generation_env(batch_size=...)`` on one process); one the environment does not
+            serve is refused.
+        stop_token_ids: the ids that end a response (None: the tokenizer's EOS).
+        total_batches: rollouts to yield before stopping (-1: forever).
+        seed: the per-row random streams' seed (None: torch's global generator).
+        row_offset: this process's first row in the global batch.
+        device: where rollouts are moved (None: left where they are made).
+        start_batch: the index of the first batch (a resumed run; its env starts at the same
+            batch, see :func:`make_generation_env`).
+        samples_per_prompt: consecutive rows that answer one prompt (a group).
 
     Example:
         >>> collector = RolloutCollector(make_generation_env(prompts, tok, batch_size=16), policy,

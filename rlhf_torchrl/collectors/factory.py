@@ -35,7 +35,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class VLLMSpec:
-    """The vLLM engine of ``backend="vllm"`` (:func:`~rlhf_torchrl.collectors.vllm.make_vllm_engine`)."""
+    """The vLLM engine of ``backend="vllm"`` (:func:`~rlhf_torchrl.collectors.vllm.make_vllm_engine`).
+
+    Args:
+        max_model_len: the longest sequence (prompt + response), in tokens.
+        dtype: the engine's weights' dtype.
+        gpu_memory_utilization: on CUDA, the share of the GPU the engine may take (weights and KV
+            cache; keep it small when training shares the GPU).
+        kv_cache_gb: on the CPU backend, the KV cache's size in GB.
+        enforce_eager: no CUDA graphs (faster start, slower sampling).
+        sleep: the engine frees its GPU memory between batches (None: on with CUDA).
+        tensor_parallel_size: GPUs the engine shards the model over.
+        workdir: the engine's config and tokenizer files (None: a temporary directory).
+    """
 
     max_model_len: int
     dtype: str = "float32"
@@ -51,22 +63,44 @@ class VLLMSpec:
 class CollectorSpec:
     """How a run samples its rollouts; plain values only, so Ray can ship it to its workers.
 
-    ``batch_size`` is the global batch (over all processes or workers); rows are sampled from
-    streams keyed by ``(seed, batch, row)``. ``backend``: ``transformers`` (the trained model, or
-    with ``overlap`` a copy of it, samples) or ``vllm`` (an engine given ``vllm``'s settings).
-    ``overlap``: None, synchronous; N >= 0, a background thread N updates ahead. ``ray_workers``:
-    N > 0 Ray actors each sample their share with a policy of their own, loaded from ``policy``
-    (``dtype``, ``attn_implementation``; its tokenizer with ``chat_template``, as
-    :func:`~rlhf_torchrl.modules.load_tokenizer` takes it). ``record_entropy``: the sampler records exact entropies
-    (log-probs are always recorded). ``autocast_dtype``: ``bfloat16``/``float16`` generation.
-    ``samples_per_prompt``: responses sampled for each prompt (a group; ``batch_size`` counts
-    responses); vLLM draws a group as one request with ``n`` samples. ``max_turns``, ``tools``
-    (names, :func:`~rlhf_torchrl.tools.load_tools`), ``max_tokens``, ``tool_timeout``: episodes of
-    several turns with tools (:class:`~rlhf_torchrl.collectors.MultiTurnCollector`);
-    ``python_sandbox``: where the ``python`` tool runs code (None: the default sandbox).
-    ``partial_rollout_tokens``: partial rollouts, a response paused after this many tokens per
-    round and continued later (:class:`~rlhf_torchrl.collectors.partial.PartialRolloutCollector`);
-    None: whole responses.
+    Rows are sampled from streams keyed by ``(seed, batch, row)``.
+
+    Args:
+        batch_size: the global batch, in responses (over all processes or workers).
+        max_new_tokens: the response budget (per turn, with several turns), in tokens.
+        stop_token_ids: the ids that end a response.
+        temperature: the sampling temperature.
+        top_k: keep the ``k`` likeliest tokens (0: all).
+        top_p: nucleus sampling's mass (1.0: all).
+        seed: the sampling streams' seed.
+        backend: ``transformers`` (the trained model, or with ``overlap`` a copy of it, samples)
+            or ``vllm`` (an engine given ``vllm``'s settings).
+        vllm: the engine's settings, with ``backend="vllm"``.
+        overlap: None: synchronous; ``N >= 0``: a background thread samples ``N`` updates ahead.
+        record_entropy: the sampler records exact entropies (log-probs are always recorded).
+        autocast_dtype: ``bfloat16``/``float16`` generation (None: the model's dtype).
+        policy: the policy's name or path, which Ray workers load their own copy from.
+        chat_template: the workers' tokenizer's chat template, as
+            :func:`~rlhf_torchrl.modules.load_tokenizer` takes it.
+        dtype: the workers' policy dtype.
+        attn_implementation: the workers' attention kernel (None: transformers' default).
+        ray_workers: ``N > 0``: Ray actors each sample their share with a policy of their own
+            (0: no Ray).
+        ray_address: the Ray cluster to join (None: a local one started here).
+        ray_cpus_per_worker: CPUs Ray reserves for each worker.
+        ray_gpus_per_worker: GPUs Ray reserves for each worker (0: they sample on the CPU).
+        samples_per_prompt: responses sampled for each prompt (a group; ``batch_size`` counts
+            responses); vLLM draws a group as one request with ``n`` samples.
+        max_turns: turns per episode; above 1, episodes of several turns with tools
+            (:class:`~rlhf_torchrl.collectors.MultiTurnCollector`).
+        tools: the tools' names (:func:`~rlhf_torchrl.tools.load_tools`).
+        max_tokens: an episode's budget of response tokens over all its turns (None: none).
+        tool_timeout: seconds a tool call may run.
+        python_sandbox: where the ``python`` tool runs code (None: the default sandbox).
+        partial_rollout_tokens: partial rollouts, a response paused after this many tokens per
+            round and continued later
+            (:class:`~rlhf_torchrl.collectors.partial.PartialRolloutCollector`); None: whole
+            responses.
     """
 
     batch_size: int
@@ -108,10 +142,21 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
     A resumed run starts at batch ``start_batch`` (= iterations done), after the ``pending``
     batches its asynchronous collector had sampled ahead (saved in the checkpoint).
 
-    ``value_head``: a shared-trunk critic's head; where ``policy`` itself samples (the
-    transformers backend without a copy: no ``overlap`` > 0, no Ray workers), the rollouts carry
-    the values read off the sampling pass (:class:`~rlhf_torchrl.sampling.ValueRecorder`).
-    Elsewhere the critic computes them (a copy or another engine holds no value head).
+    Args:
+        spec: how to sample.
+        prompts: the prompts, as :func:`~rlhf_torchrl.collectors.make_generation_env` takes them.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        policy (transformers.PreTrainedModel): the trained policy model.
+        device (torch.device | str | None): where rollouts are sampled and placed (None: the CPU).
+        parallel: this process's place in a torchrun job (None: one process).
+        start_batch: the first global batch (a resumed run: the iterations done).
+        pending (Sequence): the rollouts an asynchronous collector had sampled ahead, from the
+            checkpoint, served first.
+        value_head (torch.nn.Module | None): a shared-trunk critic's head; where ``policy``
+            itself samples (the transformers backend without a copy: no ``overlap`` > 0, no Ray
+            workers), the rollouts carry the values read off the sampling pass
+            (:class:`~rlhf_torchrl.sampling.ValueRecorder`). Elsewhere the critic computes them (a
+            copy or another engine holds no value head).
     """
     partial_state = None
     if spec.partial_rollout_tokens is not None:  # the paused responses, not batches sampled ahead
@@ -196,7 +241,14 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
 
 def make_vllm_policy(spec: CollectorSpec, policy, tokenizer, device: torch.device):
     """A vLLM engine with the policy's architecture, behind TorchRL's generation wrapper; its
-    weights are pushed by the collector's weight sync (:func:`make_collector`)."""
+    weights are pushed by the collector's weight sync (:func:`make_collector`).
+
+    Args:
+        spec: how to sample (``spec.vllm``: the engine's settings).
+        policy (transformers.PreTrainedModel): the trained policy, whose config the engine copies.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        device: where the engine runs.
+    """
     from .vllm import VLLMGenerator, make_vllm_engine, make_vllm_generation_policy
 
     v = spec.vllm
@@ -217,7 +269,16 @@ def make_vllm_policy(spec: CollectorSpec, policy, tokenizer, device: torch.devic
 def make_ray_collector(spec: CollectorSpec, prompts: Sequence, tokenizer, *, device=None,
                        start_batch: int = 0):
     """``spec.ray_workers`` Ray actors (:func:`ray_worker`), on the cluster at
-    ``spec.ray_address`` or a local one started here."""
+    ``spec.ray_address`` or a local one started here.
+
+    Args:
+        spec: how to sample (``spec.ray_workers`` > 0).
+        prompts: the prompts, shipped to every worker.
+        tokenizer (transformers.PreTrainedTokenizerBase): the trainer's tokenizer (its pad id).
+        device (torch.device | str | None): where the gathered rollouts are moved (None: left as
+            gathered).
+        start_batch: the first global batch (a resumed run).
+    """
     import ray
 
     from .ray import RayCollector
@@ -237,7 +298,15 @@ def ray_worker(spec: CollectorSpec, prompts: list, rank: int, world_size: int,
                start_batch: int = 0):
     """Runs in Ray worker ``rank``: its own tokenizer and policy (or vLLM engine), and the collector
     of its rows of every global batch from ``start_batch`` on; returns ``(collector, weights
-    target)``."""
+    target)``.
+
+    Args:
+        spec: how to sample.
+        prompts: every prompt.
+        rank: the worker's index.
+        world_size: the number of workers.
+        start_batch: the first global batch (a resumed run).
+    """
     from ..modules import load_causal_lm, load_tokenizer
 
     spec = replace(spec, ray_workers=0, overlap=None)

@@ -46,7 +46,14 @@ def observation_tokens(tokenizer, conversation: list[dict], tool_text: str,
     the rest of the turn's closing, the tool message with ``tool_text``, and the next assistant
     header, as the tokenizer's chat template renders them after ``conversation`` (which ends with
     that assistant turn). Special-token strings in ``tool_text`` are removed first (a tool's
-    output must not open or close turns)."""
+    output must not open or close turns).
+
+    Args:
+        tokenizer (transformers.PreTrainedTokenizerBase): renders with its chat template.
+        conversation: the episode so far, ending with the assistant turn.
+        tool_text: the tools' output.
+        stop_text: the text of the stop token the turn ended with.
+    """
     for special in tokenizer.all_special_tokens:
         tool_text = tool_text.replace(special, "")
     rendered = tokenizer.apply_chat_template(
@@ -75,6 +82,18 @@ class MultiTurnCollector:
     Adds to each rollout (besides the layout above): ``("episode", "turns")``,
     ``("episode", "tool_calls")``, ``("episode", "tool_errors")`` (B,) int64, and
     ``("episode", "end")`` (B,) int64, an index into :data:`END_REASONS`.
+
+    Args:
+        collector (rlhf_torchrl.collectors.RolloutCollector): samples the first turn.
+        policy (torch.nn.Module): its generation policy, which samples the later turns.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer (chat template,
+            tool messages).
+        tools: tool name to function (:func:`~rlhf_torchrl.tools.load_tools`).
+        max_turns: assistant turns per episode, at most.
+        max_new_tokens: a turn's budget, in tokens.
+        max_tokens: an episode's budget of response tokens (policy and observation) in all (None:
+            none).
+        tool_timeout: seconds a tool call may run.
     """
 
     def __init__(self, collector, policy, *, tokenizer, tools: Mapping[str, Callable],
@@ -102,7 +121,12 @@ class MultiTurnCollector:
 
     # ---- one batch ------------------------------------------------------------------------------
     def run_turns(self, rollout: TensorDict, batch: int) -> TensorDict:
-        """Continue the episodes whose first turn is ``rollout`` (batch index ``batch``)."""
+        """Continue the episodes whose first turn is ``rollout`` (batch index ``batch``).
+
+        Args:
+            rollout: the first turns, from the wrapped collector.
+            batch: the batch's index (the turns' random streams).
+        """
         if K.PROMPT_MESSAGES not in rollout.keys(True):
             raise ConfigError("Multi-turn episodes need the prompt conversation in the rollout "
                               "(('messages', 'prompt'): make_generation_env writes it).")

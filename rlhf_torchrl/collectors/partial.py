@@ -62,18 +62,15 @@ class _Response:
 class PartialRolloutCollector:
     """Rollouts of ``batch_size`` finished responses, sampled ``segment_tokens`` tokens per round.
 
-    ``env`` serves prompts (:func:`~rlhf_torchrl.collectors.make_generation_env`: its batches of
-    ``batch_size`` rows, groups of ``samples_per_prompt`` consecutive rows) and ``policy`` samples
-    (``make_generation_policy`` or the vLLM one: its ``generate_tokens`` continues token rows, as
-    the later turns of :class:`~rlhf_torchrl.collectors.MultiTurnCollector` do). TorchRL's
+    ``env`` serves prompts and ``policy`` samples: its ``generate_tokens`` continues token rows, as
+    the later turns of :class:`~rlhf_torchrl.collectors.MultiTurnCollector` do. TorchRL's
     ``LLMCollector`` samples whole responses per env step, so the rounds call ``generate_tokens``
     themselves; the env, the wrapper, its sampler and stop tokens are the single-response path's.
 
     A round holds at most ``batch_size`` responses in flight: the paused ones, then new groups of
     ``samples_per_prompt`` while they fit. A group is finished when all its responses are, and
     groups are trained on whole, in the order they finished. Rows are drawn from per-(row,
-    segment) streams seeded from ``seed``; ``row_offset`` is this process's first row of each
-    global batch. Iteration ``k`` (from ``start_batch``, the trainer's iterations done) samples with
+    segment) streams seeded from ``seed``. Iteration ``k`` (from ``start_batch``) samples with
     policy version ``k``: the trainer's weights after ``k`` updates.
 
     Each rollout has the layout of :class:`~rlhf_torchrl.collectors.RolloutCollector`'s, plus
@@ -85,6 +82,23 @@ class PartialRolloutCollector:
     started, paused, finished) and the next prompt batch; a collector built with
     ``state=`` that TensorDict, over an env that starts at :func:`resume_batch`, continues as
     this one would have.
+
+    Args:
+        env (torchrl.envs.EnvBase): the prompt env
+            (:func:`~rlhf_torchrl.collectors.make_generation_env`: its batches of ``batch_size``
+            rows, groups of ``samples_per_prompt`` consecutive rows).
+        policy (torch.nn.Module): ``make_generation_policy``'s or the vLLM one.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        max_new_tokens: a response's whole budget, in tokens.
+        segment_tokens: tokens a response is sampled per round before it pauses.
+        seed: the per-(row, segment) streams' seed.
+        batch_size: finished responses per rollout (None: the env's).
+        row_offset: this process's first row of each global batch.
+        samples_per_prompt: consecutive rows that answer one prompt (a group).
+        stop_token_ids: the ids that end a response (None: the tokenizer's EOS).
+        start_batch: the trainer's iterations done (a resumed run).
+        device (torch.device | str | None): where rollouts are moved (None: left where made).
+        state: :meth:`pending`'s TensorDict from a checkpoint (None: a fresh start).
 
     Example:
         >>> env = make_generation_env(prompts, tok, batch_size=8, start_batch=0)

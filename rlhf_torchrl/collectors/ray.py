@@ -52,10 +52,17 @@ class RayCollector:
     ``load_weights(pairs)`` broadcasts weights (one ``ray.put``; every worker loads, in parallel),
     so a :class:`~rlhf_torchrl.collectors.WeightSync` can target it, and
     :class:`~rlhf_torchrl.collectors.asynchronous.AsyncCollector` can run it ahead of training.
-    ``factory`` must be picklable by Ray (a module-level function or a ``functools.partial`` of
-    one); each actor reserves ``num_cpus`` CPUs and ``num_gpus`` GPUs (a GPU of its own for a vLLM
-    engine: sampling on other GPUs than training). ``shutdown_ray``: :meth:`shutdown` also
-    disconnects from Ray (for the one who started it).
+
+    Args:
+        factory: ``(rank, world_size) -> (collector, weights target)``, run in each actor; must be
+            picklable by Ray (a module-level function or a ``functools.partial`` of one).
+        num_workers: the number of actors.
+        pad_token_id: pads the workers' rollouts to common widths.
+        num_cpus: CPUs each actor reserves.
+        num_gpus: GPUs each actor reserves (a GPU of its own for a vLLM engine: sampling on other
+            GPUs than training).
+        device: where the global batch is moved (None: left where it is gathered).
+        shutdown_ray: :meth:`shutdown` also disconnects from Ray (for the one who started it).
     """
 
     def __init__(self, factory: Callable, num_workers: int, *, pad_token_id: int,

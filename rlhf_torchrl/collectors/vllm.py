@@ -70,16 +70,27 @@ def make_vllm_engine(
 ):
     """A ``vllm.LLM`` with ``model``'s architecture and tokenizer and placeholder weights.
 
-    ``model`` is the trained policy (a PEFT model is fine): its config and ``tokenizer`` are
-    written to ``workdir`` (a temporary directory by default) and the engine loads them with
+    The policy's config and tokenizer are written to ``workdir`` and the engine loads them with
     ``load_format="dummy"``, so no checkpoint is read twice; the caller pushes the real weights
     with :meth:`VLLMGenerator.load_weights` before sampling. The engine never reads the
     checkpoint's generation config (``generation_config="vllm"``) and reports log-probs after the
     temperature (``logprobs_mode="processed_logprobs"``).
 
-    Memory: on CUDA ``gpu_memory_utilization`` (a share of the GPU, weights and KV cache; keep it
-    small when training shares the GPU); on the CPU backend ``kv_cache_gb`` (default 1 GB).
-    ``sleep_mode`` (CUDA) lets the engine release its memory while the trainer runs.
+    Args:
+        model (transformers.PreTrainedModel): the trained policy (a PEFT model is fine).
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        max_model_len: the longest sequence (prompt + response), in tokens.
+        dtype: the engine's weights' dtype.
+        seed: the engine's seed.
+        device: ``cpu`` or a CUDA device.
+        gpu_memory_utilization: on CUDA, the share of the GPU the engine may take (weights and KV
+            cache; keep it small when training shares the GPU).
+        kv_cache_gb: on the CPU backend, the KV cache's size in GB (None: 1 GB).
+        enforce_eager: no CUDA graphs (faster start, slower sampling).
+        sleep_mode: (CUDA) the engine can release its memory while the trainer runs.
+        tensor_parallel_size: GPUs the engine shards the model over.
+        workdir: where the config and tokenizer are written (None: a temporary directory).
+        **engine_kwargs: passed to ``vllm.LLM``.
     """
     vllm = _import_vllm()
     from ..modules.lora import hf_model
@@ -126,17 +137,23 @@ class VLLMGenerator:
     tokens, as in transformers; the benchmarks use it for fixed-length responses, the recipe never.
 
     Like :class:`~rlhf_torchrl.sampling.InverseCDFSampler` it records the sampled tokens' log-probs
-    (``record``; :meth:`pop` returns them, (B, T) fp32, 0 after a row's end) and draws row ``i``
-    of the next batch from its own stream when given seeds (:meth:`set_streams`), so
+    (:meth:`pop` returns them, (B, T) fp32, 0 after a row's end) and draws row ``i`` of the next
+    batch from its own stream when given seeds (:meth:`set_streams`), so
     :class:`~rlhf_torchrl.collectors.RolloutCollector` drives both backends the same way.
 
-    With ``sleep_between_batches`` (CUDA, an engine built with ``sleep_mode``) the engine frees its
-    KV cache and moves its weights off the GPU after each batch, and wakes for the next weight
-    push or batch.
-
-    ``samples_per_prompt`` (N): the batch comes in groups of N consecutive rows with the same
-    prompt, and each group is one request for ``n=N`` samples (the prompt is prefilled once).
-    vLLM seeds sample ``j`` of a request with ``seed + j``: the group's first row's seed.
+    Args:
+        llm (vllm.LLM): the engine (:func:`make_vllm_engine`).
+        temperature: the sampling temperature.
+        top_k: keep the ``k`` likeliest tokens (0: all).
+        top_p: nucleus sampling's mass (1.0: all).
+        record: record the sampled tokens' log-probs.
+        sleep_between_batches: (CUDA, an engine built with ``sleep_mode``) the engine frees its KV
+            cache and moves its weights off the GPU after each batch, and wakes for the next
+            weight push or batch.
+        samples_per_prompt: ``N``: the batch comes in groups of ``N`` consecutive rows with the
+            same prompt, and each group is one request for ``n=N`` samples (the prompt is
+            prefilled once). vLLM seeds sample ``j`` of a request with ``seed + j``: the group's
+            first row's seed.
     """
 
     generation_config = None  # the wrapper swaps a model's generation config: the engine has none
@@ -157,7 +174,11 @@ class VLLMGenerator:
     # the sampler interface of RolloutCollector
     def set_streams(self, seeds: Sequence[int] | None) -> None:
         """Sample row ``i`` of the next batch with ``SamplingParams(seed=seeds[i])`` (None: the
-        engine's own stream)."""
+        engine's own stream).
+
+        Args:
+            seeds: one seed per row of the next batch (None: the engine's own stream).
+        """
         self._seeds = None if seeds is None else [int(s) for s in seeds]
 
     def pop(self) -> tuple[torch.Tensor | None, None]:
@@ -169,7 +190,15 @@ class VLLMGenerator:
                         min_new_tokens: int = 0, n: int = 1):
         """One request's ``SamplingParams``: every field the recipe does not set is pinned to its
         neutral value, so that nothing but the temperature (and a requested truncation) shapes
-        the distribution the tokens are drawn from."""
+        the distribution the tokens are drawn from.
+
+        Args:
+            max_new_tokens: the response budget, in tokens.
+            stop_token_ids: the ids that end a response.
+            seed: the request's seed (None: the engine's own stream).
+            min_new_tokens: tokens before a stop may end the response.
+            n: samples of the prompt (a group).
+        """
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -224,7 +253,11 @@ class VLLMGenerator:
 
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):
         """Replace the engine's weights with ``weights`` (Hugging Face parameter names, e.g. from
-        :func:`~rlhf_torchrl.collectors.weight_sync.engine_weights`) and drop its prefix cache."""
+        :func:`~rlhf_torchrl.collectors.weight_sync.engine_weights`) and drop its prefix cache.
+
+        Args:
+            weights: ``(name, tensor)`` pairs or a state dict, under Hugging Face parameter names.
+        """
         items = weights.items() if isinstance(weights, Mapping) else weights
         batch = [(name, t.detach()) for name, t in items]
         self.wake_up()
@@ -253,7 +286,14 @@ def make_vllm_generation_policy(
 ):
     """TorchRL's ``TransformersWrapper`` around ``generator``: the transformers backend's
     generation policy with the engine in the model's place (the same prompt tokenisation, the
-    same output keys)."""
+    same output keys).
+
+    Args:
+        generator: the engine behind ``generate``.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        max_new_tokens: the response budget, in tokens.
+        stop_token_ids: the ids that end a response (None: the tokenizer's EOS).
+    """
     from .base import _OnPolicyTransformersWrapper
 
     return _OnPolicyTransformersWrapper(

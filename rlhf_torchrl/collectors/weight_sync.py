@@ -21,6 +21,9 @@ def engine_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     A PEFT model's LoRA layers are merged on the fly (``W + B A * scale``; the live model keeps its
     adapters unmerged) and the adapter tensors are left out; FSDP2 shards are gathered (a
     collective: every process must iterate). Tied weights appear under both names.
+
+    Args:
+        model: the trained model (plain, PEFT or FSDP2-sharded).
     """
     from ..modules.lora import hf_model
 
@@ -57,8 +60,14 @@ class WeightSync:
     """Push ``model``'s weights to ``target`` (anything with ``load_weights(pairs)``).
 
     ``sync(version)`` pushes; ``version`` (updates the weights have had, 0: the initial ones) is
-    the caller's count, taken for the recipe's and :class:`~rlhf_torchrl.collectors.asynchronous.AsyncCollector`'s common signature.
-    Returns the seconds the push took.
+    the caller's count, taken for the recipe's and
+    :class:`~rlhf_torchrl.collectors.asynchronous.AsyncCollector`'s common signature. Returns the
+    seconds the push took.
+
+    Args:
+        model: the trained model (:func:`engine_weights` reads it).
+        target (object): the sampler's copy: a vLLM generator, a :class:`ModelCopy`, a Ray
+            collector.
     """
 
     def __init__(self, model: nn.Module, target):
@@ -74,7 +83,12 @@ class SyncedCollector:
     """A collector whose sampler holds weights of its own (a vLLM engine, Ray workers):
     ``update_weights(version)`` pushes the trainer's through ``weight_sync`` between batches (the
     call :class:`~rlhf_torchrl.collectors.asynchronous.AsyncCollector` has too), so the trainer's
-    weight-push hook treats both alike."""
+    weight-push hook treats both alike.
+
+    Args:
+        collector (Iterable): the collector whose sampler holds its own weights.
+        weight_sync: pushes the trainer's weights to that sampler.
+    """
 
     def __init__(self, collector, weight_sync: WeightSync):
         self.collector, self.weight_sync = collector, weight_sync
