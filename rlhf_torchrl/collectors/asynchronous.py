@@ -31,12 +31,12 @@ from ..errors import ConfigError
 class AsyncCollector:
     """Runs ``collector`` in a background thread, ``overlap`` policy versions behind the trainer.
 
-    ``update_weights(version)`` is the trainer's call after each update: it pushes the weights
-    with ``weight_sync`` between two batches, never during one. Batch k is sampled by exactly version ``max(0, k - overlap)``: the thread
-    waits for that version, and a push waits until the batches the older version still owes are
-    sampled. Staleness is therefore fixed, not a matter of timing, and a run is reproducible. The
-    rows of each batch get ``"policy_version"`` (B,) int64 and ``"sampling_seconds"`` (B,)
-    float64, the time the batch took to sample.
+    ``update_weights(version)`` is the trainer's call after each update: it pushes the weights with
+    ``weight_sync`` between two batches, never during one. Batch k is sampled by exactly version
+    ``max(0, k - overlap)``: the thread waits for that version, and a push waits until the batches
+    the older version still owes are sampled. Staleness is therefore fixed, not a matter of timing,
+    and a run is reproducible. The rows of each batch get ``"policy_version"`` (B,) int64 and
+    ``"sampling_seconds"`` (B,) float64, the time the batch took to sample.
 
     Resume: :meth:`pending` (after ``update_weights(v)``) returns the batches already sampled for
     the trainer's next iterations, by versions older than ``v``; a collector rebuilt with

@@ -44,10 +44,10 @@ def make_generation_env(
 ):
     """A TorchRL ``ChatEnv`` that yields prompts from global batches of ``batch_size``, cycling forever.
 
-    The env renders each conversation with ``tokenizer``'s chat template (a pass-through template for base
-    models, see :func:`~rlhf_torchrl.modules.load_tokenizer`); the conversation and the fields ride
-    along in every batch (``"query"`` and ``"fields"``), so that :func:`to_rollout` hands them to
-    the reward functions.
+    The env renders each conversation with ``tokenizer``'s chat template (a pass-through template
+    for base models, see :func:`~rlhf_torchrl.modules.load_tokenizer`); the conversation and the
+    fields ride along in every batch (``"query"`` and ``"fields"``), so that :func:`to_rollout`
+    hands them to the reward functions.
 
     Data parallel: every process shuffles the same global batches (``seed``) and process ``rank`` of
     ``world_size`` gets rows ``rank * b ... (rank + 1) * b - 1`` of each, ``b = batch_size /

@@ -40,14 +40,22 @@ _OPTIONAL_IN_KEYS = [K.OBSERVATION_MASK]  # multi-turn episodes: tokens the envi
 def response_attention(td: TensorDictBase) -> torch.Tensor:
     """(B, R) bool: the response-width tokens the model attends to, the policy's
     (``("masks", "response")``) and, in a multi-turn episode, the environment's
-    (``("masks", "observation")``)."""
+    (``("masks", "observation")``).
+
+    Args:
+        td: a rollout or minibatch.
+    """
     mask = td.get(K.RESPONSE_MASK)
     observed = td.get(K.OBSERVATION_MASK, None)
     return mask if observed is None else mask | observed
 
 
 def model_input_keys(td: TensorDictBase) -> list:
-    """The keys :func:`model_inputs` reads that ``td`` has."""
+    """The keys :func:`model_inputs` reads that ``td`` has.
+
+    Args:
+        td: a rollout or minibatch.
+    """
     keys = td.keys(True)
     return [*_IN_KEYS, *(k for k in _OPTIONAL_IN_KEYS if k in keys)]
 
@@ -57,6 +65,9 @@ def model_inputs(td: TensorDictBase) -> dict[str, torch.Tensor]:
 
     The response part attends to the policy's tokens and, in a multi-turn episode, the
     observation tokens between its turns (:func:`response_attention`).
+
+    Args:
+        td: a rollout or minibatch with the prompt and response tokens and masks.
 
     Shapes: (B, P + R) each.
     """
@@ -76,8 +87,13 @@ class ResponseTokenDistribution(Distribution):
     :func:`~rlhf_torchrl.functional.log_probs_from_logits` (no log-softmax, a hand-written
     backward).
 
-    Shapes: ``logits`` (B, R, V), the model's, before the sampling ``temperature``, or (n, V) for
-    the ``n`` valid tokens of ``mask`` alone (a packed forward); ``mask`` (B, R).
+    Args:
+        logits: the model's logits, before the sampling ``temperature``.
+        mask: the valid response tokens.
+        temperature: the sampling temperature the logits are divided by.
+
+    Shapes: ``logits`` (B, R, V), or (n, V) for the ``n`` valid tokens of ``mask`` alone (a packed
+    forward); ``mask`` (B, R).
     """
 
     arg_constraints: dict = {}
@@ -144,19 +160,27 @@ class TokenLevelActor(TensorDictModuleBase):
     :class:`ResponseTokenDistribution` of the response tokens at the sampling ``temperature``
     (the distribution the tokens were drawn from; log-probs in fp32). The LM head runs only on the
     ``R`` positions that predict response tokens (``logits_to_keep``). ``forward`` writes the
-    log-probs of the response tokens to ``out_key``. With ``autocast_dtype`` (bf16/fp16) the trunk runs
-    under ``torch.autocast``, and the LM head and the log-probs in fp32
-    (:func:`~rlhf_torchrl.modules.models.lm_head_in_fp32`). With
-    ``adapters_off`` (a PEFT model) it runs with the LoRA adapters disabled: the base model, used
-    as the reference without a second copy (:mod:`rlhf_torchrl.modules.lora`). With
-    ``trunk_critic`` (a :class:`TokenCritic`
-    on this policy's own trunk, ``make_critic(init="shared")``) the trunk's hidden states of the
-    response positions are handed to that critic (:class:`HiddenStateHandoff`), which then skips
-    its own trunk forward. With ``packing`` (True, or ``"auto"``: where the estimate says it is
-    cheaper) the rows' real tokens run back to back, no padding computed, and the LM head runs on
-    the policy tokens alone (:mod:`rlhf_torchrl.modules.packing`); a model that cannot run packed
-    sequences is refused with True, kept padded with ``"auto"``. Model calls run inside
+    log-probs of the response tokens to ``out_key``. Model calls run inside
     :func:`~rlhf_torchrl.modules.compiled.compiled_region` (compiled layers, where compiled).
+
+    Args:
+        model: the causal LM (plain or PEFT).
+        temperature: the sampling temperature the logits are divided by.
+        out_key (str | tuple[str, ...]): where ``forward`` writes the log-probs (default
+            ``("log_probs", "response")``).
+        trunk_critic: a :class:`TokenCritic` on this policy's own trunk
+            (``make_critic(init="shared")``): the trunk's hidden states of the response positions
+            are handed to it (:class:`HiddenStateHandoff`), which then skips its own trunk
+            forward. None: none.
+        autocast_dtype: (bf16/fp16) the trunk runs under ``torch.autocast``, the LM head and the
+            log-probs in fp32 (:func:`~rlhf_torchrl.modules.models.lm_head_in_fp32`). None: no
+            autocast.
+        adapters_off: (a PEFT model) run with the LoRA adapters disabled: the base model, used as
+            the reference without a second copy (:mod:`rlhf_torchrl.modules.lora`).
+        packing: True, or ``"auto"`` (where the estimate says it is cheaper): the rows' real tokens
+            run back to back, no padding computed, and the LM head runs on the policy tokens alone
+            (:mod:`rlhf_torchrl.modules.packing`); a model that cannot run packed sequences is
+            refused with True, kept padded with ``"auto"``.
 
     Shapes: reads (B, P) and (B, R) tokens/masks; writes (B, R) float32.
 
@@ -203,7 +227,11 @@ class TokenLevelActor(TensorDictModuleBase):
 
     def logits(self, td: TensorDictBase) -> torch.Tensor:
         """(B, R, V) logits of the response tokens, as the model gives them (before temperature);
-        packed, (n, V) of the ``n`` policy tokens (``("masks", "response")``) alone."""
+        packed, (n, V) of the ``n`` policy tokens (``("masks", "response")``) alone.
+
+        Args:
+            td: a rollout or minibatch with the prompt and response tokens.
+        """
         tokens = td.get(K.PROMPT_TOKENS)
         n_prompt, n_response = tokens.shape[1], td.get(K.RESPONSE_TOKENS).shape[1]
         rows = rows_for(td, self.packing, self._cost, self.model)
@@ -237,12 +265,18 @@ class TokenCritic(TensorDictModuleBase):
 
     ``V(s_t)`` for response token ``t`` is read from the hidden state at position ``P - 1 + t``
     (the state before the token is chosen). Writes ``"state_value"`` (B, R, 1) fp32, 0 on pads.
-    The backbone is any HF base model returning ``last_hidden_state`` (a separate copy, or the
-    policy's own backbone for a shared-trunk actor-critic), run under ``torch.autocast`` in
-    ``autocast_dtype`` when given; the head reads the hidden states in its own dtype (fp32). With
-    ``shared_trunk``, the critic owns a :class:`HiddenStateHandoff` through which a
-    :class:`TokenLevelActor` on the same trunk hands over its hidden states; the critic uses them
-    only when they match its inputs. ``packing``: as :class:`TokenLevelActor`'s.
+
+    Args:
+        backbone: any HF base model returning ``last_hidden_state`` (a separate copy, or the
+            policy's own backbone for a shared-trunk actor-critic).
+        head: the value head, reading the hidden states in its own dtype (fp32); None: a new
+            ``Linear(hidden_size, 1)``.
+        shared_trunk: the critic owns a :class:`HiddenStateHandoff` through which a
+            :class:`TokenLevelActor` on the same trunk hands over its hidden states; the critic
+            uses them only when they match its inputs.
+        autocast_dtype: run the backbone under ``torch.autocast`` in this dtype (None: no
+            autocast).
+        packing: packed forwards, as :class:`TokenLevelActor`'s.
     """
 
     def __init__(
@@ -315,18 +349,24 @@ def make_critic(
 ) -> TokenCritic:
     """Build the critic.
 
-    ``init``:
-      - ``"policy"``: a separate copy of the policy's weights (from ``name_or_path``) with a new head;
-      - ``"reward_model"``/``"model"``: a separate network loaded from ``name_or_path`` (a sequence
-        classifier's score head is reused as the value head, so values start at the RM's scores);
-      - ``"shared"``: a value head on the policy's own backbone (one set of weights, trained by
-        both losses).
-
     The value network must read the policy's tokens, so its vocabulary must match the tokenizer.
-    ``autocast_dtype`` runs the backbone under ``torch.autocast`` (the value head stays fp32).
-    ``lora`` (keyword arguments of :func:`~rlhf_torchrl.modules.lora.add_lora`) trains a separate
-    critic's trunk through LoRA adapters (the head is trained in full); a shared trunk follows the
-    policy's. ``packing``: packed forwards (:class:`TokenCritic`).
+
+    Args:
+        policy: the policy model (its backbone, for ``init="shared"``).
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        init: ``"policy"``: a separate copy of the policy's weights (from ``name_or_path``) with a
+            new head; ``"reward_model"``/``"model"``: a separate network loaded from
+            ``name_or_path`` (a sequence classifier's score head is reused as the value head, so
+            values start at the RM's scores); ``"shared"``: a value head on the policy's own
+            backbone (one set of weights, trained by both losses).
+        name_or_path: the separate network's checkpoint (unused with ``"shared"``).
+        dtype: the separate network's dtype.
+        attn_implementation: its attention kernel (None: transformers' default).
+        autocast_dtype: run the backbone under ``torch.autocast`` (the value head stays fp32).
+        lora: keyword arguments of :func:`~rlhf_torchrl.modules.lora.add_lora`: trains a separate
+            critic's trunk through LoRA adapters (the head is trained in full); a shared trunk
+            follows the policy's. None: full fine-tuning.
+        packing: packed forwards (:class:`TokenCritic`).
     """
     from .lora import add_lora, trunk
     from .models import disable_dropout, match_vocab, pretrained_kwargs, resolve_model_path
@@ -424,6 +464,15 @@ def evaluate_rollout(
     estimate, whatever ``exact_entropy`` says (record them with ``record_entropy``). Values
     recorded while sampling (``value_head``) are kept the same way, and then only the reference
     runs; ``recompute_log_probs`` recomputes them too.
+
+    Args:
+        rollout: the scored rollout, written in place.
+        actor: the policy's actor.
+        reference: the reference's actor.
+        critic: the critic (None: no values).
+        chunk_size: rows per forward.
+        exact_entropy: the entropy from the softmax over the vocabulary (False: ``-log p(y_t)``).
+        recompute_log_probs: run the policy even where log-probs were recorded while sampling.
     """
     keys = rollout.keys(True)
     run_actor = recompute_log_probs or K.LOG_PROB not in keys

@@ -25,17 +25,30 @@ def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: 
                 offload_reference: bool = False, packing: bool | str = False, compile: bool = False):
     """``(policy, reference, critic)``, dropout off everywhere, on ``device``.
 
-    ``reference``: a model of its own (the policy's vocabulary), or None: a frozen copy of the
-    policy, or with ``lora`` (PEFT settings: ``r``, ``alpha``, ``dropout``, ``target_modules``)
-    None, the policy with its adapters off (no second copy). ``value_model``: ``shared`` (a value
-    head on the policy's trunk), ``policy`` (a copy), ``reward_model`` or ``model`` (loaded from
-    ``value_model_path``), see :func:`~rlhf_torchrl.modules.make_critic`, or None: no critic (the
-    critic-free advantage estimators; ``critic`` is None); ``lora_critic`` puts
-    adapters on a separate critic's trunk too. ``offload_reference``: the reference lives on the
-    CPU between its forwards. ``packing``: the critic's packed forwards
-    (:mod:`~rlhf_torchrl.modules.packing`; the actors' are :func:`make_actors`'). ``compile``: the
-    decoder layers of all three compiled for the actors' and critic's forwards
-    (:func:`~rlhf_torchrl.modules.compiled.compile_layers`).
+    Args:
+        policy: the policy's checkpoint (a Hub name or a path).
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        reference: a reference model of its own (the policy's vocabulary), or None: a frozen copy
+            of the policy, or with ``lora`` the policy with its adapters off (no second copy).
+        dtype: the models' dtype.
+        attn_implementation: the attention kernel (None: transformers' default).
+        lora: PEFT settings (``r``, ``alpha``, ``dropout``, ``target_modules``) for LoRA
+            adapters on the policy (None: full fine-tuning).
+        lora_critic: put adapters on a separate critic's trunk too.
+        value_model: ``shared`` (a value head on the policy's trunk), ``policy`` (a copy),
+            ``reward_model`` or ``model`` (loaded from ``value_model_path``), see
+            :func:`~rlhf_torchrl.modules.make_critic`, or None: no critic (the critic-free
+            advantage estimators; ``critic`` is None).
+        value_model_path: the critic's checkpoint (None: the policy's).
+        autocast_dtype: the critic's backbone runs under ``torch.autocast`` in this dtype.
+        gradient_checkpointing: recompute activations in the backward (policy and a separate
+            critic).
+        device: where the models go.
+        offload_reference: the reference lives on the CPU between its forwards.
+        packing: the critic's packed forwards (:mod:`~rlhf_torchrl.modules.packing`; the actors'
+            are :func:`make_actors`').
+        compile: compile the decoder layers of all three for the actors' and critic's forwards
+            (:func:`~rlhf_torchrl.modules.compiled.compile_layers`).
     """
     model = load_causal_lm(policy, tokenizer, dtype=dtype, attn_implementation=attn_implementation)
     if reference:
@@ -76,9 +89,17 @@ def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: 
 def make_actors(policy, reference, critic, *, temperature: float,
                 autocast_dtype: torch.dtype | None = None, packing: bool | str = False):
     """The policy's and the reference's :class:`TokenLevelActor` at the sampling ``temperature``;
-    a shared-trunk critic gets its hidden states from the policy's forward (``critic=None``: no
-    critic). ``reference=None`` (LoRA): the policy with its adapters off. ``packing``: packed
-    forwards (:mod:`~rlhf_torchrl.modules.packing`)."""
+    a shared-trunk critic gets its hidden states from the policy's forward.
+
+    Args:
+        policy (torch.nn.Module): the policy model.
+        reference (torch.nn.Module | None): the reference model; None (LoRA): the policy with its
+            adapters off.
+        critic (rlhf_torchrl.modules.TokenCritic | None): the critic (None: no critic).
+        temperature: the sampling temperature.
+        autocast_dtype: the actors' autocast dtype (None: no autocast).
+        packing: packed forwards (:mod:`~rlhf_torchrl.modules.packing`).
+    """
     shared = critic is not None and critic.shares_trunk
     actor = TokenLevelActor(policy, temperature=temperature, autocast_dtype=autocast_dtype,
                             trunk_critic=critic if shared else None, packing=packing)

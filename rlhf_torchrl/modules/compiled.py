@@ -48,7 +48,11 @@ def compiled_region():
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a transformers model (its ``_no_split_modules``: FSDP's units)."""
+    """The repeated blocks of a transformers model (its ``_no_split_modules``: FSDP's units).
+
+    Args:
+        model: a transformers model.
+    """
     names = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or [])}
     return [m for m in model.modules() if m is not model and type(m).__name__ in names]
 
@@ -66,7 +70,12 @@ def compile_layers(model: nn.Module, *, dynamic: bool = True) -> int:
     """Give each decoder layer of ``model`` a compiled forward for :func:`compiled_region`;
     returns the number of layers (0: none found, nothing changed). Idempotent. The weights,
     ``state_dict`` and a deepcopy of the model are unaffected (the forward is an instance
-    attribute holding the layer, which a copy maps to its own)."""
+    attribute holding the layer, which a copy maps to its own).
+
+    Args:
+        model: the model whose layers get compiled forwards.
+        dynamic: compile for dynamic shapes (no recompile per batch width).
+    """
     layers = decoder_layers(model)
     for layer in layers:
         if isinstance(layer.__dict__.get("forward"), functools.partial):

@@ -25,9 +25,16 @@ def add_lora(
     target_modules: str | Sequence[str] = "all-linear",
     task_type: str = "CAUSAL_LM",
 ) -> nn.Module:
-    """``model`` with LoRA adapters of rank ``r`` on ``target_modules`` (PEFT names or
-    ``"all-linear"``); only the adapters require grad. ``task_type``: ``CAUSAL_LM`` for a policy,
-    ``FEATURE_EXTRACTION`` for a critic's trunk."""
+    """``model`` with LoRA adapters; only the adapters require grad.
+
+    Args:
+        model: the model to adapt.
+        r: the adapters' rank.
+        alpha: LoRA's scaling numerator (the update is scaled by ``alpha / r``).
+        dropout: dropout on the adapters' input.
+        target_modules: the modules that get adapters: PEFT names or ``"all-linear"``.
+        task_type: ``CAUSAL_LM`` for a policy, ``FEATURE_EXTRACTION`` for a critic's trunk.
+    """
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
@@ -41,17 +48,29 @@ def add_lora(
 
 
 def is_peft(model: nn.Module) -> bool:
-    """Whether ``model`` is a PEFT model (it has adapters that can be switched off)."""
+    """Whether ``model`` is a PEFT model (it has adapters that can be switched off).
+
+    Args:
+        model: a model.
+    """
     return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
 
 
 def hf_model(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside a PEFT wrapper (``model`` itself otherwise): the one whose
-    ``generation_config`` and ``base_model`` (trunk, with the adapters injected) count."""
+    ``generation_config`` and ``base_model`` (trunk, with the adapters injected) count.
+
+    Args:
+        model: a model, PEFT or not.
+    """
     return model.get_base_model() if is_peft(model) else model
 
 
 def trunk(model: nn.Module) -> nn.Module:
     """The transformer trunk of a causal LM (``LlamaModel`` in ``LlamaForCausalLM``), adapters
-    included for a PEFT model."""
+    included for a PEFT model.
+
+    Args:
+        model: a causal LM, PEFT or not.
+    """
     return hf_model(model).base_model

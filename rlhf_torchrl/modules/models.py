@@ -82,7 +82,11 @@ MINILM = "all-minilm-l6-v2"
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map the built-in aliases to their local directories; anything else is passed to HF as is."""
+    """Map the built-in aliases to their local directories; anything else is passed to HF as is.
+
+    Args:
+        name_or_path: an alias (:data:`SMOLLM2`, ...), a Hub name or a path.
+    """
     if name_or_path == SMOLLM2:
         return smollm2_path()
     if name_or_path == MINILM:
@@ -96,7 +100,11 @@ def resolve_model_path(name_or_path: str) -> str:
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:
-    """Set every dropout probability to 0, in modules and in the config."""
+    """Set every dropout probability to 0, in modules and in the config.
+
+    Args:
+        model: the model, changed in place and returned.
+    """
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -128,6 +136,9 @@ def lm_head_in_fp32(model: nn.Module) -> nn.Module:
     same reason). Outside autocast, with fp32 weights, it computes exactly what the head did.
     Idempotent; a head that is not a plain ``nn.Linear`` (an adapter on it) is left as it is.
     Returns ``model``.
+
+    Args:
+        model: a causal LM, changed in place.
     """
     from .lora import hf_model
 
@@ -154,6 +165,12 @@ def load_tokenizer(name_or_path: str, padding_side: str = "left", chat_template:
     keeps the tokenizer's own; ``"plain"`` passes the messages' text through unchanged, so the
     model continues the text as a base model does; any other string is a Jinja template. A
     tokenizer without a chat template gets the plain one.
+
+    Args:
+        name_or_path: a Hub name, a local directory, or a built-in alias
+            (:func:`resolve_model_path`).
+        padding_side: ``left`` (a policy's prompts) or ``right`` (a reward model's texts).
+        chat_template: None, ``"plain"`` or a Jinja template, as above.
     """
     from transformers import AutoTokenizer
 
@@ -168,7 +185,11 @@ def load_tokenizer(name_or_path: str, padding_side: str = "left", chat_template:
 
 
 def ensure_pad_token(tokenizer) -> int:
-    """Make ``tokenizer.pad_token`` exist and differ from EOS; returns the pad id."""
+    """Make ``tokenizer.pad_token`` exist and differ from EOS; returns the pad id.
+
+    Args:
+        tokenizer (transformers.PreTrainedTokenizerBase): changed in place.
+    """
     if tokenizer.eos_token is None:
         raise ConfigError(
             f"Tokenizer {tokenizer.name_or_path!r} has no EOS token: set one "
@@ -214,6 +235,9 @@ def byte_tokenizer(padding_side: str = "left"):
     (:data:`CHATML_TEMPLATE`). Encoding adds no special tokens. For tiny models in tests and
     benchmarks, where a 49k-token vocabulary would make the LM head most of the model.
 
+    Args:
+        padding_side: ``left`` or ``right``.
+
     Example:
         >>> tok = byte_tokenizer()
         >>> tok("hé")["input_ids"], tok.eos_token_id, tok.pad_token_id
@@ -236,7 +260,12 @@ def byte_tokenizer(padding_side: str = "left"):
 
 
 def match_vocab(model: nn.Module, tokenizer) -> nn.Module:
-    """Grow the model's embeddings if the tokenizer gained tokens (e.g. an added pad token)."""
+    """Grow the model's embeddings if the tokenizer gained tokens (e.g. an added pad token).
+
+    Args:
+        model: the model, changed in place and returned.
+        tokenizer (transformers.PreTrainedTokenizerBase): its vocabulary size is the target.
+    """
     n_embed = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > n_embed:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
@@ -247,7 +276,11 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"float32"``, ``"bfloat16"`` or ``"float16"`` as a torch dtype (a clear error otherwise)."""
+    """``"float32"``, ``"bfloat16"`` or ``"float16"`` as a torch dtype (a clear error otherwise).
+
+    Args:
+        name: a dtype name, or a torch dtype (returned as is).
+    """
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
@@ -257,7 +290,12 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def pretrained_kwargs(dtype: str = "float32", attn_implementation: str | None = None) -> dict:
     """``from_pretrained`` keyword arguments for a weights dtype and an attention kernel
-    (``sdpa``, ``eager``, ``flash_attention_2``...; None: transformers' default)."""
+    (``sdpa``, ``eager``, ``flash_attention_2``...; None: transformers' default).
+
+    Args:
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        attn_implementation: the attention kernel.
+    """
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -267,7 +305,17 @@ def pretrained_kwargs(dtype: str = "float32", attn_implementation: str | None = 
 def load_causal_lm(
     name_or_path: str, tokenizer=None, dtype: str = "float32", attn_implementation: str | None = None
 ) -> nn.Module:
-    """Load a causal LM in ``dtype`` with dropout off, sized for ``tokenizer``."""
+    """Load a causal LM in ``dtype`` with dropout off, sized for ``tokenizer``.
+
+    Args:
+        name_or_path: a Hub name, a local directory, or a built-in alias
+            (:func:`resolve_model_path`).
+        tokenizer (transformers.PreTrainedTokenizerBase | None): the embeddings are grown to its
+            vocabulary (:func:`match_vocab`); None: left as loaded.
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        attn_implementation: the attention kernel (``sdpa``, ``eager``, ``flash_attention_2``...;
+            None: transformers' default).
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -286,6 +334,11 @@ def load_sequence_classifier(name_or_path: str, dtype: str = "float32"):
 
     The tokenizer pads on the right, and the model's ``pad_token_id`` is set so that decoder
     models read the score at the last non-pad token.
+
+    Args:
+        name_or_path: a Hub name, a local directory, or a built-in alias
+            (:func:`resolve_model_path`).
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
     """
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 

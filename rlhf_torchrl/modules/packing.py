@@ -57,7 +57,11 @@ AUTO_SAVING = 0.9
 
 
 def check_packing(packing) -> None:
-    """A :data:`PACKING` value, or a ConfigError naming the three."""
+    """A :data:`PACKING` value, or a ConfigError naming the three.
+
+    Args:
+        packing (bool | str): the value to check.
+    """
     if packing not in PACKING or isinstance(packing, int) and not isinstance(packing, bool):
         raise ConfigError(f"packing={packing!r}: choose false (padded rows), true (packed rows) "
                           "or auto (packed where the estimated cost is lower).")
@@ -65,9 +69,14 @@ def check_packing(packing) -> None:
 
 @dataclass(frozen=True)
 class SequenceCost:
-    """FLOPs of a forward per position (``token``: the trunk's matrix products), per attended
-    (query, key) pair (``pair``: ``QK^T`` and ``AV``) and per LM-head position (``head``);
-    the backward scales all three alike, so their ratio is what the layout choice needs."""
+    """FLOPs of a forward per position, per attended (query, key) pair and per LM-head position;
+    the backward scales all three alike, so their ratio is what the layout choice needs.
+
+    Args:
+        token: FLOPs per position: the trunk's matrix products.
+        pair: FLOPs per attended (query, key) pair: ``QK^T`` and ``AV``.
+        head: FLOPs per LM-head position (0: no head).
+    """
 
     token: float
     pair: float
@@ -76,7 +85,12 @@ class SequenceCost:
     @classmethod
     def of(cls, model: nn.Module, lm_head: bool = True) -> SequenceCost:
         """The costs of ``model`` (a causal LM, or a bare trunk with ``lm_head=False``) from its
-        config and its parameter count."""
+        config and its parameter count.
+
+        Args:
+            model: a causal LM, or a bare trunk.
+            lm_head: count the LM head (False: a bare trunk).
+        """
         config = model.config
         layers = config.num_hidden_layers
         embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
@@ -90,7 +104,13 @@ class SequenceCost:
         return cls(token=2.0 * trunk, pair=4.0 * width * layers, head=2.0 * width * vocab)
 
     def padded(self, rows: int, width: int, response_width: int) -> float:
-        """The padded batch: ``rows x width`` positions, ``rows x response_width`` at the head."""
+        """The padded batch: ``rows x width`` positions, ``rows x response_width`` at the head.
+
+        Args:
+            rows: the batch's rows.
+            width: the padded width, prompt and response.
+            response_width: the padded response width (the head's positions per row).
+        """
         return rows * width * (self.token + width * self.pair) + rows * response_width * self.head
 
     def packed(self, n_rows: int, row_width: int, n_predicted: int) -> float:
@@ -100,7 +120,12 @@ class SequenceCost:
 def plan_rows(lengths: list[int], capacity: int) -> tuple[list[int], list[int], int]:
     """First-fit decreasing: each sequence's packed row and offset in it, and the row count.
 
-    Sequences longer than ``capacity`` are not expected (``capacity`` is at least the longest)."""
+    Sequences longer than ``capacity`` are not expected (``capacity`` is at least the longest).
+
+    Args:
+        lengths: each sequence's length, in tokens.
+        capacity: a packed row's length, in tokens.
+    """
     row, offset, room = [0] * len(lengths), [0] * len(lengths), []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         k = next((k for k, free in enumerate(room) if free >= lengths[i]), len(room))
@@ -134,8 +159,12 @@ def _row_width(lengths: list[int], cost: SequenceCost, one_row: bool) -> tuple[i
 class PackedRows:
     """A batch's attended tokens in ``K`` packed rows of ``C``, and where its predictions go.
 
-    ``index``: (n,) positions in the flattened ``(K * C)`` rows whose hidden states predict the
-    ``n`` policy tokens of ``response_mask`` (B, R), in row-major order over ``(B, R)``.
+    Args:
+        input_ids: (K, C) sequences back to back, token 0 on each row's tail.
+        position_ids: (K, C) 0, 1, ... per sequence; 0 on the tail.
+        index: (n,) positions in the flattened ``(K * C)`` rows whose hidden states predict the
+            ``n`` policy tokens of ``response_mask``, in row-major order over ``(B, R)``.
+        response_mask: (B, R) bool, where the ``n`` predictions go.
     """
 
     input_ids: torch.Tensor  # (K, C), sequences back to back, token 0 on each row's tail
@@ -144,17 +173,30 @@ class PackedRows:
     response_mask: torch.Tensor  # (B, R) bool: where the n predictions go
 
     def gather(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(K, C, H) hidden states -> (n, H) of the predicting positions."""
+        """(K, C, H) hidden states -> (n, H) of the predicting positions.
+
+        Args:
+            hidden: (K, C, H) the packed rows' hidden states.
+        """
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.index)
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """(n,) values of the policy tokens -> (B, R), 0 elsewhere (as the padded path gives)."""
+        """(n,) values of the policy tokens -> (B, R), 0 elsewhere (as the padded path gives).
+
+        Args:
+            values: (n,) one value per policy token.
+        """
         return to_rows(values, self.response_mask)
 
 
 def to_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(B, R) from the (n,) values of ``mask``'s valid tokens (a packed forward's) or from (B, R)
-    values; 0 wherever ``mask`` is False, as the padded path leaves its pads."""
+    values; 0 wherever ``mask`` is False, as the padded path leaves its pads.
+
+    Args:
+        values: (n,) values of the valid tokens, or (B, R).
+        mask: (B, R) the valid tokens.
+    """
     if values.dim() == 1:
         return values.new_zeros(mask.shape).masked_scatter(mask, values)
     return torch.where(mask, values, torch.zeros_like(values))
@@ -166,6 +208,12 @@ def pack_rows(td: TensorDictBase, *, cost: SequenceCost, one_row: bool = False,
     padded forward must run: a policy token whose predicting position is not attended (no
     packed position holds its state), or, with ``auto``, a packing estimated to save less than
     ``1 - AUTO_SAVING`` of the padded cost.
+
+    Args:
+        td: a rollout or minibatch.
+        cost: the model's costs, to size the rows and estimate the saving.
+        one_row: pack into a single row (a flash-attention kernel reads any length).
+        auto: return None where packing saves too little.
 
     Shapes: reads (B, P) prompt tokens/mask, left-padded, and (B, R) response tokens/masks,
     right-padded (observation tokens between turns attended).
@@ -204,7 +252,14 @@ def pack_rows(td: TensorDictBase, *, cost: SequenceCost, one_row: bool = False,
 def packing_for(model: nn.Module, packing, *, lm_head: bool,
                 autocast_dtype: torch.dtype | None = None) -> tuple[bool | str, SequenceCost | None]:
     """``packing`` as ``model`` allows it (:func:`packing_unsupported`: True refused with the
-    reason, ``"auto"`` turned off), and the model's :class:`SequenceCost` when on."""
+    reason, ``"auto"`` turned off), and the model's :class:`SequenceCost` when on.
+
+    Args:
+        model: the model that would run packed.
+        packing (bool | str): False, True or ``"auto"``.
+        lm_head: the model runs its LM head (a policy), or is a bare trunk (a critic).
+        autocast_dtype: the autocast it runs under (None: none).
+    """
     check_packing(packing)
     if not packing:
         return False, None
@@ -219,7 +274,14 @@ def packing_for(model: nn.Module, packing, *, lm_head: bool,
 
 def rows_for(td: TensorDictBase, packing, cost: SequenceCost | None,
              model: nn.Module) -> PackedRows | None:
-    """``td`` packed for ``model`` as ``packing`` says (:func:`pack_rows`), or None: padded."""
+    """``td`` packed for ``model`` as ``packing`` says (:func:`pack_rows`), or None: padded.
+
+    Args:
+        td: a rollout or minibatch.
+        packing (bool | str): as :func:`packing_for` returned it.
+        cost: the model's costs (None: packing off).
+        model: the model that runs.
+    """
     if not packing:
         return None
     return pack_rows(td, cost=cost, one_row=uses_varlen_attention(model), auto=packing == "auto")
@@ -227,7 +289,11 @@ def rows_for(td: TensorDictBase, packing, cost: SequenceCost | None,
 
 def uses_varlen_attention(model: nn.Module) -> bool:
     """Whether ``model`` attends through a flash-attention kernel (variable-length sequences in
-    one row) rather than a mask (sdpa, eager, flex)."""
+    one row) rather than a mask (sdpa, eager, flex).
+
+    Args:
+        model: the model.
+    """
     from .lora import hf_model
 
     return "flash" in str(getattr(hf_model(model).config, "_attn_implementation", "") or "")
@@ -236,9 +302,13 @@ def uses_varlen_attention(model: nn.Module) -> bool:
 @contextmanager
 def head_inputs(model: nn.Module, select=None):
     """Collects what ``model``'s output embeddings (its LM head) are called with, in a list, for
-    the duration of the block; ``select`` (hidden -> hidden) replaces that input first. The
-    final hidden states of the positions the head runs on, without ``output_hidden_states``
-    (every layer's states kept, and a graph break in a compiled layer)."""
+    the duration of the block: the final hidden states of the positions the head runs on, without
+    ``output_hidden_states`` (every layer's states kept, and a graph break in a compiled layer).
+
+    Args:
+        model: a causal LM.
+        select (Callable | None): hidden -> hidden, replaces the head's input first (None: kept).
+    """
     from .lora import hf_model
 
     kept = []
@@ -261,6 +331,10 @@ def packed_logits(model: nn.Module, rows: PackedRows) -> tuple[torch.Tensor, tor
 
     The model runs as a whole (its own head, any logit scaling, FSDP's hooks); its head is handed
     the ``n`` gathered positions instead of all ``K x C`` (:func:`head_inputs`).
+
+    Args:
+        model: the causal LM.
+        rows: the packed batch.
     """
     with head_inputs(model, lambda hidden: rows.gather(hidden).unsqueeze(0)) as kept:
         out = model(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=None,
@@ -269,7 +343,12 @@ def packed_logits(model: nn.Module, rows: PackedRows) -> tuple[torch.Tensor, tor
 
 
 def packed_hidden(backbone: nn.Module, rows: PackedRows) -> torch.Tensor:
-    """A trunk's final hidden states (n, H) at the predicting positions of ``rows``."""
+    """A trunk's final hidden states (n, H) at the predicting positions of ``rows``.
+
+    Args:
+        backbone: the trunk.
+        rows: the packed batch.
+    """
     out = backbone(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=None,
                    use_cache=False)
     return rows.gather(out.last_hidden_state)
@@ -285,6 +364,10 @@ def packing_unsupported(model: nn.Module, autocast_dtype: torch.dtype | None = N
     A probe of two sequences packed in one row, under the autocast the model will run in: the
     second's final hidden states must not change when the first does (attention never crosses),
     and must equal those of the second alone (the positions restart). Checked once per model.
+
+    Args:
+        model: the model to probe.
+        autocast_dtype: the autocast it runs under (None: none).
     """
     from ..runtime import autocast
 
