@@ -31,9 +31,13 @@ _HH_HUMAN, _HH_ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
 class Prompt:
     """One prompt: the conversation the policy answers and the dataset fields that travel with it.
 
-    ``messages`` are ``{"role", "content"}`` dicts ending with a user turn (a system message, if
-    any, first); the policy's chat template renders them. ``fields`` are the row's other columns
-    (plus ``reference_answer`` when the conversation ended with an assistant turn).
+    Args:
+        messages: ``{"role", "content"}`` dicts ending with a user turn (a system message, if any,
+            first); the policy's chat template renders them.
+        fields: the row's other columns (plus ``reference_answer`` when the conversation ended
+            with an assistant turn).
+        template: the ``data.template`` the last user message was filled from (None: none).
+        source_text: the column text the template was filled with (None: no template).
 
     Example:
         >>> Prompt([{"role": "user", "content": "2 + 2?"}], {"answer": "4"}).text
@@ -54,13 +58,21 @@ class Prompt:
 
     def with_text(self, text: str) -> Prompt:
         """The same prompt with the last user message replaced by ``text`` (as written: no
-        template fills it any more)."""
+        template fills it any more).
+
+        Args:
+            text: the new last user message.
+        """
         return replace(self, messages=[*self.messages[:-1], {"role": "user", "content": text}],
                        template=None, source_text=None)
 
     def with_source_text(self, text: str) -> Prompt:
         """The same prompt with ``text`` in place of the column text its template was filled with
-        (the last user message itself when there is no template)."""
+        (the last user message itself when there is no template).
+
+        Args:
+            text: the new column text.
+        """
         if self.template is None:
             return self.with_text(text)
         filled = fill_template(self.template, text, self.fields)
@@ -75,14 +87,24 @@ class Prompt:
 
 def template_columns(template: str) -> list[str]:
     """The columns a ``data.template`` fills in (``{prompt}`` and any column of the row; of
-    ``{metadata[difficulty]}`` or ``{meta.source}``, the column ``metadata`` or ``meta``)."""
+    ``{metadata[difficulty]}`` or ``{meta.source}``, the column ``metadata`` or ``meta``).
+
+    Args:
+        template: a ``data.template`` format string.
+    """
     return [re.split(r"[.\[]", name, maxsplit=1)[0]
             for _, name, _, _ in string.Formatter().parse(template) if name]
 
 
 def fill_template(template: str, text: str, columns: dict) -> str:
     """``template`` with ``{prompt}`` replaced by ``text`` and ``{name}`` by the row's column
-    (``{name[key]}``: an entry of a dict column)."""
+    (``{name[key]}``: an entry of a dict column).
+
+    Args:
+        template: a format string, e.g. ``"TITLE: {title}\\n\\nPOST: {prompt}"``.
+        text: what ``{prompt}`` becomes.
+        columns: the row's columns.
+    """
     try:
         return template.format_map({**{k: "" if v is None else v for k, v in columns.items()},
                                     "prompt": text})
@@ -97,7 +119,12 @@ def to_prompt(item, system_prompt: str | None = None, where: str = "prompt") -> 
     A plain string is one user message, except an Anthropic HH transcript
     (``"\\n\\nHuman: ... \\n\\nAssistant: ..."``), which is split into turns. A conversation keeps
     every turn up to its last user turn; the content of trailing assistant turns becomes the
-    ``reference_answer`` field. ``system_prompt`` is put first unless the conversation has its own.
+    ``reference_answer`` field.
+
+    Args:
+        item (str | list | Prompt): a string, a list of ``{"role", "content"}`` dicts, or a Prompt.
+        system_prompt: put first unless the conversation has its own (None: none).
+        where: names the item in errors (e.g. ``"prompts.jsonl:12"``).
     """
     if isinstance(item, Prompt):
         prompt = item
@@ -212,19 +239,35 @@ def load_prompts(
 
 
 def render_prompt(tokenizer, prompt: Prompt | str) -> str:
-    """The prompt as the policy reads it: its chat template applied, generation prompt on."""
+    """The prompt as the policy reads it: its chat template applied, generation prompt on.
+
+    Args:
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        prompt: a :class:`Prompt` or a plain user message.
+    """
     return tokenizer.apply_chat_template(to_prompt(prompt).messages, add_generation_prompt=True,
                                          tokenize=False)
 
 
 def prompt_token_ids(tokenizer, prompt: Prompt | str) -> list[int]:
     """Token ids of the rendered prompt. The template writes every special token it wants (a BOS
-    included), so nothing is added on top: the ids the generation env feeds the policy."""
+    included), so nothing is added on top: the ids the generation env feeds the policy.
+
+    Args:
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        prompt: a :class:`Prompt` or a plain user message.
+    """
     return tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
 
 
 def templated_length(tokenizer, prompt: Prompt | str, system_prompt: str | None = None) -> int:
-    """Number of tokens of ``prompt`` once the chat template is applied (generation prompt on)."""
+    """Number of tokens of ``prompt`` once the chat template is applied (generation prompt on).
+
+    Args:
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        prompt: a :class:`Prompt` or a plain user message.
+        system_prompt: put first unless the conversation has its own (None: none).
+    """
     return len(prompt_token_ids(tokenizer, to_prompt(prompt, system_prompt)))
 
 
@@ -255,6 +298,14 @@ class LengthCheck:
 
     ``length_check(prompt, name)`` returns ``(prompt, tokens, cut)``: the prompt (cut, or as it
     was), its length and whether it was cut; ``name`` names it in errors (``"Prompt 3"``).
+
+    Args:
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer (its chat
+            template counts).
+        max_prompt_length: the budget, in tokens.
+        truncate: cut an over-long prompt to fit (False: refuse it).
+        side: ``left`` or ``right``: which end of the filled-in text is cut.
+        at: with ``side="right"``, cut back to the last occurrence of this text (None: anywhere).
 
     Example:
         >>> check = LengthCheck(tokenizer, max_prompt_length=64, truncate=True)
@@ -297,7 +348,17 @@ def check_prompts(
 ) -> tuple[list[Prompt], int]:
     """Every prompt of a list held to ``max_prompt_length`` tokens (:class:`LengthCheck`):
     returns the prompts (over-long ones cut, with ``truncate``) and how many were cut; otherwise
-    raises, naming the first offending prompt."""
+    raises, naming the first offending prompt.
+
+    Args:
+        prompts: :class:`Prompt` rows or plain user messages.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        max_prompt_length: the budget, in tokens, chat template included.
+        truncate: cut over-long prompts to fit (False: raise).
+        system_prompt: put first in conversations that have no system message (None: none).
+        truncate_side: ``left`` or ``right`` (:class:`LengthCheck`'s ``side``).
+        truncate_at: :class:`LengthCheck`'s ``at``.
+    """
     if not prompts:
         raise ConfigError("The prompt set is empty: point data.source at prompts.")
     check = LengthCheck(tokenizer, max_prompt_length, truncate, truncate_side, truncate_at)

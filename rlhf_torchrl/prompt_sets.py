@@ -38,10 +38,7 @@ CHECK_ALL_UP_TO = 100_000
 class PromptSet(Sequence):
     """The prompts of one source, row ``i``'s made when ``prompts[i]`` is read.
 
-    The prompt column (text, an HH transcript, or a list of chat messages) becomes the
-    conversation, ``template`` fills its last user message (``{prompt}``: that message, ``{name}``:
-    the row's column), ``max_words`` cuts the message first, ``system_prompt`` goes first in
-    conversations without one. Every other column travels with the prompt
+    The prompt column becomes the conversation. Every other column travels with the prompt
     (:attr:`~rlhf_torchrl.data.Prompt.fields`). Rows in verl's schema (:func:`verl_schema`) also
     carry ``reward_model.ground_truth`` as the fields ``ground_truth`` and ``answer``; when
     ``column`` is not one of their columns, their ``prompt`` messages are taken as written
@@ -50,6 +47,16 @@ class PromptSet(Sequence):
     ``length_check`` (a :class:`~rlhf_torchrl.data.LengthCheck`) holds every prompt read to the
     token budget, cut or refused. ``rows``: which rows of the table, in order (``data.limit``, the
     held-out split: slicing a set slices them).
+
+    Args:
+        table: the source's rows (:func:`~rlhf_torchrl.readers.read_table`).
+        column: the prompt column: text, an HH transcript, or a list of chat messages.
+        template: fills the last user message (``{prompt}``: that message, ``{name}``: the row's
+            column); None: the message as written.
+        max_words: cut the message to its first ``max_words`` words before templating (None:
+            whole).
+        system_prompt: put first in conversations without one (None: none).
+        limit: the first ``limit`` rows (None: all).
 
     Example:
         >>> prompts = PromptSet(read_table("train.parquet"), column="question")
@@ -85,11 +92,19 @@ class PromptSet(Sequence):
         return self._prompt(self.rows[i])[0]
 
     def with_length_check(self, length_check) -> PromptSet:
-        """The same prompts, each held to ``length_check`` when read."""
+        """The same prompts, each held to ``length_check`` when read.
+
+        Args:
+            length_check (rlhf_torchrl.data.LengthCheck | None): the check (None: none).
+        """
         return self._with(length_check=length_check)
 
     def hold_out(self, k: int) -> tuple[PromptSet, PromptSet]:
-        """``(training prompts, held-out prompts)``: the held-out ones are the last ``k`` rows."""
+        """``(training prompts, held-out prompts)``: the held-out ones are the last ``k`` rows.
+
+        Args:
+            k: the number of held-out prompts.
+        """
         return self[: len(self) - k], self[len(self) - k:]
 
     def check(self) -> int:
@@ -215,7 +230,11 @@ def _arrow_kind(arrow_type) -> str | None:
 def verl_schema(table: Table) -> bool:
     """Whether the rows are in verl's RL dataset schema (its ``examples/data_preprocess``):
     ``prompt`` a list of chat messages and ``reward_model`` a struct holding ``ground_truth``
-    (next to ``data_source``, ``ability``, ``extra_info``)."""
+    (next to ``data_source``, ``ability``, ``extra_info``).
+
+    Args:
+        table: the source's rows.
+    """
     if "prompt" not in table.columns or "reward_model" not in table.columns:
         return False
     if table.arrow is None:
@@ -232,7 +251,12 @@ def verl_schema(table: Table) -> bool:
 
 def apportion(total: int, weights: Sequence[float]) -> list[int]:
     """``total`` split in proportion to ``weights``: the integer parts of the quotas, then one more
-    to the largest remainders (ties: the earlier). ``apportion(5, [3, 1]) == [4, 1]``."""
+    to the largest remainders (ties: the earlier). ``apportion(5, [3, 1]) == [4, 1]``.
+
+    Args:
+        total: the count to split.
+        weights: non-negative weights, one per part.
+    """
     quotas = [total * w / sum(weights) for w in weights]
     shares = [int(q) for q in quotas]
     by_remainder = sorted(range(len(quotas)), key=lambda i: (shares[i] - quotas[i], i))
@@ -246,8 +270,12 @@ class PromptMixture(Sequence):
 
     Indices run over the sets one after another (set 0's rows, then set 1's, ...); the
     proportions are those of :class:`MixtureBatchSampler`, which
-    :func:`~rlhf_torchrl.collectors.make_generation_env` uses for a mixture. ``names`` name the
-    sets in messages (default: their sources).
+    :func:`~rlhf_torchrl.collectors.make_generation_env` uses for a mixture.
+
+    Args:
+        sets: the prompt sets.
+        weights: one positive weight per set (relative: they need not sum to 1).
+        names: the sets' names in messages (None: their sources).
 
     Example:
         >>> mixture = PromptMixture([PromptSet(read_table("math.parquet")),
@@ -298,7 +326,11 @@ class PromptMixture(Sequence):
 
     def hold_out(self, k: int) -> tuple[PromptMixture, PromptMixture]:
         """``(training mixture, held-out prompts)``: ``k`` held-out prompts shared among the sets in
-        proportion to their weights (:func:`apportion`), the last rows of each."""
+        proportion to their weights (:func:`apportion`), the last rows of each.
+
+        Args:
+            k: the number of held-out prompts.
+        """
         shares = apportion(k, self.weights)
         for name, s, share in zip(self.names, self.sets, shares):
             if share >= len(s):
@@ -323,6 +355,16 @@ class MixtureBatchSampler(torch.utils.data.Sampler):
     served next. As :class:`~rlhf_torchrl.collectors.base.ShardedBatchSampler`: every process draws
     the same global batches, process ``rank`` of ``world_size`` gets its contiguous
     ``batch_size / world_size`` slice, every index ``repeats`` times in a row (a group).
+
+    Args:
+        sizes: each set's number of rows.
+        weights: each set's weight.
+        batch_size: indices of a global batch (every process's together).
+        rank: this process's rank.
+        world_size: the number of processes.
+        seed: the draws' and the shuffles' seed.
+        skip: global batches drawn and dropped (a resumed run).
+        repeats: times each index is yielded in a row (``samples_per_prompt``).
 
     Example:
         >>> sampler = MixtureBatchSampler([100, 10], [3.0, 1.0], batch_size=8, seed=0)

@@ -48,7 +48,12 @@ _SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": 
 @dataclass(frozen=True)
 class Where:
     """Names row ``i`` of a source in messages: ``prompts.jsonl:12`` (a file line, ``lines[i]``)
-    or ``train.parquet[11]``."""
+    or ``train.parquet[11]``.
+
+    Args:
+        name: the source's name (a file name, a hub name).
+        lines: each row's line in the file (None: rows are named by index).
+    """
 
     name: str
     lines: array | None = None
@@ -61,9 +66,13 @@ class Where:
 class Table:
     """The rows of one source: ``rows[i]`` is row ``i``, a dict of its columns.
 
-    ``rows`` is a ``datasets.Dataset`` (memory-mapped Arrow, decoded one row at a time when read)
-    or a list of dicts (the JSON forms and the built-in sets, in memory). ``columns``: the Arrow
-    schema's columns, or the first row's fields. ``where(i)`` names row ``i`` in messages.
+    Args:
+        rows: a ``datasets.Dataset`` (memory-mapped Arrow, decoded one row at a time when read) or
+            a list of dicts (the JSON forms and the built-in sets, in memory).
+        columns: the Arrow schema's columns, or the first row's fields.
+        name: the source, as given.
+        form: its form (:func:`source_form`).
+        where: ``where(i)`` names row ``i`` in messages.
     """
 
     rows: Sequence[dict]
@@ -83,7 +92,11 @@ def source_form(source: str) -> str:
     (a save_to_disk folder), ``folder`` (a folder ``load_dataset`` reads) or ``hub``.
 
     A file of another kind is refused, naming the forms accepted; a missing file whose suffix names
-    a form is a missing file, not a hub name."""
+    a form is a missing file, not a hub name.
+
+    Args:
+        source: a path or a hub name.
+    """
     if any(c in source for c in "*?["):
         return "parquet"  # a glob of shards (checked by the reader)
     path = Path(source)
@@ -105,9 +118,13 @@ def read_table(source: str, *, split: str = "train", config: str | None = None,
                seed: int = 0) -> Table:
     """The rows of ``source`` in whichever form it is (:func:`source_form`).
 
-    ``split`` and ``config``: a hub dataset's (``split`` also picks one of a saved DatasetDict's
-    splits). ``limit``, ``generator_args`` and ``seed``: how many rows ``reasoning_gym:<task>``
-    generates (default 1000), with which settings and from which seed.
+    Args:
+        source: a path, a hub name, ``polarity`` or ``reasoning_gym:<task>``.
+        split: a hub dataset's split, or one of a saved DatasetDict's.
+        config: a hub dataset's configuration name.
+        limit: how many rows ``reasoning_gym:<task>`` generates (None: 1000).
+        generator_args: the reasoning-gym task's settings.
+        seed: the seed reasoning-gym's rows are generated from.
     """
     if source == POLARITY:
         sentences = [text for _, text in polarity_sentences()]
@@ -205,7 +222,11 @@ def _quiet_datasets():
 
 def read_json_lines(path: str) -> tuple[list[dict], list[int]]:
     """The objects of a JSON-lines file and the line each is on (blank lines skipped). A line
-    that is not UTF-8, not JSON or not an object is named by its number."""
+    that is not UTF-8, not JSON or not an object is named by its number.
+
+    Args:
+        path: the file.
+    """
     if not os.path.exists(path):
         raise MissingFileError(f"Prompt file {path!r} does not exist.")
     rows, lines = [], []
@@ -231,7 +252,12 @@ def read_json_lines(path: str) -> tuple[list[dict], list[int]]:
 
 
 def read_jsonl(path: str, column: str) -> list[tuple[dict, str]]:
-    """``(row, "path:line")`` of a JSON-lines file whose every row has ``column``."""
+    """``(row, "path:line")`` of a JSON-lines file whose every row has ``column``.
+
+    Args:
+        path: the file.
+        column: the field every row must have.
+    """
     rows, lines = read_json_lines(path)
     for row, lineno in zip(rows, lines):
         if column not in row:
@@ -270,7 +296,14 @@ def _in_memory(rows: list[dict], name: str, form: str, lines: list[int] | None =
 
 def read_hub_rows(name: str, split: str, column: str,
                   config: str | None = None) -> list[tuple[dict, str]]:
-    """``(row, "name[i]")`` of a hub dataset (or a folder in its layout) with a ``column``."""
+    """``(row, "name[i]")`` of a hub dataset (or a folder in its layout) with a ``column``.
+
+    Args:
+        name: the hub dataset's name, or a folder in its layout.
+        split: the split.
+        column: the column every row must have.
+        config: the configuration name (None: the default).
+    """
     with _quiet_datasets() as datasets:
         ds = datasets.load_dataset(name, config, split=split)
     if column not in ds.column_names:

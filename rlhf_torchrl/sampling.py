@@ -49,14 +49,16 @@ def sample_inverse_cdf(
 ) -> torch.Tensor:
     """Row-wise draws ``i ~ weights[b, i] / weights[b].sum()`` by inverse CDF, exact to fp64.
 
-    ``weights`` (B, V) are non-negative, unnormalised, each row with a positive sum. A flat fp32
-    cumulative sum over a large vocabulary would round every entry below ``2**-24`` of the running
-    total to zero probability; instead the vocabulary is cut into blocks of 256, a block is drawn
-    from the block masses (cumulated in fp64), then a token from inside that block (fp64 cumulative
-    sum of 256 entries). A zero weight is never drawn. Returns (B,) int64 indices.
+    A flat fp32 cumulative sum over a large vocabulary would round every entry below ``2**-24`` of
+    the running total to zero probability; instead the vocabulary is cut into blocks of 256, a block
+    is drawn from the block masses (cumulated in fp64), then a token from inside that block (fp64
+    cumulative sum of 256 entries). A zero weight is never drawn. Returns (B,) int64 indices.
 
-    The two uniforms per row come from ``generator`` (or torch's global one), or are given as
-    ``uniforms`` (B, 2) in (0, 1] (per-row random streams, :class:`InverseCDFSampler`).
+    Args:
+        weights: (B, V) non-negative, unnormalised weights, each row with a positive sum.
+        generator: draws the two uniforms per row (None: torch's global generator).
+        uniforms: (B, 2) the uniforms, in (0, 1], given instead (per-row random streams,
+            :class:`InverseCDFSampler`).
     """
     n_rows, n = weights.shape
     if uniforms is None:
@@ -87,6 +89,13 @@ def row_stream_seeds(seed: int, batch: int, rows: range | list[int], turn: int =
 
     The random stream a row's tokens are drawn with then depends on which prompt of which batch it
     is, never on which process drew it or which rows share its batch: a run is world-size invariant.
+
+    Args:
+        seed: the run's sampling seed.
+        batch: the global batch's index.
+        rows: the rows' global indices.
+        turn: the turn of a multi-turn episode (0: the first).
+        segment: the segment of a partial rollout (0: the first).
     """
     import numpy as np
 
@@ -106,14 +115,19 @@ class InverseCDFSampler:
         out = model.generate(**inputs, do_sample=False, logits_processor=[sampler])
         log_probs = sampler.pop()[0]  # (B, T) log-probs of the generated tokens
 
-    With ``record=True`` each step's sampled-token log-probs under the distribution they were
-    drawn from are kept (temperature-scaled; renormalised over the tokens top-k/top-p leave, when
-    set), and with ``record_entropy`` the exact entropies of those distributions. :meth:`pop` returns them stacked as (B, T) fp32
-    and clears the record. Rows that already finished keep being recorded: the caller masks them.
+    :meth:`pop` returns the records stacked as (B, T) fp32 and clears them. Rows that already
+    finished keep being recorded: the caller masks them. After :meth:`set_streams`, random numbers
+    come from one stream per row (seeded by :func:`row_stream_seeds`): then a row's tokens do not
+    depend on the other rows of its batch.
 
-    Random numbers come from ``generator`` (torch's global one by default), or, after
-    :meth:`set_streams`, from one stream per row (seeded by :func:`row_stream_seeds`): then a row's
-    tokens do not depend on the other rows of its batch.
+    Args:
+        temperature: the sampling temperature.
+        top_k: keep the ``k`` likeliest tokens (0: all).
+        top_p: nucleus sampling's mass (1.0: all).
+        record: keep each step's sampled-token log-probs under the distribution they were drawn
+            from (temperature-scaled; renormalised over the tokens top-k/top-p leave, when set).
+        record_entropy: keep the exact entropies of those distributions too.
+        generator: the random numbers' source (None: torch's global generator).
     """
 
     def __init__(
@@ -152,7 +166,11 @@ class InverseCDFSampler:
 
     def set_streams(self, seeds: list[int] | None) -> None:
         """Draw row ``i`` of the next generation from its own generator seeded with ``seeds[i]``
-        (None: back to the shared ``generator``)."""
+        (None: back to the shared ``generator``).
+
+        Args:
+            seeds: one seed per row (None: the shared ``generator``).
+        """
         self._stream_seeds = None if seeds is None else list(seeds)
         self._streams = self._drawn = None
 
@@ -232,6 +250,10 @@ class ValueRecorder:
     forwards of the thread that started the recording count (an evaluation that runs the same
     model meanwhile does not). :meth:`pop` returns the values since the last call, (B, T) fp32.
     Rows that already finished keep being recorded: the caller masks them.
+
+    Args:
+        trunk: the policy's trunk, whose forwards are hooked.
+        head: the critic's value head.
     """
 
     def __init__(self, trunk: torch.nn.Module, head: torch.nn.Module):
@@ -251,7 +273,11 @@ class ValueRecorder:
             self._thread = None
 
     def wrap(self, generate):
-        """``generate``, recording while it runs."""
+        """``generate``, recording while it runs.
+
+        Args:
+            generate (Callable): a ``generate`` function.
+        """
 
         @functools.wraps(generate)
         def recording_generate(*args, **kwargs):
@@ -281,6 +307,9 @@ def ignored_generation_settings(generation_config) -> dict:
     Everything that differs from transformers' defaults, except token ids and output switches:
     ``do_sample``, ``temperature``, ``top_k``/``top_p``, ``repetition_penalty``,
     ``no_repeat_ngram_size``, ``min_new_tokens``, ``suppress_tokens``, ``bad_words_ids``, ...
+
+    Args:
+        generation_config (transformers.GenerationConfig): a checkpoint's generation config.
     """
     if generation_config is None:
         return {}
@@ -295,6 +324,9 @@ def sampling_generation_config(model):
     fall back to transformers' neutral defaults (no penalty, no suppressed token, no minimum
     length, greedy over :class:`InverseCDFSampler`'s one-hot scores), and the recipe's settings
     come only from the ``generate`` arguments. The model's BOS id is kept (for empty inputs).
+
+    Args:
+        model (transformers.PreTrainedModel): the policy model (its BOS id is kept).
     """
     from transformers import GenerationConfig
 
@@ -302,7 +334,12 @@ def sampling_generation_config(model):
 
 
 def warn_ignored_generation_settings(model, temperature: float) -> dict:
-    """Log (once per call) which of the checkpoint's generation settings sampling leaves out."""
+    """Log (once per call) which of the checkpoint's generation settings sampling leaves out.
+
+    Args:
+        model (transformers.PreTrainedModel): the policy model.
+        temperature: the sampling temperature the recipe sets, named in the message.
+    """
     ignored = ignored_generation_settings(getattr(model, "generation_config", None))
     if ignored:
         settings = ", ".join(f"{k}={v!r}" for k, v in sorted(ignored.items()))
@@ -323,8 +360,12 @@ def check_full_distribution(top_k: int, top_p: float, *, where: str = "") -> Non
     policy: the first ratio would not be 1, and a token the truncation could never draw under
     the updated policy has no finite log-ratio. So training samples from the full distribution
     (as TRL's PPO and the N+ implementation details pin ``top_k=0, top_p=1.0``); the temperature
-    is the one sampling setting both sides follow. ``where`` prefixes the setting names
-    (``"generation."`` for the recipe's).
+    is the one sampling setting both sides follow.
+
+    Args:
+        top_k: must be 0.
+        top_p: must be 1.0.
+        where: prefixes the setting names in the error (``"generation."`` for the recipe's).
     """
     if top_k or top_p < 1:
         raise ConfigError(
@@ -345,14 +386,22 @@ def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3,
     The ratio ``exp(new - old)`` of PPO's first minibatch is 1 only when the recorded ``old``
     log-probs are those of the distribution the loss computes. Raises :class:`OffPolicyError` when
     ``max |recorded - recomputed|`` over the valid tokens of the first ``num_rows`` rows exceeds
-    ``atol`` (nats); returns ``{"max_abs_diff", "mean_abs_diff", "tokens"}`` otherwise. With a
-    ``critic`` and values recorded while sampling (``"state_value"``, :class:`ValueRecorder`),
-    those are checked against the critic's forward too (same ``atol``; ``"value_max_abs_diff"``).
-    ``tokens`` (B, R) bool: compare these response tokens alone (partial rollouts: those the
-    current weights sampled, :func:`~rlhf_torchrl.collectors.partial.current_tokens`).
+    ``atol``; returns ``{"max_abs_diff", "mean_abs_diff", "tokens"}`` otherwise.
+
+    Args:
+        rollout (tensordict.TensorDictBase): a rollout with recorded log-probs.
+        actor (rlhf_torchrl.modules.TokenLevelActor): the policy's actor.
+        num_rows: the rows compared (the first ones).
+        atol: the largest difference allowed, in nats.
+        critic (rlhf_torchrl.modules.TokenCritic | None): with values recorded while sampling
+            (``"state_value"``, :class:`ValueRecorder`), those are checked against the critic's
+            forward too (same ``atol``; ``"value_max_abs_diff"``). None: log-probs only.
+        tokens: (B, R) bool, compare these response tokens alone (partial rollouts: those the
+            current weights sampled, :func:`~rlhf_torchrl.collectors.partial.current_tokens`);
+            None: every valid token.
 
     Shapes: reads (B, P) prompt and (B, R) response tokens/masks and (B, R) ``("log_probs",
-    "response")``; ``actor`` is a :class:`~rlhf_torchrl.modules.TokenLevelActor`.
+    "response")``.
     """
     if K.LOG_PROB not in rollout.keys(True):
         raise KeyError(
@@ -410,7 +459,12 @@ def _check_recorded_values(rows, critic, mask: torch.Tensor, atol: float) -> dic
 
 
 def low_precision(*, autocast: str | None = None, dtype: str = "float32") -> bool:
-    """bf16/fp16 computation: autocast, or low-precision weights."""
+    """bf16/fp16 computation: autocast, or low-precision weights.
+
+    Args:
+        autocast: the autocast dtype's name (None: none).
+        dtype: the weights' dtype.
+    """
     return bool(autocast) or dtype in ("bfloat16", "float16")
 
 
@@ -424,7 +478,16 @@ def log_probs_from_sampling(*, backend: str = "transformers", autocast: str | No
     updates ahead (its weights are older than the trainer's), or with ``partial_rollout`` (a
     paused response's earlier tokens come from older weights): PPO's first ratio would not be 1,
     so the trainer's forward recomputes them and the sampler's weight the loss (TIS; decoupled
-    PPO, Hilton et al. 2021: the trust region is anchored at the policy being updated)."""
+    PPO, Hilton et al. 2021: the trust region is anchored at the policy being updated).
+
+    Args:
+        backend: ``transformers`` or ``vllm``.
+        autocast: the autocast dtype's name (None: none).
+        dtype: the weights' dtype.
+        overlap: the sampler's updates ahead (None: synchronous).
+        setting: the user's choice (None: decide as above).
+        partial_rollout: responses are sampled in segments by successive weights.
+    """
     if setting is not None:
         return bool(setting)
     return (not low_precision(autocast=autocast, dtype=dtype) and backend == "transformers"
@@ -434,7 +497,13 @@ def log_probs_from_sampling(*, backend: str = "transformers", autocast: str | No
 def on_policy_tolerance(*, autocast: str | None = None, dtype: str = "float32",
                         setting: float | None = None) -> float:
     """The on-policy check's tolerance (``setting`` when given): 1e-3 nats in fp32, 0.5 in
-    bf16/fp16 (rounding alone gave up to 0.25 on SmolLM2 with bf16 autocast on CPU)."""
+    bf16/fp16 (rounding alone gave up to 0.25 on SmolLM2 with bf16 autocast on CPU).
+
+    Args:
+        autocast: the autocast dtype's name (None: none).
+        dtype: the weights' dtype.
+        setting: the user's tolerance, in nats (None: as above).
+    """
     if setting is not None:
         return float(setting)
     return 0.5 if low_precision(autocast=autocast, dtype=dtype) else 1e-3
