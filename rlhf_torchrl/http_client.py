@@ -25,9 +25,14 @@ RETRY_STATUSES = (429, 500, 502, 503, 504)
 
 
 class ServiceError(RuntimeError):
-    """A service that gave no usable answer: ``failure`` (the last one, in a few words),
-    ``attempts`` (how many requests went out), ``status`` (the last HTTP status; None when no
-    answer came) and ``detail`` (the start of an error answer's body, when it had one)."""
+    """A service that gave no usable answer.
+
+    Args:
+        failure: the last failure, in a few words.
+        attempts: how many requests went out.
+        status: the last HTTP status (None: no answer came).
+        detail: the start of an error answer's body, when it had one.
+    """
 
     def __init__(self, failure: str, attempts: int, status: int | None = None, detail: str = ""):
         self.failure, self.attempts, self.status, self.detail = failure, attempts, status, detail
@@ -41,10 +46,21 @@ def post_json(url: str, body: bytes, *, attempts: int, timeout: float | None = N
     """POST ``body`` (JSON) to ``url``; the answer's body, at most ``max_bytes + 1`` bytes (the
     caller tells an answer that is too long by its length).
 
-    ``attempts``: requests in all. ``timeout``: seconds each may take; ``deadline`` (a
-    ``time.monotonic()`` instant): none starts, nor waits, past it, and each gets the time left at
-    most. ``on_retry(failure, attempt)`` is called before each wait (for a log line). Raises
-    :class:`ServiceError`.
+    Raises :class:`ServiceError`.
+
+    Args:
+        url: the endpoint.
+        body: the JSON request body.
+        attempts: requests in all.
+        timeout: seconds each may take (None: up to the deadline).
+        deadline: a ``time.monotonic()`` instant: no request starts, nor waits, past it, and each
+            gets the time left at most (None: none).
+        backoff: the first wait between requests in seconds, doubled each time.
+        max_backoff: the longest wait, in seconds.
+        headers: extra request headers.
+        max_bytes: the longest answer wanted, in bytes.
+        on_retry (Callable | None): ``(failure, attempt)``, called before each wait (for a log
+            line).
     """
     failure, status, detail, sent = "no time left", None, "", 0
     for attempt in range(attempts):

@@ -46,14 +46,23 @@ MAX_BACKOFF = 30.0
 
 
 def is_url(text: str) -> bool:
-    """Whether a reward names an HTTP endpoint rather than a function's dotted path."""
+    """Whether a reward names an HTTP endpoint rather than a function's dotted path.
+
+    Args:
+        text: a reward's name, as configured.
+    """
     return text.startswith(("http://", "https://"))
 
 
 def url_name(url: str, full: bool = False) -> str:
     """A metric name for the reward at ``url``: its last path segment (``score``), else its host;
     ``full``: host, port and path (where two rewards share the short name). ``/`` and ``:``
-    become ``_`` (metric names are paths of the CSV logger)."""
+    become ``_`` (metric names are paths of the CSV logger).
+
+    Args:
+        url: the reward's URL.
+        full: the long form, host, port and path.
+    """
     parts = urlsplit(url)
     name = (f"{parts.netloc}{parts.path}" if full
             else parts.path.rstrip("/").rsplit("/", 1)[-1] or parts.netloc)
@@ -62,7 +71,12 @@ def url_name(url: str, full: bool = False) -> str:
 
 def bearer_token(token_env: str | None, setting: str = "reward.remote_token_env") -> str | None:
     """The token in environment variable ``token_env`` (None without one); an unset or empty
-    variable is an error naming ``setting``."""
+    variable is an error naming ``setting``.
+
+    Args:
+        token_env: the environment variable's name (None: no token).
+        setting: the setting that named it, for the error.
+    """
     if not token_env:
         return None
     token = os.environ.get(token_env, "")
@@ -76,13 +90,24 @@ class RemoteReward:
     """Scores responses by POSTing them to ``url`` (the module docstring gives the format): a
     reward function for :class:`~rlhf_torchrl.rewards.Scorer`.
 
-    Batching: requests of ``batch_size`` responses, ``concurrency`` of them in flight at once; the
-    scores come back in the rows' order. Faults: each request may take ``timeout`` seconds; a
-    refused connection, a timeout or a 429/5xx answer is tried again ``retries`` times, after 1, 2,
-    4, ... seconds (at most 30), with one warning when it first fails. A service that stays down,
+    The scores come back in the rows' order. A refused connection, a timeout or a 429/5xx answer is
+    tried again, with one warning when it first fails. A service that stays down,
     an error answer (400, 401, 413, ...) or an answer other than one number per response raises
     :class:`~rlhf_torchrl.rewards.RewardError`, one line naming the URL and what came back: the
     run stops before its update, its last checkpoint intact. No score is ever made up.
+
+    Args:
+        url: the scoring endpoint.
+        name: the reward's name in errors and metrics.
+        token_env: the environment variable holding a bearer token (None: no token).
+        timeout: seconds each request may take.
+        retries: tries after the first, for a refused connection, a timeout or a 429/5xx answer.
+        batch_size: responses per request.
+        concurrency: requests in flight at once.
+        label_column: the dataset column sent as ``labels`` (None: none).
+        stop_text: appended to ``query`` where a response ended with its stop token (the policy's
+            stop token as text).
+        backoff: the first retry's wait in seconds, doubled each retry (at most 30).
 
     Example:
         >>> reward = RemoteReward("http://127.0.0.1:8000/score", name="reward_model")
@@ -122,7 +147,13 @@ class RemoteReward:
 
     def request_rows(self, prompts: list[str], responses: list[str],
                      tensordict: TensorDictBase) -> dict:
-        """The request's fields for every row (the module docstring's format)."""
+        """The request's fields for every row (the module docstring's format).
+
+        Args:
+            prompts: the rendered prompts.
+            responses: the decoded responses.
+            tensordict: the rollout (``has_stop_token``, the conversations, the label column).
+        """
         keys = tensordict.keys(True)
         has_stop = (tensordict.get(K.HAS_STOP).tolist() if K.HAS_STOP in keys
                     else [True] * len(responses))

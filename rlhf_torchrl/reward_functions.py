@@ -18,7 +18,12 @@ def _vader():
 
 
 def vader_sentiment(prompts: list[str], responses: list[str]) -> list[float]:
-    """VADER compound sentiment of each response, in [-1, 1] (rule-based, ~27k texts/s)."""
+    """VADER compound sentiment of each response, in [-1, 1] (rule-based, ~27k texts/s).
+
+    Args:
+        prompts: the rendered prompts (unused).
+        responses: the decoded responses.
+    """
     analyzer = _vader()
     return [analyzer.polarity_scores(r)["compound"] for r in responses]
 
@@ -50,7 +55,11 @@ def _after_markers(text: str):
 def extract_final_number(text: str) -> float | None:
     """The answer a solution ends with: the number after GSM8K's ``####`` marker if there is one,
     else after the last "answer is"/"answer:", else the last number in the text. Commas, a dollar
-    sign and a trailing period are ignored; ``-3`` is negative. None when there is no number."""
+    sign and a trailing period are ignored; ``-3`` is negative. None when there is no number.
+
+    Args:
+        text: a solution.
+    """
     for after in _after_markers(text):
         found = _NUMBER.search(after)
         if found:
@@ -61,7 +70,13 @@ def extract_final_number(text: str) -> float | None:
 
 def gsm8k_correct(prompts: list[str], responses: list[str], answer: list[str]) -> list[float]:
     """1.0 where the response's final number equals the row's ``answer`` (a GSM8K answer field,
-    reasoning then ``#### 72``, or a bare number), else 0.0. Reads the dataset column ``answer``."""
+    reasoning then ``#### 72``, or a bare number), else 0.0. Reads the dataset column ``answer``.
+
+    Args:
+        prompts: the rendered prompts (unused).
+        responses: the decoded responses.
+        answer: each row's ``answer`` column.
+    """
     out = []
     for response, reference in zip(responses, answer):
         expected = extract_final_number(str(reference))
@@ -71,7 +86,12 @@ def gsm8k_correct(prompts: list[str], responses: list[str], answer: list[str]) -
 
 
 def gsm8k_format(prompts: list[str], responses: list[str]) -> list[float]:
-    """1.0 where the response states its answer in the asked format (``#### <number>``)."""
+    """1.0 where the response states its answer in the asked format (``#### <number>``).
+
+    Args:
+        prompts: the rendered prompts (unused).
+        responses: the decoded responses.
+    """
     return [float(re.search(r"####\s*-?\$?\d", r) is not None) for r in responses]
 
 
@@ -79,7 +99,11 @@ def gsm8k_format(prompts: list[str], responses: list[str]) -> list[float]:
 def extract_tagged_answer(text: str) -> str:
     """The answer a response gives: inside its last ``<answer>...</answer>`` (reasoning-gym's
     convention), else after its last ``####`` / "answer is" / "answer:" up to the end of that line,
-    else its last non-empty line; stripped, a trailing period dropped."""
+    else its last non-empty line; stripped, a trailing period dropped.
+
+    Args:
+        text: a response.
+    """
     tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.DOTALL)
     if tagged:
         return tagged[-1].strip()
@@ -101,7 +125,14 @@ def reasoning_gym_score(prompts: list[str], responses: list[str], answer: list[s
     """The task's own checker (``reasoning_gym.get_score_answer_fn``) on the answer each response
     gives (:func:`extract_tagged_answer`): 1.0 correct, 0.0 wrong, some tasks give partial credit.
     Reads the ``answer`` and ``metadata`` columns of a ``reasoning_gym:<task>`` prompt set (the
-    checkers do not read the question; the rendered prompt stands in for it)."""
+    checkers do not read the question; the rendered prompt stands in for it).
+
+    Args:
+        prompts: the rendered prompts (given to the checker as the question).
+        responses: the decoded responses.
+        answer: each row's ``answer`` column.
+        metadata: each row's ``metadata`` column.
+    """
     out = []
     for prompt, response, a, meta in zip(prompts, responses, answer, metadata):
         check = _reasoning_gym_checker(meta["source_dataset"])

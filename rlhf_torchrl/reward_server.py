@@ -54,7 +54,12 @@ DRAIN_FACTOR = 8
 
 
 class RequestError(Exception):
-    """A request the server refuses: ``status`` (4xx) and a message for the caller."""
+    """A request the server refuses.
+
+    Args:
+        status: the HTTP status (4xx).
+        message: the error, for the caller.
+    """
 
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -64,9 +69,14 @@ class RequestError(Exception):
 class Batcher:
     """Scores the texts of concurrent requests together: ``await batcher.score(texts)``.
 
-    ``score_fn(texts) -> list[float]`` runs on one worker thread, a round at a time; a round takes
-    the requests waiting (whole ones, ``max_batch`` texts at most, one request at least) after
-    ``max_wait`` seconds. A round that fails fails its own requests, no others.
+    ``score_fn`` runs on one worker thread, a round at a time; a round takes the requests waiting
+    (whole ones, ``max_batch`` texts at most, one request at least) after ``max_wait`` seconds. A
+    round that fails fails its own requests, no others.
+
+    Args:
+        score_fn (Callable): ``texts -> list[float]``.
+        max_batch: the most texts a round takes (a request is never split).
+        max_wait: seconds a round waits for other requests to join the first.
     """
 
     def __init__(self, score_fn, *, max_batch: int = 256, max_wait: float = 0.005):
@@ -145,7 +155,13 @@ def _strings(value, name: str, n: int | None = None) -> list:
 
 def request_texts(request, reward_model, max_responses: int) -> list[str]:
     """The texts to score for a parsed request body (the module docstring's format), rendered as
-    the reward model reads them; :class:`RequestError` (400, 413) for a request it cannot take."""
+    the reward model reads them; :class:`RequestError` (400, 413) for a request it cannot take.
+
+    Args:
+        request (dict): the parsed request body.
+        reward_model (rlhf_torchrl.rewards.RewardModel): renders the texts.
+        max_responses: the most responses a request may hold (more: 413).
+    """
     if not isinstance(request, dict):
         raise RequestError(400, "the body must be a JSON object")
     if "responses" not in request and "query" not in request:
@@ -185,8 +201,17 @@ def request_texts(request, reward_model, max_responses: int) -> list[str]:
 
 def make_app(reward_model, *, token: str | None = None, max_request_bytes: int = 16 << 20,
              max_request_responses: int = 1024, max_batch: int = 256, max_wait: float = 0.005):
-    """The Starlette app serving ``reward_model`` (a :class:`~rlhf_torchrl.rewards.RewardModel`);
-    the settings as :func:`serve` takes them."""
+    """The Starlette app serving ``reward_model``: the module docstring's endpoints, batching and
+    limits.
+
+    Args:
+        reward_model (rlhf_torchrl.rewards.RewardModel): the model that scores.
+        token: the bearer token every ``POST`` needs (None: none).
+        max_request_bytes: a larger body gets 413.
+        max_request_responses: a request with more responses gets 413.
+        max_batch: the most texts a scoring round takes (:class:`Batcher`).
+        max_wait: seconds a round waits for other requests to join the first.
+    """
     try:
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse
@@ -273,7 +298,13 @@ def make_app(reward_model, *, token: str | None = None, max_request_bytes: int =
 
 def make_server(app, host: str = "127.0.0.1", port: int = 8000):
     """(a uvicorn ``Server`` for ``app``, its listening socket): bound and listening already, so a
-    client that connects before the server runs waits in the backlog rather than being refused."""
+    client that connects before the server runs waits in the backlog rather than being refused.
+
+    Args:
+        app: the Starlette app (:func:`make_app`).
+        host: the address to bind.
+        port: the port (0: one the system picks).
+    """
     import uvicorn
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -290,9 +321,17 @@ def make_server(app, host: str = "127.0.0.1", port: int = 8000):
 
 def serve(reward_model, *, name: str = "reward model", host: str = "127.0.0.1", port: int = 8000,
           token: str | None = None, **settings) -> None:
-    """Serve ``reward_model`` at ``host:port`` until interrupted (SIGINT/SIGTERM); ``settings``:
-    :func:`make_app`'s. Prints ``Serving <name> at http://HOST:PORT`` once it takes requests
-    (``port=0``: the port it picked)."""
+    """Serve ``reward_model`` at ``host:port`` until interrupted (SIGINT/SIGTERM). Prints
+    ``Serving <name> at http://HOST:PORT`` once it takes requests.
+
+    Args:
+        reward_model (rlhf_torchrl.rewards.RewardModel): the model that scores.
+        name: what the start-up line calls it.
+        host: the address to bind (``127.0.0.1``: this machine only).
+        port: the port (0: one the server picks, printed).
+        token: the bearer token every ``POST`` needs (None: none).
+        **settings: :func:`make_app`'s other settings.
+    """
     if host not in ("127.0.0.1", "localhost", "::1") and token is None:
         log.warning("Serving on %s without a token: anyone who can reach it can use the reward "
                     "model. Set token_env to an environment variable holding a secret.", host)
@@ -305,7 +344,13 @@ def serve(reward_model, *, name: str = "reward model", host: str = "127.0.0.1", 
 
 class ServerThread:
     """A served reward model in a thread of this process (the tests, the load benchmark):
-    ``with ServerThread(app) as server: ... server.url``."""
+    ``with ServerThread(app) as server: ... server.url``.
+
+    Args:
+        app: the Starlette app (:func:`make_app`).
+        host: the address to bind.
+        port: the port (0: one the server picks).
+    """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
         self.server, self.sock = make_server(app, host, port)
@@ -324,10 +369,18 @@ class ServerThread:
 
 
 class ServerProcess:
-    """``rlhf-torchrl serve-reward-model`` in a child process (a load benchmark, a test), its
-    output in ``log``: ``with ServerProcess(model, port=0, threads=1) as server: ... server.url``.
-    ``settings``: ``serve_reward_model.yaml``'s, as ``key=value`` overrides; ``kill()`` sends it
-    SIGKILL."""
+    """``rlhf-torchrl serve-reward-model`` in a child process (a load benchmark, a test):
+    ``with ServerProcess(model, port=0, threads=1) as server: ... server.url``. ``kill()`` sends it
+    SIGKILL.
+
+    Args:
+        model: the reward model's directory or Hub name.
+        log: the file the server's output goes to.
+        port: the port (0: one the server picks).
+        env: the child's whole environment (None: this process's).
+        timeout: seconds to wait for the server to take requests.
+        **settings: ``serve_reward_model.yaml``'s settings, as ``key=value`` overrides.
+    """
 
     def __init__(self, model: str, log: str, *, port: int = 0, env: dict | None = None,
                  timeout: float = 180.0, **settings):

@@ -27,9 +27,16 @@ from .readers import POLARITY, polarity_sentences, read_hub_rows, read_jsonl
 
 @dataclass(frozen=True)
 class PreferencePair:
-    """A prompt and two responses to it. ``prompt`` is the text a reward model without a chat
-    template reads before the response (may be empty); ``messages`` the same prompt as a
-    conversation, for reward models with a chat template."""
+    """A prompt and two responses to it.
+
+    Args:
+        prompt: the text a reward model without a chat template reads before the response (may be
+            empty).
+        chosen: the preferred response.
+        rejected: the other response.
+        messages: the same prompt as a conversation, for reward models with a chat template
+            (empty: none).
+    """
 
     prompt: str
     chosen: str
@@ -54,18 +61,32 @@ def _pair(prompt: str, chosen: str, rejected: str) -> PreferencePair:
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """``mean(-log sigmoid(chosen - rejected))``: the negative log-likelihood that the chosen
-    response wins under the Bradley-Terry model."""
+    response wins under the Bradley-Terry model.
+
+    Args:
+        chosen: (N,) the chosen responses' scores.
+        rejected: (N,) the rejected responses' scores.
+    """
     return -F.logsigmoid(chosen - rejected).mean()
 
 
 def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
-    """Share of pairs whose chosen response scores strictly higher."""
+    """Share of pairs whose chosen response scores strictly higher.
+
+    Args:
+        chosen: (N,) the chosen responses' scores.
+        rejected: (N,) the rejected responses' scores.
+    """
     return float((chosen > rejected).float().mean())
 
 
 def reward_head(model: nn.Module) -> nn.Linear:
     """The one-output linear layer a sequence classifier scores with (``score``, ``classifier``,
-    ``classifier.out_proj``...)."""
+    ``classifier.out_proj``...).
+
+    Args:
+        model: a sequence classifier.
+    """
     modules = dict(model.named_modules())
     for name in ("score", "classifier", "classifier.out_proj", "v_head"):
         module = modules.get(name)
@@ -78,7 +99,11 @@ def reward_head(model: nn.Module) -> nn.Linear:
 @torch.no_grad()
 def init_reward_head(model: nn.Module) -> nn.Linear:
     """Weights ~ N(0, 1/sqrt(d + 1)) (d: the head's input width), bias 0: initial rewards of
-    unit scale whatever the width."""
+    unit scale whatever the width.
+
+    Args:
+        model: a sequence classifier (:func:`reward_head` finds its head).
+    """
     head = reward_head(model)
     head.weight.normal_(0.0, 1.0 / math.sqrt(head.in_features + 1))
     if head.bias is not None:
@@ -90,7 +115,12 @@ def polarity_pairs(eval_fraction: float = 0.2, seed: int = 0):
     """(train, eval) pairs from the review sentences gensim ships: a positive sentence is chosen
     over a negative one. Sentences are split first, so held-out pairs hold unseen sentences; train
     pairs are one random pairing (re-paired each epoch by :func:`train_reward_model`), eval pairs
-    every held-out (positive, negative) combination."""
+    every held-out (positive, negative) combination.
+
+    Args:
+        eval_fraction: the share of sentences held out for evaluation.
+        seed: the split's and the pairing's seed.
+    """
     rng = random.Random(seed)
     by_label = {"pos": [], "neg": []}
     for label, text in polarity_sentences():
@@ -112,7 +142,18 @@ def load_preference_pairs(source: str, *, split: str = "train", prompt_column: s
     """(train, eval) :class:`PreferencePair` lists from ``"polarity"``, a JSON-lines file or a
     Hugging Face dataset with chosen/rejected columns (and an optional prompt column; Anthropic
     HH rows are whole transcripts: no prompt). Rows are shuffled with ``seed`` and the last
-    ``eval_fraction`` held out."""
+    ``eval_fraction`` held out.
+
+    Args:
+        source: ``"polarity"``, a ``.jsonl`` path, or a Hugging Face dataset name or folder.
+        split: the dataset's split.
+        prompt_column: the prompt's column (a row without it: a pair without a prompt).
+        chosen_column: the chosen response's column.
+        rejected_column: the rejected response's column.
+        eval_fraction: the share of rows held out for evaluation.
+        limit: keep the first ``limit`` rows (None: all).
+        seed: the shuffle's seed.
+    """
     if source == POLARITY:
         return polarity_pairs(eval_fraction, seed)
     if source.endswith((".jsonl", ".json")):
@@ -141,7 +182,14 @@ def _texts(reward_model, pairs, which: str) -> list[str]:
 
 
 def scores(reward_model, pairs, which: str, *, grad: bool = False) -> torch.Tensor:
-    """The raw scores (no offset) of ``which`` (chosen/rejected) responses of ``pairs``."""
+    """The raw scores (no offset) of ``which`` (chosen/rejected) responses of ``pairs``.
+
+    Args:
+        reward_model (rlhf_torchrl.rewards.RewardModel): the model that scores.
+        pairs (list[PreferencePair]): the pairs.
+        which: ``"chosen"`` or ``"rejected"``.
+        grad: keep the graph (training); False: no grad.
+    """
     texts = _texts(reward_model, pairs, which)
     out = []
     with torch.set_grad_enabled(grad):
@@ -152,7 +200,12 @@ def scores(reward_model, pairs, which: str, *, grad: bool = False) -> torch.Tens
 
 
 def evaluate_pairs(reward_model, pairs) -> dict[str, float]:
-    """Held-out pairwise accuracy, loss and mean margin."""
+    """Held-out pairwise accuracy, loss and mean margin.
+
+    Args:
+        reward_model (rlhf_torchrl.rewards.RewardModel): the model to evaluate.
+        pairs (list[PreferencePair]): the held-out pairs.
+    """
     reward_model.model.eval()
     chosen, rejected = scores(reward_model, pairs, "chosen"), scores(reward_model, pairs, "rejected")
     return {"eval/accuracy": pairwise_accuracy(chosen, rejected),
@@ -165,7 +218,20 @@ def train_reward_model(reward_model, train_pairs, eval_pairs, *, epochs: int = 1
                        max_grad_norm: float | None = 1.0, seed: int = 0, log=None) -> list[dict]:
     """AdamW on the Bradley-Terry loss, linear decay to 0; each epoch re-pairs the chosen and
     rejected responses of prompt-less pairs (more distinct pairs from the same sentences) and
-    reports train loss/accuracy and the held-out metrics. Returns one row per epoch."""
+    reports train loss/accuracy and the held-out metrics. Returns one row per epoch.
+
+    Args:
+        reward_model (rlhf_torchrl.rewards.RewardModel): the model to train, in place.
+        train_pairs (list[PreferencePair]): the training pairs.
+        eval_pairs (list[PreferencePair]): the held-out pairs.
+        epochs: passes over the training pairs.
+        batch_size: pairs per optimiser step.
+        lr: AdamW's peak learning rate.
+        weight_decay: AdamW's weight decay.
+        max_grad_norm: gradient-norm clip (None: none).
+        seed: the shuffles' and re-pairings' seed.
+        log (Callable | None): called with each epoch's row (None: not called).
+    """
     model = reward_model.model
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -212,7 +278,12 @@ def _repair(pairs, rng: random.Random) -> list[PreferencePair]:
 
 def reward_offset(reward_model, pairs) -> float:
     """Mean raw score of the reference responses (both sides of ``pairs``): the shift that makes
-    them average zero."""
+    them average zero.
+
+    Args:
+        reward_model (rlhf_torchrl.rewards.RewardModel): the trained model.
+        pairs (list[PreferencePair]): the reference pairs.
+    """
     reward_model.model.eval()
     both = torch.cat([scores(reward_model, pairs, "chosen"), scores(reward_model, pairs, "rejected")])
     return float(both.mean())
