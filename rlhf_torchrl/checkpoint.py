@@ -81,6 +81,11 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: Mapping) -> None:
+    """Restore the global random states :func:`rng_state` took (CUDA's where CUDA is available).
+
+    Args:
+        state: :func:`rng_state`'s dict.
+    """
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
@@ -93,7 +98,11 @@ def set_rng_state(state: Mapping) -> None:
 
 
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """(iterations done, path) of the complete checkpoints in ``output_dir``, oldest first."""
+    """(iterations done, path) of the complete checkpoints in ``output_dir``, oldest first.
+
+    Args:
+        output_dir: the run's directory.
+    """
     root = os.path.join(output_dir, CHECKPOINTS)
     if not os.path.isdir(root):
         return []
@@ -107,6 +116,12 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
 
 
 def is_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a complete checkpoint directory (its trainer state and weights'
+    metadata written).
+
+    Args:
+        path: a directory.
+    """
     return (os.path.isfile(os.path.join(path, _TRAINER))
             and os.path.isfile(os.path.join(path, _WEIGHTS, ".metadata")))
 
@@ -114,7 +129,12 @@ def is_checkpoint(path: str) -> bool:
 def latest_checkpoint(output_dir: str, verify: bool = False) -> str | None:
     """The newest complete checkpoint of ``output_dir`` (None: none). With ``verify``, the newest
     that :func:`verify_checkpoint` accepts: a torn one is named in a warning and skipped; when
-    none can be read, :class:`CheckpointError` (a run never starts over silently)."""
+    none can be read, :class:`CheckpointError` (a run never starts over silently).
+
+    Args:
+        output_dir: the run's directory.
+        verify: skip torn checkpoints (:func:`verify_checkpoint`).
+    """
     found = list_checkpoints(output_dir)
     if not verify:
         return found[-1][1] if found else None
@@ -133,7 +153,11 @@ def latest_checkpoint(output_dir: str, verify: bool = False) -> str | None:
 
 def verify_checkpoint(path: str) -> None:
     """Raise :class:`CheckpointError` naming the first file of checkpoint ``path`` that is missing,
-    of another size than when it was written, or unreadable (``config.yaml``, ``trainer.pt``)."""
+    of another size than when it was written, or unreadable (``config.yaml``, ``trainer.pt``).
+
+    Args:
+        path: the checkpoint directory.
+    """
     manifest = os.path.join(path, _MANIFEST)
     try:
         if os.path.exists(manifest):  # (checkpoints of earlier versions have none)
@@ -160,7 +184,11 @@ def verify_checkpoint(path: str) -> None:
 
 
 def load_trainer_state(path: str) -> dict:
-    """The trainer state of checkpoint ``path`` (``weights_only``: no code runs)."""
+    """The trainer state of checkpoint ``path`` (``weights_only``: no code runs).
+
+    Args:
+        path: the checkpoint directory.
+    """
     return torch.load(os.path.join(path, _TRAINER), weights_only=True)
 
 
@@ -184,14 +212,26 @@ def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn
     """Write checkpoint ``iter_<iteration>`` atomically and drop all but the last ``keep`` of its
     lineage.
 
-    ``modules`` name the trained modules (their trainable parameters are saved); ``optimizer``
-    holds exactly their parameters. Under ``torchrun`` every process calls this (the weights are a
-    collective write) with its own ``rollouts`` (TensorDicts sampled ahead: each process's rows
-    differ) and ``rng`` (its random states, :func:`rng_state`); ``trainer_state`` and the config
-    are written by the main process. ``lineage``: ``[run, resumed_at]`` pairs, oldest first, the
-    last this run's (:func:`in_lineage`); None: the checkpoints below ``iteration`` are its lineage.
+    Under ``torchrun`` every process calls this (the weights are a collective write) with its own
+    rollouts and random states; the trainer state and the config are written by the main process.
     Checkpoints of another lineage (``iter_<iteration>`` already there included) are moved to
     ``checkpoints/abandoned/``. Returns the checkpoint's path.
+
+    Args:
+        output_dir: the run's directory; the checkpoint goes to
+            ``<output_dir>/checkpoints/iter_<iteration>``.
+        iteration: the iterations done.
+        modules: the trained modules by name (their trainable parameters are saved).
+        optimizer (torch.optim.Optimizer): holds exactly their parameters.
+        trainer_state: the trainer's :meth:`~rlhf_torchrl.trainer.PPOTrainer.state_dict`.
+        config_yaml: the run's config, written as ``config.yaml``.
+        keep: how many checkpoints of the lineage to keep, this one included (None: all).
+        parallel (rlhf_torchrl.distributed.DataParallel | None): this process's place in a
+            torchrun job (None: one process).
+        rollouts: this process's TensorDicts sampled ahead (each process's rows differ).
+        rng: this process's random states (:func:`rng_state`; None: not saved).
+        lineage: ``[run, resumed_at]`` pairs, oldest first, the last this run's
+            (:func:`in_lineage`); None: the checkpoints below ``iteration`` are its lineage.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -244,6 +284,11 @@ def in_lineage(lineage: Sequence, iteration: int, writer: str | None) -> bool:
     ``resumed_at < n`` (None, a checkpoint that records no lineage: where no run of the lineage
     is known to have written it).
 
+    Args:
+        lineage: ``[run, resumed_at]`` pairs, oldest first.
+        iteration: the checkpoint's iterations done.
+        writer: the run that wrote it (None: not recorded).
+
     Example:
         >>> lineage = [["a", 0], ["b", 2]]  # run b resumed a's checkpoint 2
         >>> in_lineage(lineage, 2, "a"), in_lineage(lineage, 3, "a"), in_lineage(lineage, 3, "b")
@@ -257,7 +302,11 @@ def in_lineage(lineage: Sequence, iteration: int, writer: str | None) -> bool:
 
 
 def read_lineage(path: str) -> list | None:
-    """The lineage checkpoint ``path`` records (None: none, a checkpoint of an earlier version)."""
+    """The lineage checkpoint ``path`` records (None: none, a checkpoint of an earlier version).
+
+    Args:
+        path: the checkpoint directory.
+    """
     try:
         with open(os.path.join(path, _LINEAGE), encoding="utf-8") as f:
             return json.load(f)["lineage"]
@@ -303,14 +352,25 @@ def _set_aside(root: str, others: list, final: str, iteration: int) -> None:
 
 def load_rng_state(path: str, rank: int = 0) -> dict | None:
     """The random states process ``rank`` saved with checkpoint ``path`` (None: none saved, a
-    checkpoint of an earlier version or of fewer processes)."""
+    checkpoint of an earlier version or of fewer processes).
+
+    Args:
+        path: the checkpoint directory.
+        rank: the process whose states to read.
+    """
     file = os.path.join(path, _RNG, f"rank_{rank}.pt")
     return torch.load(file, weights_only=True) if os.path.isfile(file) else None
 
 
 def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -> dict:
     """Load the weights and optimiser state of checkpoint ``path`` into ``modules`` and
-    ``optimizer`` (in place, each process its shards) and return its trainer state."""
+    ``optimizer`` (in place, each process its shards) and return its trainer state.
+
+    Args:
+        path: the checkpoint directory.
+        modules: the trained modules by name, as saved.
+        optimizer (torch.optim.Optimizer): over exactly their parameters.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -334,7 +394,11 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
 
 def critic_checkpoint(path: str) -> str:
     """The checkpoint ``path`` names for a critic warm start: a checkpoint directory, or a run's
-    output directory (its newest checkpoint); :class:`~rlhf_torchrl.errors.ConfigError` otherwise."""
+    output directory (its newest checkpoint); :class:`~rlhf_torchrl.errors.ConfigError` otherwise.
+
+    Args:
+        path: a checkpoint directory or a run's output directory.
+    """
     if not is_checkpoint(path):
         newest = latest_checkpoint(path) if os.path.isdir(path) else None
         if newest is None:
@@ -347,7 +411,11 @@ def critic_checkpoint(path: str) -> str:
 def saved_weight_names(path: str) -> set[str]:
     """The names of the weights checkpoint ``path`` holds (``policy.…``, ``value_head.…``,
     ``critic_trunk.…``: :attr:`~rlhf_torchrl.trainer.PPOTrainer.trained_modules`), read from its
-    metadata (no tensor is loaded)."""
+    metadata (no tensor is loaded).
+
+    Args:
+        path: the checkpoint directory.
+    """
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(os.path.join(path, _WEIGHTS)).read_metadata()
@@ -359,13 +427,16 @@ def load_critic(path: str, critic) -> str:
     """Warm-start ``critic`` (a :class:`~rlhf_torchrl.modules.TokenCritic`) from the critic a
     checkpoint saved: weights only.
 
-    A saved critic is a checkpoint of this library (``path``: ``<run>/checkpoints/iter_<N>``, or the
-    run's output directory: its newest, :func:`critic_checkpoint`) of a run with a critic of the
-    same kind. Loaded: its value head (``value_head``) and, for a critic with a trunk of its own,
-    that trunk (``critic_trunk``; a shared trunk is the policy's, which stays this run's). Not the
-    policy, the optimiser's moments or the trainer's state: the run starts its own optimiser, as
-    NeMo-RL's critic warm start does. Call it before the first update. Returns the checkpoint's
-    path.
+    A saved critic is a checkpoint of this library of a run with a critic of the same kind. Loaded:
+    its value head (``value_head``) and, for a critic with a trunk of its own, that trunk
+    (``critic_trunk``; a shared trunk is the policy's, which stays this run's). Not the policy, the
+    optimiser's moments or the trainer's state: the run starts its own optimiser, as NeMo-RL's
+    critic warm start does. Call it before the first update. Returns the checkpoint's path.
+
+    Args:
+        path: ``<run>/checkpoints/iter_<N>``, or the run's output directory (its newest,
+            :func:`critic_checkpoint`).
+        critic (rlhf_torchrl.modules.TokenCritic): the critic, loaded in place.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -409,7 +480,13 @@ def load_critic(path: str, critic) -> str:
 
 
 def load_rollouts(path: str, rank: int = 0, device=None) -> list:
-    """The rollouts process ``rank`` saved with checkpoint ``path`` (in order), on ``device``."""
+    """The rollouts process ``rank`` saved with checkpoint ``path`` (in order), on ``device``.
+
+    Args:
+        path: the checkpoint directory.
+        rank: the process whose rollouts to read.
+        device (torch.device | str | None): where they are placed (None: the CPU).
+    """
     from tensordict import TensorDict
 
     folder = os.path.join(path, _ROLLOUTS, f"rank_{rank}")

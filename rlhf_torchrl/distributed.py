@@ -45,6 +45,13 @@ class DataParallel:
     ``DataParallel()`` is the single process: every collective is the identity. Built by
     :func:`init_data_parallel` under torchrun; :meth:`shard` (FSDP2, before the optimiser is built)
     and :meth:`wrap_loss` (DDP) attach the training engine.
+
+    Args:
+        rank: this process's rank.
+        world_size: the number of processes.
+        local_rank: this process's rank on its machine (its GPU).
+        strategy: ``ddp`` or ``fsdp2``.
+        device: this process's device (None: the CPU).
     """
 
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
@@ -71,7 +78,12 @@ class DataParallel:
 
     # ---- collectives -----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Sum (or max) of ``tensor`` over processes, as a new tensor on its device."""
+        """Sum (or max) of ``tensor`` over processes, as a new tensor on its device.
+
+        Args:
+            tensor: this process's value.
+            op: ``"sum"`` or ``"max"``.
+        """
         out = tensor.clone()
         if self.enabled:
             import torch.distributed as dist
@@ -80,7 +92,11 @@ class DataParallel:
         return out
 
     def max_int(self, value: int) -> int:
-        """The largest ``value`` over processes."""
+        """The largest ``value`` over processes.
+
+        Args:
+            value: this process's value.
+        """
         if not self.enabled:
             return value
         return int(self.all_reduce(torch.tensor([value], device=self._comm_device()), "max"))
@@ -99,6 +115,10 @@ class DataParallel:
         entries are left-padded and response entries right-padded to the widest process's widths
         first (pad token for tokens, False for masks, 0 otherwise), the layout one process
         collecting the whole batch would have produced. Single process: ``rollout`` itself.
+
+        Args:
+            rollout: this process's rows.
+            pad_token_id: pads the token entries.
         """
         if not self.enabled:
             return rollout
@@ -128,13 +148,15 @@ class DataParallel:
         each model, so its parameters, gradients and optimiser state are split across processes.
         Call before building the optimiser. No-op with DDP or one process.
 
-        ``mixed_precision`` (bf16/fp16): parameters all-gathered and computed in that dtype,
-        gradients reduced in fp32, fp32 master weights kept sharded.
-
         Each model must be called with tensors (a Hugging Face model, a value head): FSDP2 finds
         the tensors of a call's inputs and outputs to hook its backward pass, and a module called
         with a TensorDict (a ``TensorDictModule``) silently trains on unreduced gradients. Shard
         :class:`~rlhf_torchrl.modules.TokenCritic` through its ``modules_to_shard()``.
+
+        Args:
+            *models: the models to shard (None entries skipped).
+            mixed_precision: (bf16/fp16) parameters all-gathered and computed in that dtype,
+                gradients reduced in fp32, fp32 master weights kept sharded; None: fp32.
         """
         if not self.fsdp:
             return
@@ -167,7 +189,12 @@ class DataParallel:
 
     def wrap_loss(self, loss_module: nn.Module) -> None:
         """DDP: wrap the loss (policy, critic and value head inside) in ``DistributedDataParallel``,
-        whose gradient hooks average the gradients across processes. No-op with FSDP2 or one process."""
+        whose gradient hooks average the gradients across processes. No-op with FSDP2 or one
+        process.
+
+        Args:
+            loss_module: the PPO loss, wrapped in place.
+        """
         if not self.enabled or self.fsdp:
             return
         from torch.nn.parallel import DistributedDataParallel
@@ -177,14 +204,23 @@ class DataParallel:
                                             broadcast_buffers=False)
 
     def loss(self, loss_module: nn.Module, td: TensorDictBase) -> TensorDictBase:
-        """``loss_module(td)``, through the DDP wrapper when there is one."""
+        """``loss_module(td)``, through the DDP wrapper when there is one.
+
+        Args:
+            loss_module: the PPO loss.
+            td: a micro-batch.
+        """
         return self._ddp(td) if self._ddp is not None else loss_module(td)
 
     @contextmanager
     def accumulate(self, last: bool):
         """Gradients of the micro-batches before the ``last`` of a minibatch stay local; the last
         one's backward averages the sum across processes (DDP ``no_sync``; FSDP2
-        ``set_requires_gradient_sync``)."""
+        ``set_requires_gradient_sync``).
+
+        Args:
+            last: this is the minibatch's last micro-batch.
+        """
         if self._ddp is not None:
             with nullcontext() if last else self._ddp.no_sync():
                 yield
@@ -204,7 +240,11 @@ class DataParallel:
     def full_state_dict(self, model: nn.Module) -> dict | None:
         """The full state dict of an FSDP2-sharded ``model`` on rank 0 (on the CPU), gathered from
         the shards (a collective: call it on every process); None on other ranks and for a model
-        that is not sharded (its own ``state_dict()`` is whole: ``save_pretrained`` reads it)."""
+        that is not sharded (its own ``state_dict()`` is whole: ``save_pretrained`` reads it).
+
+        Args:
+            model: the model.
+        """
         if self.fsdp and model in self._sharded:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
@@ -245,7 +285,10 @@ def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None
     """Join the process group torchrun set up (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
     ``MASTER_ADDR``...), or return the single process when there is none.
 
-    ``backend``: None picks NCCL for CUDA devices and gloo for the CPU.
+    Args:
+        strategy: ``ddp`` or ``fsdp2``.
+        device: this process's device (None: the CPU).
+        backend: the process group's backend (None: NCCL for CUDA devices, gloo for the CPU).
     """
     world = int(os.environ.get("WORLD_SIZE", 1))
     device = device or torch.device("cpu")

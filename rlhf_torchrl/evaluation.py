@@ -19,7 +19,12 @@ _EVAL_BATCH = 2**40  # the batch index of the evaluation's row streams
 
 def distinct_n(responses: list[str], n: int) -> float:
     """Distinct n-grams over all n-grams of the responses (whitespace tokens): 1.0 when no
-    n-gram repeats, near 0 when every response says the same thing (Li et al. 2016)."""
+    n-gram repeats, near 0 when every response says the same thing (Li et al. 2016).
+
+    Args:
+        responses: the response texts.
+        n: the n-gram length, in whitespace tokens.
+    """
     grams = [tuple(words[i : i + n]) for r in responses
              for words in [r.split()] for i in range(len(words) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
@@ -27,7 +32,12 @@ def distinct_n(responses: list[str], n: int) -> float:
 
 def win_rate(scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
     """Share of prompts where the policy's response scores higher than the reference's; a tie
-    counts one half."""
+    counts one half.
+
+    Args:
+        scores: (N,) the policy's scores, one per prompt.
+        reference_scores: (N,) the reference's, for the same prompts.
+    """
     wins = (scores > reference_scores).float() + 0.5 * (scores == reference_scores).float()
     return float(wins.mean())
 
@@ -35,12 +45,25 @@ def win_rate(scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
 class Evaluator:
     """Responses to ``prompts`` at ``temperature``, scored and compared with the reference's.
 
-    ``judge``: the ``("scores", name)`` entry the win rate compares (the reward model's, where
-    there is one); None: the total score. ``accuracy``: the entry of a verifiable reward (1 for a
-    correct answer) reported as ``eval/accuracy``. ``episode``: the keyword arguments of
-    :class:`~rlhf_torchrl.collectors.MultiTurnCollector` (``tools``, ``max_turns``, ...) for
-    episodes with tools, as in training; then ``eval/turns_per_episode`` and
-    ``eval/tool_calls_per_episode`` are reported too.
+    Args:
+        prompts: the held-out prompts, as
+            :func:`~rlhf_torchrl.collectors.make_generation_env` takes them.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        scorer (rlhf_torchrl.rewards.Scorer): scores the responses.
+        max_new_tokens: the response budget, in tokens.
+        temperature: the sampling temperature.
+        stop_token_ids (Sequence[int]): the ids that end a response.
+        seed: the sampling streams' seed (the same responses for the same weights).
+        judge: the ``("scores", name)`` entry the win rate compares (the reward model's, where
+            there is one); None: the total score.
+        accuracy: the entry of a verifiable reward (1 for a correct answer) reported as
+            ``eval/accuracy`` (None: none).
+        device (torch.device | str | None): where prompts are tokenised and rollouts placed
+            (None: the model's device).
+        episode: the keyword arguments of :class:`~rlhf_torchrl.collectors.MultiTurnCollector`
+            (``tools``, ``max_turns``, ...) for episodes with tools, as in training; then
+            ``eval/turns_per_episode`` and ``eval/tool_calls_per_episode`` are reported too.
+            None: single responses.
     """
 
     def __init__(self, prompts, tokenizer, scorer, *, max_new_tokens: int, temperature: float,
@@ -54,7 +77,11 @@ class Evaluator:
 
     @torch.no_grad()
     def sample(self, model):
-        """One scored response per prompt from ``model`` (a causal LM), in prompt order."""
+        """One scored response per prompt from ``model`` (a causal LM), in prompt order.
+
+        Args:
+            model (torch.nn.Module): a causal LM.
+        """
         n = len(self.prompts)
         env = make_generation_env(self.prompts, self.tokenizer, batch_size=n, shuffle=False)
         policy = make_generation_policy(model, self.tokenizer, max_new_tokens=self.max_new_tokens,
@@ -85,7 +112,11 @@ class Evaluator:
         return rollout.get(K.SCORE)
 
     def set_reference(self, model) -> None:
-        """Sample (once) the reference policy's responses the win rate compares with."""
+        """Sample (once) the reference policy's responses the win rate compares with.
+
+        Args:
+            model (torch.nn.Module): the reference causal LM.
+        """
         self._reference = self.sample(model)
 
     def __call__(self, model) -> tuple[dict[str, float], object]:
@@ -116,7 +147,12 @@ def rollout_samples(rollout, n: int | None = None) -> list[dict]:
     """``{"prompt", "question", "response", "score"}`` of the first ``n`` rows of a rollout (all:
     None): the prompt as the policy read it (chat template applied) and, for reading, the last
     user message alone (the prompt again where the rollout has no messages); a multi-turn
-    episode's response is its whole transcript, tool messages included."""
+    episode's response is its whole transcript, tool messages included.
+
+    Args:
+        rollout (tensordict.TensorDictBase): a scored rollout with its texts.
+        n: the rows to take (None: all).
+    """
     text = K.EPISODE_TEXT if K.EPISODE_TEXT in rollout.keys(True) else K.RESPONSE_TEXT
     prompts, responses = rollout.get(K.PROMPT_TEXT).tolist(), rollout.get(text).tolist()
     scores = rollout.get(K.SCORE).tolist()
@@ -128,5 +164,9 @@ def rollout_samples(rollout, n: int | None = None) -> list[dict]:
 
 
 def format_metrics(metrics: dict) -> str:
-    """``score 0.348, win_rate 0.656, ...``: eval metrics on one line."""
+    """``score 0.348, win_rate 0.656, ...``: eval metrics on one line.
+
+    Args:
+        metrics: name to value.
+    """
     return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items())

@@ -37,7 +37,12 @@ QUANTITIES = {
 
 
 class NonFiniteError(FloatingPointError):
-    """A NaN or inf in ``quantity``; ``str()`` says where."""
+    """A NaN or inf in ``quantity``; ``str()`` says where.
+
+    Args:
+        quantity: the rollout entry or metric that holds it (e.g. ``"score"``).
+        detail: where in it (rows, a reward's name).
+    """
 
     def __init__(self, quantity: str, detail: str):
         self.quantity = quantity
@@ -52,7 +57,13 @@ def check_finite(td: TensorDictBase, names=None) -> None:
     """Raise :class:`NonFiniteError` for the first of ``names`` (default: every quantity of
     :data:`QUANTITIES` present in ``td``) with a NaN or inf at a valid response token (per-token
     quantities) or in any row (scores). A non-finite score is traced to the reward that gave it
-    (``("scores", name)`` entries)."""
+    (``("scores", name)`` entries).
+
+    Args:
+        td: a rollout.
+        names (Sequence[str] | None): the quantities to check (None: every one of :data:`QUANTITIES`
+            present).
+    """
     keys = td.keys(True)
     mask = td.get(K.RESPONSE_MASK) if K.RESPONSE_MASK in keys else None
     for name in names or QUANTITIES:
@@ -93,9 +104,14 @@ class NonFiniteAction:
     """What the trainer does when :class:`NonFiniteError` fires: the rollout is saved to
     ``<output_dir>/diverged/iter_<k>/`` (by the main process, in TensorDict's own format: memory-
     mapped tensors, JSON for the texts; ``TensorDict.load(path, allow_pickle=False)`` reads it
-    back without running any code), then the run stops
-    (``action="stop"``: :class:`DivergenceError`) or the iteration is skipped (``"skip"``: a
-    warning, no further optimiser step)."""
+    back without running any code), then the run stops or the iteration is skipped.
+
+    Args:
+        output_dir: the run's directory.
+        action: ``"stop"`` (:class:`DivergenceError`) or ``"skip"`` (a warning, no further
+            optimiser step).
+        is_main: this process saves the rollout (the main process).
+    """
 
     def __init__(self, output_dir: str, action: str = "stop", is_main: bool = True):
         if action not in ("stop", "skip"):
@@ -118,7 +134,14 @@ class NonFiniteAction:
 
 def check_kl_ceiling(kl: float, iteration: int, *, ceiling: float | None, stop: bool = False) -> None:
     """Warn (or, with ``stop``, raise :class:`DivergenceError`) when the KL to the reference passes
-    ``ceiling`` nats per response (None: no ceiling)."""
+    ``ceiling`` nats per response (None: no ceiling).
+
+    Args:
+        kl: the iteration's KL to the reference, in nats per response.
+        iteration: the iteration, named in the message.
+        ceiling: the KL that triggers it (None: no ceiling).
+        stop: raise rather than warn.
+    """
     if ceiling is None or kl <= ceiling:
         return
     message = (f"Iteration {iteration}: the KL to the reference, {kl:.3f} nats per response, is "

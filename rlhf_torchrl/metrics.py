@@ -17,6 +17,10 @@ from . import keys as K
 def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
     """Statistics of one shaped rollout (TRL/open-instruct names).
 
+    Args:
+        td: a shaped rollout.
+        kl_coef: the KL coefficient it was shaped with (``objective/kl_coef``).
+
     ``objective/kl`` is the KL summed over each response, averaged over responses;
     ``objective/non_score_reward`` the summed KL reward; ``objective/rlhf_reward`` = scores +
     non-score reward; ``objective/entropy`` the summed exact entropy.
@@ -54,7 +58,11 @@ def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
 def episode_metrics(td: TensorDictBase) -> dict[str, float]:
     """Multi-turn episodes (:class:`~rlhf_torchrl.collectors.MultiTurnCollector`): turns, tool
     calls and failed calls per episode, the tokens the tools wrote, each end reason's share and
-    the tools' rewards; nothing for single-response rollouts."""
+    the tools' rewards; nothing for single-response rollouts.
+
+    Args:
+        td: a rollout.
+    """
     from .collectors.multiturn import END_REASONS
 
     keys = td.keys(True)
@@ -80,7 +88,12 @@ def sampler_metrics(td: TensorDictBase, version: int) -> dict[str, float]:
     pi_sampler)^2)`` over response tokens (other weights, or other kernels, e.g. vLLM's). Partial
     rollouts add each token's staleness (``partial/token_staleness``, mean and max over response
     tokens), the share of responses sampled by more than one version (``partial/mixed_version_frac``)
-    and the rounds per response (``partial/segments``)."""
+    and the rounds per response (``partial/segments``).
+
+    Args:
+        td: a rollout, with the sampler's records.
+        version: the trainer's updates done.
+    """
     out = {}
     keys = td.keys(True)
     if K.POLICY_VERSION in keys:
@@ -105,16 +118,21 @@ def sampler_metrics(td: TensorDictBase, version: int) -> dict[str, float]:
 class MetricsWriter:
     """Writes each iteration's metrics as one JSON object per line, and to a TorchRL logger.
 
-    ``logger``: ``"csv"`` (TorchRL ``CSVLogger``, the default), ``"tensorboard"``, ``"wandb"``,
-    ``"mlflow"`` or ``None`` for the JSON file only; opened by
-    :func:`~rlhf_torchrl.trackers.open_logger` as run ``run_name`` (default: the output
-    directory's last two folders) of ``project`` with ``tags``. Where each writes:
-    :mod:`rlhf_torchrl.trackers`.
+    The logger is opened by :func:`~rlhf_torchrl.trackers.open_logger`; where each writes:
+    :mod:`rlhf_torchrl.trackers`. Lines of iterations ``>= start`` that an earlier run left in
+    ``metrics.jsonl`` and in the CSV logs (written after its last checkpoint) are dropped, so that
+    a resumed run's logs hold every iteration once. Loggers that keep their data elsewhere
+    (TensorBoard, W&B, MLflow) get the repeated iterations again.
 
-    ``start``: the first iteration this writer logs. Lines of iterations ``>= start`` that an earlier
-    run left in ``metrics.jsonl`` and in the CSV logs (written after its last checkpoint) are
-    dropped, so that a resumed run's logs hold every iteration once. Loggers that keep their data
-    elsewhere (TensorBoard, W&B, MLflow) get the repeated iterations again.
+    Args:
+        output_dir: the run's directory (``metrics.jsonl``, the logger's files).
+        logger: ``"csv"`` (TorchRL ``CSVLogger``), ``"tensorboard"``, ``"wandb"``, ``"mlflow"`` or
+            None for the JSON file only.
+        exp_name: the CSV logger's experiment name (its folder).
+        start: the first iteration this writer logs.
+        project: the tracker's project.
+        run_name: the tracker's run name (None: the output directory's last two folders).
+        tags: the tracker's tags.
 
     Example:
         >>> import tempfile
@@ -156,7 +174,11 @@ class MetricsWriter:
                     self.logger.log_scalar(name, value, step=step)
 
     def log_config(self, config: dict) -> None:
-        """The resolved config (a nested dict) as the run's hyperparameters."""
+        """The resolved config (a nested dict) as the run's hyperparameters.
+
+        Args:
+            config: the resolved config.
+        """
         if self.logger is not None:
             from .trackers import log_config
 
@@ -164,7 +186,13 @@ class MetricsWriter:
                        tags=self.tags)
 
     def log_samples(self, name: str, step: int, samples: list[dict]) -> None:
-        """Sample responses (:func:`~rlhf_torchrl.evaluation.rollout_samples`) as text."""
+        """Sample responses (:func:`~rlhf_torchrl.evaluation.rollout_samples`) as text.
+
+        Args:
+            name: the text's name (e.g. ``eval/samples``).
+            step: the iteration.
+            samples: ``{"prompt", "question", "response", "score"}`` dicts.
+        """
         if self.logger is not None and samples:
             from .trackers import log_samples
 
@@ -180,7 +208,12 @@ class MetricsWriter:
 
 
 def read_metrics(output_dir: str, before: int | None = None) -> list[dict]:
-    """The rows of ``<output_dir>/metrics.jsonl`` (of iterations ``< before`` when given)."""
+    """The rows of ``<output_dir>/metrics.jsonl`` (of iterations ``< before`` when given).
+
+    Args:
+        output_dir: the run's directory.
+        before: keep iterations below this one (None: all).
+    """
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []

@@ -50,7 +50,11 @@ SMOOTHED = {"objective/scores", "objective/kl", "objective/rlhf_reward"}
 
 
 def read_run(run_dir: str) -> tuple[list[dict], dict]:
-    """(metric rows, report.json) of a run directory."""
+    """(metric rows, report.json) of a run directory.
+
+    Args:
+        run_dir: the run's output directory.
+    """
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise MissingFileError(f"{run_dir} has no metrics.jsonl: not a run directory.")
@@ -67,7 +71,11 @@ def trend(values: list[float]) -> tuple[float, float, str, int]:
     """``(first, last, call, k)``: the means of the first and the last quarter of ``values`` (k
     each) and whether the change is larger than their noise: ``"up"``/``"down"`` when the
     difference passes two standard errors of the iteration-to-iteration spread, else (and with
-    fewer than 8 values, too few to measure a spread) ``"no clear change"``."""
+    fewer than 8 values, too few to measure a spread) ``"no clear change"``.
+
+    Args:
+        values: the series, one value per iteration.
+    """
     k = max(1, len(values) // 4)
     head, tail = values[:k], values[-k:]
     first, last = sum(head) / k, sum(tail) / k
@@ -81,7 +89,12 @@ def trend(values: list[float]) -> tuple[float, float, str, int]:
 
 def verdict(rows: list[dict], summary: dict) -> list[str]:
     """Plain-language findings: did the score rise, did the KL stay bounded, did the responses
-    stay varied."""
+    stay varied.
+
+    Args:
+        rows: the run's metric rows.
+        summary: the run's ``report.json``.
+    """
     trained = [r for r in rows if "objective/scores" in r]
     if not trained:
         return ["No iteration finished."]
@@ -111,7 +124,12 @@ def verdict(rows: list[dict], summary: dict) -> list[str]:
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
-    """Trailing mean over up to ``window`` values (the first ones over fewer)."""
+    """Trailing mean over up to ``window`` values (the first ones over fewer).
+
+    Args:
+        values: the series.
+        window: the most values a mean covers.
+    """
     out = []
     for i in range(len(values)):
         chunk = values[max(0, i - window + 1): i + 1]
@@ -170,7 +188,11 @@ def _prompt_cell(sample: dict) -> str:
 
 
 def write_report(run_dir: str) -> str:
-    """Write ``report.html`` and ``plots/*.png`` for ``run_dir``; returns the HTML's path."""
+    """Write ``report.html`` and ``plots/*.png`` for ``run_dir``; returns the HTML's path.
+
+    Args:
+        run_dir: the run's output directory.
+    """
     rows, summary = read_run(run_dir)
     plots_dir = os.path.join(run_dir, "plots")
     os.makedirs(plots_dir, exist_ok=True)
@@ -231,6 +253,11 @@ def write_report(run_dir: str) -> str:
 
 
 def main(argv=None) -> None:
+    """``python -m rlhf_torchrl.report RUN_DIR``: write the run's report and print its path.
+
+    Args:
+        argv (list[str] | None): the command-line arguments (None: ``sys.argv[1:]``).
+    """
     parser = argparse.ArgumentParser(description="Write report.html for a PPO run directory.")
     parser.add_argument("run_dir")
     args = parser.parse_args(argv)

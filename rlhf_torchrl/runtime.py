@@ -88,9 +88,15 @@ class ThreadTuner:
     process may run on, minus this process's own CPU time; niced processes count as free, since
     they yield), and sets ``torch.set_num_threads`` to the cores left, between ``1`` and
     ``max_threads`` (torch's default, i.e. ``OMP_NUM_THREADS`` or the core count). Call it between
-    iterations. Where ``/proc/stat`` is missing (not Linux), or with ``adapt=False``, it keeps
-    ``max_threads``. ``stat``, ``cpus`` and ``cpu_time`` (this process's CPU seconds) are where it
-    reads; a test gives fixed ones.
+    iterations. Where ``/proc/stat`` is missing (not Linux), it keeps ``max_threads``.
+
+    Args:
+        max_threads: the most threads (None: torch's default, ``OMP_NUM_THREADS`` or the core
+            count).
+        adapt: follow the free cores (False: keep ``max_threads``).
+        stat: the kernel's CPU statistics file (a test gives a fixed one).
+        cpus: the cores this process may run on (None: its affinity).
+        cpu_time: this process's CPU seconds so far.
 
     Example:
         >>> tuner = ThreadTuner()
@@ -141,7 +147,11 @@ class ThreadTuner:
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
     """The device to run on: ``None`` or ``"auto"`` picks CUDA when present (``cuda:LOCAL_RANK`` under
-    torchrun), else the CPU; anything else is checked to exist."""
+    torchrun), else the CPU; anything else is checked to exist.
+
+    Args:
+        device: None, ``"auto"``, or a device or its name.
+    """
     if device is None or device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -163,7 +173,11 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` computes bf16 matmuls in hardware: a CUDA GPU of compute capability 8.0 or
     later (Ampere on), or a CPU with AVX512-BF16 or AMX tiles (Cooper Lake, Sapphire Rapids on;
-    Zen 4 on). Elsewhere bf16 is emulated and slower than fp32."""
+    Zen 4 on). Elsewhere bf16 is emulated and slower than fp32.
+
+    Args:
+        device: the device to ask about.
+    """
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device) >= (8, 0)
     if device.type == "cpu":  # torch's own CPU capability probes (the ones oneDNN dispatches on)
@@ -174,14 +188,23 @@ def native_bf16(device: torch.device) -> bool:
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """``torch.autocast`` on ``device`` in ``dtype`` (bf16/fp16 matmuls over fp32 weights), or nothing
-    when ``dtype`` is None."""
+    when ``dtype`` is None.
+
+    Args:
+        device: the device the block runs on.
+        dtype: ``torch.bfloat16`` or ``torch.float16`` (None: no autocast).
+    """
     if dtype is None:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def module_device(module: nn.Module) -> torch.device:
-    """The device of a module's first parameter (CPU for a module without any)."""
+    """The device of a module's first parameter (CPU for a module without any).
+
+    Args:
+        module: the module.
+    """
     param = next(module.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
 
@@ -192,6 +215,12 @@ def placed(module: nn.Module | None, device: torch.device, offload: bool = False
 
     Frozen models (reference, reward model) offloaded this way take device memory only during the
     phase that uses them.
+
+    Args:
+        module: the module (None: nothing done).
+        device: where it runs during the block.
+        offload: the module lives on the CPU and visits ``device`` for the block only (False: it
+            is left where it is, on ``device`` already).
     """
     if module is None or not offload:
         yield module

@@ -56,7 +56,12 @@ _register()
 
 def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "ppo") -> DictConfig:
     """The config ``config_name`` (``ppo``, ``reward_model`` or ``serve_reward_model``) with command-line style
-    ``overrides``, composed by Hydra outside any app (``output_dir`` must then be given)."""
+    ``overrides``, composed by Hydra outside any app (``output_dir`` must then be given).
+
+    Args:
+        overrides: ``key=value`` overrides, as on the command line.
+        config_name: ``ppo``, ``reward_model`` or ``serve_reward_model``.
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize
 
@@ -66,14 +71,22 @@ def compose(overrides: list[str] | tuple[str, ...] = (), config_name: str = "ppo
 
 def setting_docs(config_name: str = "ppo") -> dict[str, str]:
     """Each setting's one-line comment in ``<config_name>.yaml``, by dotted key
-    (``"ppo.batch_size"``): what ``rlhf-torchrl ppo --help`` and the configuration reference show."""
+    (``"ppo.batch_size"``): what ``rlhf-torchrl ppo --help`` and the configuration reference show.
+
+    Args:
+        config_name: ``ppo``, ``reward_model`` or ``serve_reward_model``.
+    """
     docs = yaml_comments(os.path.join(CONFIG_DIR, f"{config_name}.yaml"))
     return {k: v for k, v in docs.items() if not k.startswith("hydra.")}
 
 
 def yaml_comments(path: str) -> dict[str, str]:
     """The comment after each setting of a config file (two levels: ``key`` or ``section.key``),
-    by dotted key; "" for a setting without one."""
+    by dotted key; "" for a setting without one.
+
+    Args:
+        path: the YAML file.
+    """
     docs, section = {}, None
     with open(path, encoding="utf-8") as f:
         for line in f:

@@ -408,7 +408,11 @@ def _describe(low, high, low_in, high_in) -> str:
 
 def validate(cfg: DictConfig) -> None:
     """Raise ``ValueError`` for the first setting outside its choices or range, naming the
-    setting, its value and what it may be."""
+    setting, its value and what it may be.
+
+    Args:
+        cfg: the composed recipe config.
+    """
     from omegaconf import OmegaConf
 
     missing = OmegaConf.missing_keys(cfg)
