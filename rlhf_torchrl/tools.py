@@ -41,9 +41,15 @@ MAX_OUTPUT_CHARS = 1000
 
 @dataclass
 class ToolResult:
-    """What a tool call gives back: ``content`` (the tool message's text), whether it succeeded,
-    an optional per-turn ``reward`` (added at the last token of the turn that made the call),
-    and ``stop`` (end the episode after this turn)."""
+    """What a tool call gives back.
+
+    Args:
+        content: the tool message's text.
+        ok: whether the call succeeded.
+        reward: a per-turn reward, added at the last token of the turn that made the call (None:
+            none).
+        stop: end the episode after this turn.
+    """
 
     content: str
     ok: bool = True
@@ -53,15 +59,24 @@ class ToolResult:
 
 @dataclass
 class ToolCall:
-    """One call parsed from an assistant turn: the tool's name and its arguments (a dict of
-    keyword arguments, or the raw text of a body that is not a JSON object)."""
+    """One call parsed from an assistant turn.
+
+    Args:
+        name: the tool's name.
+        arguments: a dict of keyword arguments, or the raw text of a body that is not a JSON
+            object.
+    """
 
     name: str
     arguments: dict | str
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The tool calls in an assistant turn, in order, with TorchRL's ``XMLBlockParser``."""
+    """The tool calls in an assistant turn, in order, with TorchRL's ``XMLBlockParser``.
+
+    Args:
+        text: the assistant turn's text.
+    """
     from torchrl.envs.llm.transforms import XMLBlockParser
 
     calls = []
@@ -90,6 +105,9 @@ def calculator(expression: str) -> str:
     Evaluated from the expression's syntax tree, so nothing but arithmetic can run; exponents
     are capped (``|e| <= 64``) and so is the length (200 characters). Whole results print as integers
     (``"112"``), others with up to 12 significant digits.
+
+    Args:
+        expression: the arithmetic expression.
     """
     expression = str(expression).strip().rstrip("=").strip()
     if len(expression) > 200:
@@ -123,13 +141,16 @@ def _evaluate(node: ast.AST):
 class PythonTool:
     """Run Python code in a sandbox and return what it printed (stdout and stderr).
 
-    The policy's program is untrusted: it runs where ``sandbox`` says
-    (:class:`~rlhf_torchrl.sandbox.SandboxSpec`, the ``env.python_*`` settings; default: a
-    bubblewrap sandbox with no network, no view of the trainer's files or processes, and limits on
-    processes, time, memory and output; ``docs/security.md``). The policy sends only ``code``:
-    a call that also names limits (``{"code": ..., "timeout": 600}``) is refused, as any unknown
-    argument is. A Markdown code fence (three backticks) around the code is removed. Building it
-    raises :class:`~rlhf_torchrl.errors.ConfigError` where the sandbox cannot run here.
+    The policy's program is untrusted: it runs where ``sandbox`` says (``docs/security.md``). The
+    policy sends only ``code``: a call that also names limits (``{"code": ..., "timeout": 600}``) is
+    refused, as any unknown argument is. A Markdown code fence (three backticks) around the code is
+    removed. Building it raises :class:`~rlhf_torchrl.errors.ConfigError` where the sandbox cannot
+    run here.
+
+    Args:
+        sandbox: the ``env.python_*`` settings (None: a bubblewrap sandbox with no network, no
+            view of the trainer's files or processes, and limits on processes, time, memory and
+            output).
 
     Example::
 
@@ -176,10 +197,14 @@ BUILTIN_TOOLS = ("calculator", "python")
 def load_tools(names: Sequence[str], *, python_sandbox: SandboxSpec | None = None) -> dict[str, Callable]:
     """The tools ``env.tools`` names: a built-in (:data:`BUILTIN_TOOLS`) or a dotted path to a
     function (``my_pkg.tools.lookup`` or ``./my_tools.py:lookup``, called by its last
-    component: ``lookup``). ``python`` runs
-    its code as ``python_sandbox`` says (default :class:`~rlhf_torchrl.sandbox.SandboxSpec`);
-    where that sandbox cannot run here, a :class:`~rlhf_torchrl.errors.ConfigError` says how to
-    install one or opt out."""
+    component: ``lookup``). Where the ``python`` tool's sandbox cannot run here, a
+    :class:`~rlhf_torchrl.errors.ConfigError` says how to install one or opt out.
+
+    Args:
+        names: the tools' names or dotted paths.
+        python_sandbox: where ``python`` runs its code (None: the default
+            :class:`~rlhf_torchrl.sandbox.SandboxSpec`).
+    """
     from .rewards import load_callable
 
     tools: dict[str, Callable] = {}
@@ -200,7 +225,11 @@ def load_tools(names: Sequence[str], *, python_sandbox: SandboxSpec | None = Non
 
 
 def describe_tools(tools: Mapping[str, Callable]) -> str:
-    """A system-prompt paragraph naming each tool, its arguments and the call format."""
+    """A system-prompt paragraph naming each tool, its arguments and the call format.
+
+    Args:
+        tools: tool name to function (:func:`load_tools`).
+    """
     lines = ["You can call tools. Write a call as <tool name=\"NAME\">ARGUMENTS</tool> and wait for "
              "its result; answer without a call when you are done. Tools:"]
     for name, fn in tools.items():
@@ -228,6 +257,11 @@ def run_tool(tools: Mapping[str, Callable], call: ToolCall, *, timeout: float = 
     (:data:`TOOL_DEADLINE`): the ``python`` tool stops its code by then. A call that has not
     answered :data:`ANSWER_GRACE` seconds after the deadline is abandoned (a user tool's thread is
     left to finish) and reported as timed out.
+
+    Args:
+        tools: tool name to function (:func:`load_tools`).
+        call: the parsed call.
+        timeout: seconds until the call's deadline.
     """
     fn = tools.get(call.name)
     if fn is None:

@@ -39,12 +39,15 @@ class SandboxSpec:
     """How the ``python`` tool runs code (the ``env.python_*`` settings); plain values only, so
     Ray can ship it to its workers.
 
-    ``kind``: one of :data:`KINDS`. ``url``: the service's ``run_code`` endpoint (``remote``).
-    ``timeout``: seconds of wall-clock and CPU time (a call made by
-    :func:`~rlhf_torchrl.tools.run_tool` stops at its own deadline if that comes first).
-    ``memory_mb``: address space of each process. ``max_processes``: processes and threads at
-    once. ``max_output_bytes``: output read before the program is stopped. ``scratch_mb``: size of
-    the private ``/tmp`` (the working directory).
+    Args:
+        kind: one of :data:`KINDS`.
+        url: the service's ``run_code`` endpoint (``remote``; None otherwise).
+        timeout: seconds of wall-clock and CPU time (a call made by
+            :func:`~rlhf_torchrl.tools.run_tool` stops at its own deadline if that comes first).
+        memory_mb: address space of each process, in MB.
+        max_processes: processes and threads at once.
+        max_output_bytes: output read before the program is stopped.
+        scratch_mb: size of the private ``/tmp`` (the working directory), in MB.
     """
 
     kind: str = "bubblewrap"
@@ -60,11 +63,14 @@ class SandboxSpec:
 class Execution:
     """How running a program ended.
 
-    ``output``: stdout and stderr as the program wrote them, at most ``max_output_bytes``.
-    ``end``: ``"exit"`` (it finished, with ``returncode``: negative for a signal, ``-9`` a kill at
-    the CPU-time hard limit, ``-24`` the CPU-time soft limit), ``"timeout"`` (stopped at the
-    wall-clock limit), ``"output_limit"`` (stopped when it wrote more than the bound) or
-    ``"error"`` (the sandbox itself failed: ``message`` says how; the code may not have run).
+    Args:
+        output: stdout and stderr as the program wrote them, at most ``max_output_bytes``.
+        end: ``"exit"`` (it finished), ``"timeout"`` (stopped at the wall-clock limit),
+            ``"output_limit"`` (stopped when it wrote more than the bound) or ``"error"`` (the
+            sandbox itself failed; the code may not have run).
+        returncode: with ``"exit"``, the exit status: negative for a signal, ``-9`` a kill at the
+            CPU-time hard limit, ``-24`` the CPU-time soft limit (None: it did not exit).
+        message: with ``"error"``, how the sandbox failed.
     """
 
     output: str
@@ -75,7 +81,11 @@ class Execution:
 
 def make_sandbox(spec: SandboxSpec):
     """The sandbox ``spec.kind`` names, checked to work here: raises :class:`ConfigError` (one
-    line: how to install bubblewrap, or how to opt out) where it cannot run code."""
+    line: how to install bubblewrap, or how to opt out) where it cannot run code.
+
+    Args:
+        spec: the sandbox's kind and limits.
+    """
     if spec.kind == "bubblewrap":
         from .bubblewrap import BubblewrapSandbox
 

@@ -76,6 +76,9 @@ def seccomp_filter(machine: str | None = None) -> bytes | None:
     Fails with EPERM: another architecture's syscalls (32-bit, x32), ``unshare``/``clone`` with
     ``CLONE_NEWUSER``, and :data:`_DENIED`; ``clone3`` fails with ENOSYS (its flags sit in memory
     a filter cannot read; the C library then falls back to ``clone``).
+
+    Args:
+        machine: a ``platform.machine()`` name (None: this machine's).
     """
     machine = machine or platform.machine()
     if machine not in _AUDIT_ARCH:
@@ -104,9 +107,13 @@ class BubblewrapSandbox:
     """Runs Python code in a ``bwrap`` sandbox with ``spec``'s limits (the module's docstring
     lists what it isolates).
 
-    ``python``: the interpreter (default: this one, its prefix mounted read-only). ``run_as``: a
-    uid to start ``bwrap`` as, which takes the path of a trainer that is not root (user
-    namespaces); for tests, as root. Example::
+    Args:
+        spec: the limits.
+        python: the interpreter (None: this one, its prefix mounted read-only).
+        run_as: a uid to start ``bwrap`` as, which takes the path of a trainer that is not root
+            (user namespaces); for tests, as root. None: this process's user.
+
+    Example::
 
         >>> BubblewrapSandbox(SandboxSpec(timeout=5.0)).run("print(6 * 7)").output
         '42'
@@ -143,7 +150,14 @@ class BubblewrapSandbox:
                 "env.python_memory_mb is too small; or use env.python_sandbox=remote or none.")
 
     def command(self, timeout: float, *, uid: int, info_fd: int, seccomp_fd: int | None) -> list[str]:
-        """The ``bwrap`` command line running :data:`~.process.PRELUDE` for one call."""
+        """The ``bwrap`` command line running :data:`~.process.PRELUDE` for one call.
+
+        Args:
+            timeout: the call's CPU-time limit, in seconds.
+            uid: the uid the code runs as when the trainer is root.
+            info_fd: the file descriptor ``bwrap`` writes its child's pid to.
+            seccomp_fd: the file descriptor of the seccomp program (None: no filter).
+        """
         if self.privileged:  # no user namespace: the prelude drops root for ``uid``
             isolation = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                          "--unshare-cgroup-try", "--cap-drop", "ALL",
@@ -165,7 +179,12 @@ class BubblewrapSandbox:
                                      uid=uid if self.privileged else -1)
 
     def run(self, code: str, timeout: float | None = None) -> Execution:
-        """Run ``code``; ``timeout`` (seconds, at most ``spec.timeout``) stops it sooner."""
+        """Run ``code``; ``timeout`` (seconds, at most ``spec.timeout``) stops it sooner.
+
+        Args:
+            code: the Python source.
+            timeout: seconds, at most ``spec.timeout`` (None: ``spec.timeout``).
+        """
         return self._run(code, self.spec.timeout if timeout is None else min(self.spec.timeout, timeout))
 
     def _run(self, code: str, timeout: float) -> Execution:

@@ -57,7 +57,15 @@ def python_command(python: str, spec: SandboxSpec, timeout: float, *, uid: int =
     """``python`` running :data:`PRELUDE` with ``spec``'s limits: CPU time ``timeout`` (rounded
     up), address space ``spec.memory_mb``, ``max_processes`` (default ``spec.max_processes``; -1:
     no limit), files up to the scratch folder's size, :data:`MAX_OPEN_FILES`. ``-u``: what the
-    code printed before a kill comes back; ``-X utf8``: whatever the locale."""
+    code printed before a kill comes back; ``-X utf8``: whatever the locale.
+
+    Args:
+        python: the interpreter.
+        spec: the limits.
+        timeout: the CPU-time limit, in seconds.
+        uid: the uid :data:`PRELUDE` switches to (-1: stay).
+        max_processes: the process limit (None: ``spec.max_processes``; -1: none).
+    """
     max_processes = spec.max_processes if max_processes is None else max_processes
     limits = (uid, math.ceil(timeout), spec.memory_mb * 2**20, max_processes,
               spec.scratch_mb * 2**20, MAX_OPEN_FILES)
@@ -69,7 +77,16 @@ def run_bounded(argv: list[str], code: str, *, timeout: float, max_output_bytes:
     """Run ``argv`` with ``code`` on its stdin; its output (stdout and stderr interleaved) read up
     to ``max_output_bytes``. At ``timeout`` seconds or one byte past the bound, ``kill(process)``
     stops it; this returns once ``argv``'s process has been reaped (``kill`` makes sure its
-    descendants are gone with it)."""
+    descendants are gone with it).
+
+    Args:
+        argv: the command line.
+        code: written to its stdin.
+        timeout: the wall-clock limit, in seconds.
+        max_output_bytes: the most output read.
+        kill: stops the process (and its descendants).
+        **popen_kwargs: passed to ``subprocess.Popen``.
+    """
     process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, **popen_kwargs)
     deadline = time.monotonic() + timeout
@@ -131,7 +148,11 @@ def _exchange(process: subprocess.Popen, data: bytes, output: bytearray, deadlin
 
 
 def kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL ``process``'s process group (it was started in a session of its own)."""
+    """SIGKILL ``process``'s process group (it was started in a session of its own).
+
+    Args:
+        process: a process started in a session of its own.
+    """
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -143,7 +164,12 @@ class UnsandboxedProcess:
     environment but ``PATH``, a fresh temporary directory) under :data:`PRELUDE`'s limits, as the
     trainer's user, with the trainer's view of the files, the network and its processes. At a limit
     its process group is killed (a process that left the group survives). For trusted code only;
-    the first one built in a process logs a warning."""
+    the first one built in a process logs a warning.
+
+    Args:
+        spec: the limits.
+        python: the interpreter (None: this one).
+    """
 
     _warned = False
 
@@ -158,7 +184,12 @@ class UnsandboxedProcess:
                         "Use env.python_sandbox=bubblewrap (apt-get install bubblewrap) or remote.")
 
     def run(self, code: str, timeout: float | None = None) -> Execution:
-        """Run ``code``; ``timeout`` (seconds, at most ``spec.timeout``) stops it sooner."""
+        """Run ``code``; ``timeout`` (seconds, at most ``spec.timeout``) stops it sooner.
+
+        Args:
+            code: the Python source.
+            timeout: seconds, at most ``spec.timeout`` (None: ``spec.timeout``).
+        """
         timeout = self.spec.timeout if timeout is None else min(self.spec.timeout, timeout)
         # no process limit: RLIMIT_NPROC counts all of this user's processes (or none, for root)
         argv = python_command(self.python, self.spec, timeout, max_processes=-1)

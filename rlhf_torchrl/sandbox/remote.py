@@ -33,9 +33,16 @@ class RemoteSandbox:
 
     A call's HTTP request gets the run's limit plus :data:`ANSWER_SLACK`; a refused connection,
     a dropped one or an answer in :data:`~rlhf_torchrl.http_client.RETRY_STATUSES` is tried
-    again, ``retries`` times in all, after ``backoff``, ``2 * backoff``, ... seconds, as long as
-    the run's time allows (:func:`~rlhf_torchrl.http_client.post_json`). A service that stays down gives an :class:`~.Execution` ending in ``"error"`` whose message says so (and
-    a warning in the log, once until it answers again). Example::
+    again, as long as the run's time allows (:func:`~rlhf_torchrl.http_client.post_json`). A
+    service that stays down gives an :class:`~.Execution` ending in ``"error"`` whose message says
+    so (and a warning in the log, once until it answers again).
+
+    Args:
+        spec: the limits and the service's ``url``.
+        retries: requests in all.
+        backoff: the first wait between requests, in seconds, doubled each time.
+
+    Example::
 
         >>> RemoteSandbox(SandboxSpec(kind="remote", url="http://localhost:8080/run_code"))
     """
@@ -51,13 +58,23 @@ class RemoteSandbox:
         self._down = False  # warned that the service is down; cleared by its next answer
 
     def request(self, code: str, timeout: float) -> bytes:
-        """The ``run_code`` request body for ``code`` with the config's limits."""
+        """The ``run_code`` request body for ``code`` with the config's limits.
+
+        Args:
+            code: the Python source.
+            timeout: the run's limit, in seconds.
+        """
         return json.dumps({"code": code, "language": "python", "compile_timeout": timeout,
                            "run_timeout": timeout, "memory_limit_MB": self.spec.memory_mb,
                            "stdin": "", "files": {}, "fetch_files": []}).encode("utf-8")
 
     def run(self, code: str, timeout: float | None = None) -> Execution:
-        """Run ``code`` on the service; ``timeout`` (seconds, at most ``spec.timeout``) sooner."""
+        """Run ``code`` on the service; ``timeout`` (seconds, at most ``spec.timeout``) sooner.
+
+        Args:
+            code: the Python source.
+            timeout: seconds, at most ``spec.timeout`` (None: ``spec.timeout``).
+        """
         timeout = self.spec.timeout if timeout is None else min(self.spec.timeout, timeout)
         try:
             # the service's JSON escapes its output: a few times the bound, at most
