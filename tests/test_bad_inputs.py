@@ -261,10 +261,10 @@ def test_prompt_plus_response_past_the_models_positions_is_one_line(tmp_path, sh
           "generation.max_new_tokens=50"],
          r"plus 150 response tokens \(env.max_turns=3 x generation.max_new_tokens=50, the tool "
          r"messages on top\) .*: set env.max_tokens=\d+ or less\.$"),
-        # whole reviews (up to 75 tokens): the prompts could be cut to fit too
-        (["generation.max_new_tokens=64", "data.max_words=null"],
+        # whole reviews (up to 56 tokens as plain text): the prompts could be cut to fit too
+        (["generation.max_new_tokens=100", "data.max_words=null"],
          r"set generation.max_new_tokens=\d+ or less, or cut the prompts "
-         r"\(data.max_prompt_length=64 data.truncate_prompts=true\)\.$"),
+         r"\(data.max_prompt_length=28 data.truncate_prompts=true\)\.$"),
     ]:
         cfg = _cfg(tmp_path, short_gpt2_dir, *overrides)
         with pytest.raises(USER_ERRORS, match=fix):

@@ -49,7 +49,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Sizes:
-    """Batch sizes derived once from the config, with exact division."""
+    """Batch sizes derived once from the config, with exact division.
+
+    Args:
+        batch_size: rows of a rollout, over all processes.
+        mini_batch_size: rows of a minibatch, over all processes.
+        micro_batch_size: rows of a micro-batch, per process (the row-count split).
+        optimizer_steps: optimiser steps over the whole run.
+    """
 
     batch_size: int  # global, over all processes
     mini_batch_size: int  # global
@@ -58,6 +65,13 @@ class Sizes:
 
 
 def exact_div(a: int, b: int, what: str) -> int:
+    """``a // b``, or a :class:`~rlhf_torchrl.errors.ConfigError` when ``b`` does not divide ``a``.
+
+    Args:
+        a: the dividend.
+        b: the divisor (must be positive).
+        what: the rule, the start of the error (e.g. which settings must divide).
+    """
     if b <= 0 or a % b:
         raise ConfigError(f"{what}: {a} is not divisible by {b}.")
     return a // b
@@ -68,6 +82,9 @@ def check_config(cfg: DictConfig) -> Sizes:
 
     Types were checked by Hydra (``schema.py``); choices and ranges by :func:`schema.validate`;
     here the settings are checked against each other.
+
+    Args:
+        cfg: the composed PPO config.
     """
     schema.validate(cfg)
     resolve_precision(cfg)
@@ -185,7 +202,11 @@ def check_config(cfg: DictConfig) -> Sizes:
 
 
 def critic_free(cfg: DictConfig) -> bool:
-    """Whether the advantage estimator needs no critic (no value model is built)."""
+    """Whether the advantage estimator needs no critic (no value model is built).
+
+    Args:
+        cfg: the composed PPO config.
+    """
     return cfg.advantage.estimator != "gae"
 
 
@@ -196,7 +217,11 @@ CRITIC_SETTINGS = ("ppo.lmbda_critic", "ppo.lmbda_length_alpha", "ppo.critic_epo
 
 def check_critic_settings(cfg: DictConfig) -> None:
     """The critic's settings against each other (separate lambdas, critic passes, the warm-up
-    that ends on its own, the warm start), before any model is loaded."""
+    that ends on its own, the warm start), before any model is loaded.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     p, o = cfg.ppo, cfg.optim
     if critic_free(cfg):
         given = [f"{key}={OmegaConf.select(cfg, key)}" for key in CRITIC_SETTINGS
@@ -218,7 +243,11 @@ def check_critic_settings(cfg: DictConfig) -> None:
 
 def check_warm_start(cfg: DictConfig) -> None:
     """``value_model.warm_start`` names a checkpoint whose run had a critic of this run's kind
-    (its config, read before any weights; :func:`rlhf_torchrl.checkpoint.load_critic` loads it)."""
+    (its config, read before any weights; :func:`rlhf_torchrl.checkpoint.load_critic` loads it).
+
+    Args:
+        cfg: the composed PPO config.
+    """
     from ..checkpoint import critic_checkpoint
 
     path = critic_checkpoint(cfg.value_model.warm_start)
@@ -260,7 +289,11 @@ def resolve_precision(cfg: DictConfig) -> None:
     and the weights are fp32, else null (fp32). With bf16 the old log-probs are recomputed by the
     training forward, and ``ppo.tis_cap``, when null, becomes :data:`AUTO_TIS_CAP` (each token's
     surrogate weighted by the truncated ratio of the trainer's and the sampler's probabilities).
-    An explicit ``model.autocast`` is left as it is."""
+    An explicit ``model.autocast`` is left as it is.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     m = cfg.model
     if m.autocast != "auto":
         return
@@ -271,6 +304,11 @@ def resolve_precision(cfg: DictConfig) -> None:
 
 
 def autocast_dtype(cfg: DictConfig) -> torch.dtype | None:
+    """``model.autocast`` as a torch dtype (None: no autocast).
+
+    Args:
+        cfg: the composed PPO config.
+    """
     return torch_dtype(cfg.model.autocast) if cfg.model.autocast else None
 
 
@@ -279,7 +317,13 @@ def values_from_sampling(cfg: DictConfig, parallel: DataParallel, *, critic: boo
     (:class:`~rlhf_torchrl.sampling.ValueRecorder`): when the old log-probs are recorded while
     sampling and the trained model itself samples (the transformers backend, no copy under
     ``collection.overlap`` > 0, no Ray workers, no FSDP2, whose shared trunk runs inside the
-    sharded model). Elsewhere the critic computes them."""
+    sharded model). Elsewhere the critic computes them.
+
+    Args:
+        cfg: the composed PPO config.
+        parallel: this process's place in a torchrun job.
+        critic: the run has a critic.
+    """
     c = cfg.collection
     return (critic and cfg.value_model.init == "shared" and log_probs_from_sampling(cfg)
             and cfg.generation.backend == "transformers" and not parallel.fsdp
@@ -287,7 +331,11 @@ def values_from_sampling(cfg: DictConfig, parallel: DataParallel, *, critic: boo
 
 
 def log_probs_from_sampling(cfg: DictConfig) -> bool:
-    """Old log-probs recorded while sampling, or recomputed (:func:`rlhf_torchrl.sampling.log_probs_from_sampling`)."""
+    """Old log-probs recorded while sampling, or recomputed (:func:`rlhf_torchrl.sampling.log_probs_from_sampling`).
+
+    Args:
+        cfg: the composed PPO config.
+    """
     from ..sampling import log_probs_from_sampling as from_sampling
 
     return from_sampling(backend=cfg.generation.backend, autocast=cfg.model.autocast,
@@ -299,7 +347,11 @@ def log_probs_from_sampling(cfg: DictConfig) -> bool:
 def tis_cap(cfg: DictConfig) -> float | None:
     """``ppo.tis_cap``; when null, :data:`AUTO_TIS_CAP` under ``collection.overlap`` >= 1 or
     ``collection.partial_rollout`` with recomputed old log-probs (the sampler's, one or more
-    updates old, weight the loss: decoupled PPO), else off."""
+    updates old, weight the loss: decoupled PPO), else off.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     if cfg.ppo.tis_cap is not None:
         return float(cfg.ppo.tis_cap)
     stale = cfg.collection.overlap or cfg.collection.partial_rollout
@@ -311,7 +363,11 @@ def tis_cap(cfg: DictConfig) -> float | None:
 def partial_rollout_tokens(cfg: DictConfig) -> int | None:
     """The tokens a response grows per round of partial rollouts: ``collection.partial_rollout_tokens``,
     or a quarter of ``generation.max_new_tokens`` when null (the longest response spans 4 rounds,
-    as MindSpeed-RL's ``partial_rollout_max_split``); None without partial rollouts."""
+    as MindSpeed-RL's ``partial_rollout_max_split``); None without partial rollouts.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     c = cfg.collection
     if not c.partial_rollout:
         return None
@@ -319,7 +375,12 @@ def partial_rollout_tokens(cfg: DictConfig) -> int | None:
 
 
 def check_partial_rollout(cfg: DictConfig, world: int) -> None:
-    """``collection.partial_rollout`` against the settings it cannot be combined with (yet)."""
+    """``collection.partial_rollout`` against the settings it cannot be combined with (yet).
+
+    Args:
+        cfg: the composed PPO config.
+        world: the number of processes.
+    """
     c, g = cfg.collection, cfg.generation
     if not c.partial_rollout:
         if c.partial_rollout_tokens is not None:
@@ -343,7 +404,11 @@ def check_partial_rollout(cfg: DictConfig, world: int) -> None:
 
 def check_off_policy_correction(cfg: DictConfig) -> None:
     """``ppo.off_policy_correction`` and ``ppo.off_policy_low`` act where the correction is on
-    (:func:`tis_cap` resolves to a bound), and their bounds make a window."""
+    (:func:`tis_cap` resolves to a bound), and their bounds make a window.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     p, cap = cfg.ppo, tis_cap(cfg)
     if cap is None and (p.off_policy_correction != "tis" or p.off_policy_low is not None):
         given = (f"ppo.off_policy_correction={p.off_policy_correction}"
@@ -357,7 +422,11 @@ def check_off_policy_correction(cfg: DictConfig) -> None:
 
 
 def on_policy_tolerance(cfg: DictConfig) -> float:
-    """The on-policy check's tolerance (:func:`rlhf_torchrl.sampling.on_policy_tolerance`)."""
+    """The on-policy check's tolerance (:func:`rlhf_torchrl.sampling.on_policy_tolerance`).
+
+    Args:
+        cfg: the composed PPO config.
+    """
     from ..sampling import on_policy_tolerance as tolerance
 
     return tolerance(autocast=cfg.model.autocast, dtype=cfg.model.dtype,
@@ -392,7 +461,13 @@ def make_reward_functions(cfg: DictConfig) -> dict:
 
 def remote_reward(cfg: DictConfig, url: str, name: str):
     """The :class:`~rlhf_torchrl.remote_rewards.RemoteReward` at ``url``, with the
-    ``reward.remote_*`` settings."""
+    ``reward.remote_*`` settings.
+
+    Args:
+        cfg: the composed PPO config.
+        url: the scoring endpoint.
+        name: the reward's name.
+    """
     from ..remote_rewards import RemoteReward
 
     r = cfg.reward
@@ -403,7 +478,11 @@ def remote_reward(cfg: DictConfig, url: str, name: str):
 
 def check_remote_rewards(cfg: DictConfig) -> None:
     """``reward.remote_url`` in place of ``reward.model``, not beside it, as a URL; the token's
-    environment variable set."""
+    environment variable set.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     from ..remote_rewards import bearer_token, is_url
 
     r = cfg.reward
@@ -426,7 +505,11 @@ def make_tools(cfg: DictConfig) -> dict:
 
 
 def python_sandbox(cfg: DictConfig) -> SandboxSpec:
-    """Where and with which limits the ``python`` tool runs code (``env.python_*``)."""
+    """Where and with which limits the ``python`` tool runs code (``env.python_*``).
+
+    Args:
+        cfg: the composed PPO config.
+    """
     e = cfg.env
     return SandboxSpec(kind=e.python_sandbox, url=e.sandbox_url, timeout=e.tool_timeout,
                        memory_mb=e.python_memory_mb, max_processes=e.python_max_processes,
@@ -435,7 +518,11 @@ def python_sandbox(cfg: DictConfig) -> SandboxSpec:
 
 def system_prompt(cfg: DictConfig) -> str | None:
     """``data.system_prompt``, followed by the tools' descriptions when the episode has tools
-    (``env.describe_tools``)."""
+    (``env.describe_tools``).
+
+    Args:
+        cfg: the composed PPO config.
+    """
     from ..tools import describe_tools
 
     prompt = cfg.data.system_prompt
@@ -519,18 +606,33 @@ def _what_fits(n: int, held_out: int, per_batch: int, cfg: DictConfig) -> str:
 
 
 def eval_prompt_count(cfg: DictConfig) -> int:
+    """The prompts held out for evaluation: ``eval.num_prompts``, or 0 when ``eval.every=0``.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     return cfg.eval.num_prompts if cfg.eval.every else 0
 
 
 def split_eval_prompts(cfg: DictConfig, prompts) -> tuple:
     """(training prompts, held-out evaluation prompts): the last ``eval.num_prompts`` rows (of
-    each source of a mixture, shared by weight: :meth:`~rlhf_torchrl.prompt_sets.PromptMixture.hold_out`)."""
+    each source of a mixture, shared by weight: :meth:`~rlhf_torchrl.prompt_sets.PromptMixture.hold_out`).
+
+    Args:
+        cfg: the composed PPO config.
+        prompts (Sequence | PromptSet | PromptMixture): the prompts.
+    """
     k = eval_prompt_count(cfg)
     return hold_out(prompts, k) if k else (prompts, [])
 
 
 def hold_out(prompts, k: int) -> tuple:
-    """``(training prompts, the k held out)`` of a prompt set, a mixture or a list."""
+    """``(training prompts, the k held out)`` of a prompt set, a mixture or a list.
+
+    Args:
+        prompts (Sequence | PromptSet | PromptMixture): the prompts.
+        k: how many to hold out.
+    """
     return prompts.hold_out(k) if hasattr(prompts, "hold_out") else (prompts[:-k], prompts[-k:])
 
 
@@ -547,7 +649,16 @@ def make_evaluator(cfg: DictConfig, held_out, tokenizer, scorer, stop_ids, devic
 
 
 def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device):
-    """An :class:`~rlhf_torchrl.evaluation.Evaluator` of ``prompts`` with the ``eval.*`` settings."""
+    """An :class:`~rlhf_torchrl.evaluation.Evaluator` of ``prompts`` with the ``eval.*`` settings.
+
+    Args:
+        cfg: the composed PPO config.
+        prompts (Sequence): the held-out prompts.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        scorer (rlhf_torchrl.rewards.Scorer): scores the responses.
+        stop_ids (list[int]): the ids that end a response.
+        device (torch.device): where the evaluation samples.
+    """
     from ..evaluation import Evaluator
 
     e = cfg.eval
@@ -587,6 +698,11 @@ def make_models(cfg: DictConfig, tokenizer, device: torch.device, critic: bool |
 
 
 def lora_kwargs(cfg: DictConfig) -> dict:
+    """The ``lora.*`` settings as :func:`~rlhf_torchrl.modules.lora.add_lora`'s keyword arguments.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     lora = cfg.lora
     targets = lora.target_modules
     return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
@@ -594,6 +710,13 @@ def lora_kwargs(cfg: DictConfig) -> dict:
 
 
 def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
+    """The ids that end a response: ``generation.stop_token`` (a single token) and EOS, or EOS
+    alone.
+
+    Args:
+        cfg: the composed PPO config.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+    """
     token = cfg.generation.stop_token
     if token is None:
         return [tokenizer.eos_token_id]
@@ -604,7 +727,12 @@ def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
 
 
 def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
-    """How the run samples (:class:`~rlhf_torchrl.collectors.factory.CollectorSpec`)."""
+    """How the run samples (:class:`~rlhf_torchrl.collectors.factory.CollectorSpec`).
+
+    Args:
+        cfg: the composed PPO config.
+        stop_ids (list[int]): the ids that end a response (:func:`stop_token_ids`).
+    """
     g, c, v = cfg.generation, cfg.collection, cfg.vllm
     return CollectorSpec(
         batch_size=cfg.ppo.batch_size, max_new_tokens=g.max_new_tokens,
@@ -630,7 +758,16 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
 def check_rewards(cfg: DictConfig, scorer, prompts, tokenizer, stop_ids,
                   with_values: bool = False) -> None:
     """Every reward once on a probe of real prompts (:func:`make_reward_probe`); each source of a
-    mixture gets its own, since its rows may carry other columns."""
+    mixture gets its own, since its rows may carry other columns.
+
+    Args:
+        cfg: the composed PPO config.
+        scorer (rlhf_torchrl.rewards.Scorer): the rewards to call.
+        prompts (Sequence | PromptSet | PromptMixture): the training prompts.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        stop_ids (list[int]): the ids that end a response.
+        with_values: the probe holds recorded values too.
+    """
     if not isinstance(prompts, PromptMixture):
         return scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids, with_values))
     for name, part in zip(prompts.names, prompts.sets):
@@ -764,6 +901,9 @@ def resume_path(cfg: DictConfig) -> str | None:
     disk tore is named and skipped for the one before); ``never`` starts fresh, deleting an
     earlier run's checkpoints and metrics in ``output_dir``; any other value is the path of a
     checkpoint (``<run>/checkpoints/iter_<N>``).
+
+    Args:
+        cfg: the composed PPO config.
     """
     from ..checkpoint import CHECKPOINTS, is_checkpoint, latest_checkpoint, verify_checkpoint
 
@@ -819,7 +959,11 @@ _IDENTITY_DEFAULTS = {"advantage.estimator": "gae", "generation.samples_per_prom
 
 
 def run_identity(cfg: DictConfig) -> dict:
-    """The values of :data:`RUN_IDENTITY`, and the number of prompts held out of training."""
+    """The values of :data:`RUN_IDENTITY`, and the number of prompts held out of training.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     # (a checkpoint written before a setting existed had its default)
     identity = {key: OmegaConf.select(cfg, key, default=_IDENTITY_DEFAULTS.get(key))
                 for key in RUN_IDENTITY}
@@ -832,7 +976,11 @@ def run_identity(cfg: DictConfig) -> dict:
 def finished_run(cfg: DictConfig) -> dict | None:
     """The report of the run ``output_dir`` holds when it is this run, finished (``resume=auto``,
     the same identity and ``ppo.num_iterations``): the command says so and touches nothing
-    (nothing is loaded, ``report.json``/``.html`` stay). None otherwise: build and train."""
+    (nothing is loaded, ``report.json``/``.html`` stay). None otherwise: build and train.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     from ..checkpoint import list_checkpoints
 
     path = os.path.join(cfg.output_dir, "report.json")
@@ -858,7 +1006,12 @@ def finished_run(cfg: DictConfig) -> dict | None:
 
 def check_same_run(cfg: DictConfig, checkpoint: str) -> None:
     """Refuse to resume from a checkpoint written with other models, data, rewards or data order
-    (another ``task=`` preset, another seed, say), naming the settings that differ."""
+    (another ``task=`` preset, another seed, say), naming the settings that differ.
+
+    Args:
+        cfg: the composed PPO config.
+        checkpoint: the checkpoint directory to resume from.
+    """
     then = run_identity(OmegaConf.load(os.path.join(checkpoint, "config.yaml")))
     now = run_identity(cfg)
     differ = [f"{key}: {then[key]!r} in the checkpoint, {now[key]!r} now"
@@ -873,6 +1026,11 @@ def check_same_run(cfg: DictConfig, checkpoint: str) -> None:
 
 # ---- inputs checked before the heavy loads -----------------------------------------------------
 def check_output_dir(cfg: DictConfig) -> None:
+    """``output_dir`` is a directory this process can create and write.
+
+    Args:
+        cfg: the composed config.
+    """
     out = cfg.output_dir
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"output_dir={out} is a file: give a directory (new or a run's own).")
@@ -904,7 +1062,11 @@ def _model_config(setting: str, name: str):
 
 def check_models(cfg: DictConfig) -> None:
     """Each model's config read before any weights: it exists, the reward model is a one-label
-    sequence classifier, the reference shares the policy's vocabulary."""
+    sequence classifier, the reference shares the policy's vocabulary.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     m, r, v = cfg.model, cfg.reward, cfg.value_model
     policy = _model_config("model.policy", m.policy)
     if m.reference:
@@ -923,7 +1085,12 @@ def check_models(cfg: DictConfig) -> None:
 
 def check_reward_model(setting: str, name: str) -> None:
     """The model ``setting`` names is a sequence classifier with one label (its config read, no
-    weights)."""
+    weights).
+
+    Args:
+        setting: the setting that names the model (for the error).
+        name: the model's directory or Hub name.
+    """
     reward = _model_config(setting, name)
     archs = getattr(reward, "architectures", None) or []
     if not any(a.endswith("ForSequenceClassification") for a in archs):
@@ -939,7 +1106,11 @@ def check_reward_model(setting: str, name: str) -> None:
 
 def response_budget(cfg: DictConfig) -> tuple[int, str, str]:
     """The most tokens a response (an episode's, tool messages included) may take, what bounds
-    it, and the setting that lowers it. Evaluation samples with ``generation.max_new_tokens`` too."""
+    it, and the setting that lowers it. Evaluation samples with ``generation.max_new_tokens`` too.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     g, e = cfg.generation, cfg.env
     if e.max_turns > 1 and e.max_tokens is not None and e.max_tokens > g.max_new_tokens:
         return e.max_tokens, f"env.max_tokens={e.max_tokens}", "env.max_tokens"
@@ -955,7 +1126,13 @@ def check_sequence_length(cfg: DictConfig, prompts, tokenizer) -> None:
     reference, a critic of its own), where its config gives a limit. Past it a learned position
     embedding (GPT-2's ``n_positions``) fails deep inside the first forward with an IndexError:
     refused, one line. A rotary model (a ``rope_parameters``/``rope_scaling`` config) computes any
-    position, but reads positions it was never trained on: a warning."""
+    position, but reads positions it was never trained on: a warning.
+
+    Args:
+        cfg: the composed PPO config.
+        prompts (Sequence | PromptSet | PromptMixture): the training prompts.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+    """
     m, v = cfg.model, cfg.value_model
     models = [("model.policy", m.policy), ("model.reference", m.reference)]
     if v.init == "model" and v.name_or_path:
@@ -1006,11 +1183,15 @@ def check_sequence_length(cfg: DictConfig, prompts, tokenizer) -> None:
 def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     """The :class:`~rlhf_torchrl.trainer.PPOTrainer` of ``cfg`` with its hooks, resumed from the
     checkpoint ``resume`` names; everything cheap is checked before any model is loaded.
+    ``examples/`` shows both keyword arguments in use.
 
-    ``advantage``: an advantage module of your own in place of ``advantage.estimator``'s (a critic
-    is built if it reads ``"state_value"``, :func:`~rlhf_torchrl.advantages.needs_critic`);
-    ``reward_transform``: a TorchRL ``Transform`` (or TensorDict callable) applied to each scored
-    rollout (:class:`~rlhf_torchrl.trainer.PPOTrainer`). ``examples/`` shows both.
+    Args:
+        cfg: the composed PPO config.
+        advantage (torch.nn.Module | None): an advantage module of your own in place of
+            ``advantage.estimator``'s (a critic is built if it reads ``"state_value"``,
+            :func:`~rlhf_torchrl.advantages.needs_critic`); None: the estimator's.
+        reward_transform (Callable | None): a TorchRL ``Transform`` (or TensorDict callable)
+            applied to each scored rollout (:class:`~rlhf_torchrl.trainer.PPOTrainer`); None: none.
     """
     from ..advantages import needs_critic
     from ..checkpoint import load_critic
@@ -1127,7 +1308,11 @@ def _collector_factory(spec, prompts, tokenizer, policy, device, parallel, value
 
 def train(cfg: DictConfig) -> dict:
     """Build the trainer of ``cfg`` and run it; returns the run's report (rank 0's; empty on the
-    other processes). A run ``output_dir`` holds finished is left as it is."""
+    other processes). A run ``output_dir`` holds finished is left as it is.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     report = finished_run(cfg)
     if report is not None:
         return report
@@ -1141,7 +1326,11 @@ def train(cfg: DictConfig) -> dict:
 # ---- the other commands ---------------------------------------------------------------------
 def train_reward_model(cfg: DictConfig) -> dict:
     """Train a reward model as ``cfg`` (``reward_model.yaml``) says; returns the report (also
-    ``<output_dir>/report.json``; the model in ``<output_dir>/model``)."""
+    ``<output_dir>/report.json``; the model in ``<output_dir>/model``).
+
+    Args:
+        cfg: the composed reward-model config (``reward_model.yaml``).
+    """
     from ..reward_training import (
         evaluate_pairs,
         init_reward_head,
@@ -1205,7 +1394,11 @@ def train_reward_model(cfg: DictConfig) -> dict:
 
 def serve_reward_model(cfg: DictConfig) -> None:
     """Serve the reward model of ``cfg`` (``serve_reward_model.yaml``) over HTTP until
-    interrupted (:func:`rlhf_torchrl.reward_server.serve`)."""
+    interrupted (:func:`rlhf_torchrl.reward_server.serve`).
+
+    Args:
+        cfg: the composed config (``serve_reward_model.yaml``).
+    """
     from ..remote_rewards import bearer_token
     from ..reward_server import serve
 
@@ -1241,7 +1434,11 @@ def serve_reward_model(cfg: DictConfig) -> None:
 def evaluate_policy(cfg: DictConfig) -> dict:
     """``eval/...`` metrics of ``model.policy`` on the held-out prompts of the PPO config (the
     last ``eval.num_prompts``), against ``model.reference``'s responses when it is set; also
-    ``<output_dir>/eval.json`` with every response."""
+    ``<output_dir>/eval.json`` with every response.
+
+    Args:
+        cfg: the composed PPO config.
+    """
     from ..evaluation import format_metrics, rollout_samples
 
     schema.validate(cfg)
