@@ -20,18 +20,39 @@ from ..errors import ConfigError
 
 @dataclass
 class Distributed:
+    """Types of the ``distributed.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     strategy: str = MISSING
     backend: str | None = MISSING
 
 
 @dataclass
 class Checkpoint:
+    """Types of the ``checkpoint.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     every: int = MISSING
     keep: int | None = MISSING
 
 
 @dataclass
 class Model:
+    """Types of the ``model.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     policy: str = MISSING
     reference: str | None = MISSING
     dtype: str = MISSING
@@ -46,7 +67,11 @@ class Model:
 @dataclass
 class DataSource:
     """One source of a mixture (``data.sources``): its weight, and the ``data.*`` loading
-    settings it sets for itself (null: ``data.*``'s)."""
+    settings it sets for itself (null: ``data.*``'s).
+
+    Each field is described under ``data.sources`` in the
+    :doc:`configuration reference </configuration>`.
+    """
 
     source: str = MISSING
     weight: float = 1.0
@@ -59,6 +84,13 @@ class DataSource:
 
 @dataclass
 class Data:
+    """Types of the ``data.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     source: str = MISSING
     sources: list[DataSource] = MISSING
     config: str | None = MISSING
@@ -79,6 +111,13 @@ class Data:
 
 @dataclass
 class Lora:
+    """Types of the ``lora.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     r: int = MISSING
     alpha: float = MISSING
     dropout: float = MISSING
@@ -89,6 +128,13 @@ class Lora:
 
 @dataclass
 class Reward:
+    """Types of the ``reward.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     model: str | None = MISSING
     model_weight: float = MISSING
     model_batch_size: int = MISSING
@@ -110,6 +156,13 @@ class Reward:
 
 @dataclass
 class ValueModel:
+    """Types of the ``value_model.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     init: str = MISSING
     name_or_path: str | None = MISSING
     warm_start: str | None = MISSING
@@ -117,6 +170,13 @@ class ValueModel:
 
 @dataclass
 class Generation:
+    """Types of the ``generation.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     backend: str = MISSING
     max_new_tokens: int = MISSING
     temperature: float = MISSING
@@ -132,6 +192,13 @@ class Generation:
 
 @dataclass
 class Env:
+    """Types of the ``env.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     max_turns: int = MISSING
     tools: list[str] = MISSING
     max_tokens: int | None = MISSING
@@ -147,6 +214,13 @@ class Env:
 
 @dataclass
 class Collection:
+    """Types of the ``collection.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     overlap: int | None = MISSING
     ray_workers: int = MISSING
     ray_address: str | None = MISSING
@@ -158,6 +232,13 @@ class Collection:
 
 @dataclass
 class VLLM:
+    """Types of the ``vllm.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     dtype: str | None = MISSING
     max_model_len: int | None = MISSING
     gpu_memory_utilization: float = MISSING
@@ -169,6 +250,13 @@ class VLLM:
 
 @dataclass
 class PPO:
+    """Types of the ``ppo.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     num_iterations: int = MISSING
     batch_size: int = MISSING
     num_mini_batches: int = MISSING
@@ -205,6 +293,13 @@ class PPO:
 
 @dataclass
 class Advantage:
+    """Types of the ``advantage.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     estimator: str = MISSING
     scale_by_std: bool = MISSING
     filter_groups: bool = MISSING
@@ -212,6 +307,13 @@ class Advantage:
 
 @dataclass
 class Optim:
+    """Types of the ``optim.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     lr: float = MISSING
     critic_lr: float | None = MISSING
     value_head_lr: float | None = MISSING
@@ -228,6 +330,13 @@ class Optim:
 
 @dataclass
 class Eval:
+    """Types of the ``eval.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     every: int = MISSING
     num_prompts: int = MISSING
     temperature: float = MISSING
@@ -237,6 +346,13 @@ class Eval:
 
 @dataclass
 class Guards:
+    """Types of the ``guards.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     non_finite: str = MISSING
     kl_ceiling: float | None = MISSING
     kl_ceiling_stop: bool = MISSING
@@ -244,6 +360,13 @@ class Guards:
 
 @dataclass
 class Logging:
+    """Types of the ``logging.*`` settings.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     logger: str | None = MISSING
     project: str = MISSING
     run_name: str | None = MISSING
@@ -257,6 +380,13 @@ class Logging:
 
 @dataclass
 class PPOConfig:
+    """Types of the whole PPO config: the top-level settings, and one field per group.
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    """
+
     seed: int = MISSING
     device: str = MISSING
     threads: int | None = MISSING
