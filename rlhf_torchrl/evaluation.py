@@ -46,7 +46,7 @@ class Evaluator:
     """Responses to ``prompts`` at ``temperature``, scored and compared with the reference's.
 
     Args:
-        prompts: the held-out prompts, as
+        prompts (Sequence): the held-out prompts, as
             :func:`~rlhf_torchrl.collectors.make_generation_env` takes them.
         tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
         scorer (rlhf_torchrl.rewards.Scorer): scores the responses.

@@ -144,7 +144,8 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
 
     Args:
         spec: how to sample.
-        prompts: the prompts, as :func:`~rlhf_torchrl.collectors.make_generation_env` takes them.
+        prompts (Sequence): the prompts, as :func:`~rlhf_torchrl.collectors.make_generation_env`
+            takes them.
         tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
         policy (transformers.PreTrainedModel): the trained policy model.
         device (torch.device | str | None): where rollouts are sampled and placed (None: the CPU).

@@ -56,11 +56,11 @@ PACKING = (False, True, "auto")
 AUTO_SAVING = 0.9
 
 
-def check_packing(packing) -> None:
+def check_packing(packing: bool | str) -> None:
     """A :data:`PACKING` value, or a ConfigError naming the three.
 
     Args:
-        packing (bool | str): the value to check.
+        packing: the value to check.
     """
     if packing not in PACKING or isinstance(packing, int) and not isinstance(packing, bool):
         raise ConfigError(f"packing={packing!r}: choose false (padded rows), true (packed rows) "
@@ -249,14 +249,14 @@ def pack_rows(td: TensorDictBase, *, cost: SequenceCost, one_row: bool = False,
                       response_mask)
 
 
-def packing_for(model: nn.Module, packing, *, lm_head: bool,
+def packing_for(model: nn.Module, packing: bool | str, *, lm_head: bool,
                 autocast_dtype: torch.dtype | None = None) -> tuple[bool | str, SequenceCost | None]:
     """``packing`` as ``model`` allows it (:func:`packing_unsupported`: True refused with the
     reason, ``"auto"`` turned off), and the model's :class:`SequenceCost` when on.
 
     Args:
         model: the model that would run packed.
-        packing (bool | str): False, True or ``"auto"``.
+        packing: False, True or ``"auto"``.
         lm_head: the model runs its LM head (a policy), or is a bare trunk (a critic).
         autocast_dtype: the autocast it runs under (None: none).
     """
@@ -272,13 +272,13 @@ def packing_for(model: nn.Module, packing, *, lm_head: bool,
     return packing, SequenceCost.of(model, lm_head=lm_head)
 
 
-def rows_for(td: TensorDictBase, packing, cost: SequenceCost | None,
+def rows_for(td: TensorDictBase, packing: bool | str, cost: SequenceCost | None,
              model: nn.Module) -> PackedRows | None:
     """``td`` packed for ``model`` as ``packing`` says (:func:`pack_rows`), or None: padded.
 
     Args:
         td: a rollout or minibatch.
-        packing (bool | str): as :func:`packing_for` returned it.
+        packing: as :func:`packing_for` returned it.
         cost: the model's costs (None: packing off).
         model: the model that runs.
     """
