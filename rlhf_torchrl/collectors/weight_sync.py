@@ -66,7 +66,8 @@ class WeightSync:
 
     Args:
         model: the trained model (:func:`engine_weights` reads it).
-        target (object): the sampler's copy: a vLLM generator, a :class:`ModelCopy`, a Ray
+        target (object): the sampler's copy: a vLLM generator, a
+            :class:`~rlhf_torchrl.collectors.asynchronous.ModelCopy`, a Ray
             collector.
     """
 
