@@ -35,7 +35,8 @@ def _public_bases(app, name, obj, options, bases: list) -> None:
         for b in public(base) if isinstance(base, type) else [base]:
             if b not in shown and b is not object:
                 shown.append(b)
-    bases[:] = shown  # object too: no "Bases:" line for a class of its own
+    # a class of its own keeps "Bases: object" (autodoc writes the line whatever the list holds)
+    bases[:] = shown or [object]
 
 
 def setup(app):
