@@ -146,6 +146,9 @@ CASES = {
     "reference-vocabulary": (["model.reference={d}/small_vocab"], r"vocabulary of 1000 tokens .*same tokenizer"),
     "reward-model-is-an-lm": (["reward.model={model}"], r"LlamaForCausalLM, not a sequence classifier"),
     "stop-token": (["generation.stop_token=nope_not_a_token"], r"generation.stop_token 'nope_not_a_token'"),
+    "tools-on-plain-text": (["env.max_turns=2", "env.tools=[calculator]"],
+                            r"env.max_turns=2 with data.chat_template=plain: a plain text has no "
+                            r"roles.*Set data.chat_template=null"),
     # output directory and resume
     "output-is-a-file": (["output_dir={d}/a_file"], r"output_dir=.*a_file is a file"),
     "resume-not-a-checkpoint": (["resume={d}"], r"resume=.* is not a checkpoint directory"),
@@ -257,7 +260,8 @@ def test_prompt_plus_response_past_the_models_positions_is_one_line(tmp_path, sh
     builders.check_sequence_length(cfg, builders.make_prompts(cfg, tokenizer), tokenizer)
     for overrides, fix in [
         # episodes of up to 3 turns of 50 tokens, without an episode budget
-        (["env.max_turns=3", "env.tools=[calculator]", "env.describe_tools=false",
+        (["data.chat_template=null", "env.max_turns=3", "env.tools=[calculator]",
+          "env.describe_tools=false",
           "generation.max_new_tokens=50"],
          r"plus 150 response tokens \(env.max_turns=3 x generation.max_new_tokens=50, the tool "
          r"messages on top\) .*: set env.max_tokens=\d+ or less\.$"),

@@ -73,6 +73,7 @@ CASES = {
     "ddp-shared-critic-multi-turn": ["distributed.strategy=ddp", "value_model.init=shared",
                                      "env.max_turns=3", "env.tools=[calculator]",
                                      "env.describe_tools=false", "data.system_prompt=null",
+                                     "data.chat_template=null",
                                      "generation.max_new_tokens=16", "generation.samples_per_prompt=2",
                                      "env.max_tokens=31"],
 }

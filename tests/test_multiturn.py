@@ -205,7 +205,8 @@ def episode_settings(tmp_path) -> list[str]:
     data = tmp_path / "questions.jsonl"
     data.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in PROMPTS * 2))
     return [f"data.source={data}", "data.template=null", "data.max_words=null",
-            "data.system_prompt=null", "env.max_turns=3", "env.tools=[calculator]",
+            "data.system_prompt=null", "data.chat_template=null", "env.max_turns=3",
+            "env.tools=[calculator]",
             "env.describe_tools=false", "generation.max_new_tokens=16",
             "reward.functions=[test_multiturn.says_five]", f"generation.temperature={T}",
             "optim.lr=1e-5"]

@@ -248,7 +248,7 @@ def test_critic_warmup_holds_the_policy_while_the_value_head_learns(tmp_path, ti
     ppo.train(_cfg(tmp_path, tiny_llama_dir, "optim.critic_warmup=1", "ppo.num_iterations=4",
                    "eval.every=0", "ppo.kl_target=1.0", "ppo.kl_horizon=4"))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["policy/approxkl_avg"] < 1e-9 < 1e-4 < rows[1]["policy/approxkl_avg"]
+    assert rows[0]["policy/approxkl_avg"] < 1e-9 < 1e-6 < rows[1]["policy/approxkl_avg"]
     assert abs(rows[1]["objective/kl"]) < 1e-3 < abs(rows[2]["objective/kl"])
     assert rows[1]["loss/value_avg"] < rows[0]["loss/value_avg"]  # the head learned alone
     # the coefficient waits for the first batch of the moved policy (iteration 2), then adapts

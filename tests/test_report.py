@@ -53,7 +53,8 @@ def test_report_renders_every_plot_of_a_finished_run(tmp_path, tiny_llama_dir):
     report = ppo.train(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=3", "eval.every=2",
                             "generation.samples_per_prompt=2", "advantage.estimator=rloo",
                             "advantage.filter_groups=true", "ppo.kl_loss_coef=0.01",
-                            "env.max_turns=2", "env.tools=[calculator]"))
+                            "env.max_turns=2", "env.tools=[calculator]",
+                            "data.chat_template=null"))
     page = (tmp_path / "report.html").read_text()
     for name, title, _, _ in PLOTS:
         assert (tmp_path / "plots" / f"{name}.png").exists(), name

@@ -58,7 +58,8 @@ def finished_run(tmp_path_factory, tiny_llama_dir):
     report = ppo.train(_cfg(run_dir, tiny_llama_dir, "ppo.num_iterations=3", "eval.every=2",
                             "generation.samples_per_prompt=2", "advantage.estimator=rloo",
                             "advantage.filter_groups=true", "ppo.kl_loss_coef=0.01",
-                            "env.max_turns=2", "env.tools=[calculator]"))
+                            "env.max_turns=2", "env.tools=[calculator]",
+                            "data.chat_template=null"))
     return run_dir, report
 
 

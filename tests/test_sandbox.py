@@ -295,7 +295,8 @@ def test_the_sandbox_settings_reach_the_tool_and_the_collector(tmp_path):
     from rlhf_torchrl.config.builders import check_config, collector_spec, make_tools
     from rlhf_torchrl.sandbox import SandboxSpec
 
-    cfg = compose([f"output_dir={tmp_path}", "env.max_turns=2", "env.tools=[calculator,python]",
+    cfg = compose([f"output_dir={tmp_path}", "data.chat_template=null", "env.max_turns=2",
+                   "env.tools=[calculator,python]",
                    "env.tool_timeout=7", "env.python_memory_mb=256", "env.python_max_processes=4",
                    "env.python_max_output_bytes=1000", "env.python_scratch_mb=16"])
     check_config(cfg)
@@ -311,7 +312,8 @@ def test_no_sandbox_installed_is_one_line_before_any_model(monkeypatch, tmp_path
     from rlhf_torchrl.config.builders import make_tools
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
-    cfg = compose([f"output_dir={tmp_path}", "env.max_turns=2", "env.tools=[calculator,python]"])
+    cfg = compose([f"output_dir={tmp_path}", "data.chat_template=null", "env.max_turns=2",
+                   "env.tools=[calculator,python]"])
     with pytest.raises(ConfigError, match=r"bwrap is not installed.*apt-get install bubblewrap.*"
                        r"env.python_sandbox=remote.*env.python_sandbox=none") as error:
         make_tools(cfg)
@@ -325,7 +327,8 @@ def test_a_bad_sandbox_setting_is_one_line(tmp_path):
 
     with pytest.raises(ConfigError, match=r"env.python_sandbox='docker' is not one of .*bubblewrap"):
         check_config(compose([f"output_dir={tmp_path}", "env.python_sandbox=docker"]))
-    cfg = compose([f"output_dir={tmp_path}", "env.max_turns=2", "env.tools=[python]",
+    cfg = compose([f"output_dir={tmp_path}", "data.chat_template=null", "env.max_turns=2",
+                   "env.tools=[python]",
                    "env.python_sandbox=remote"])
     with pytest.raises(ConfigError, match=r"env.python_sandbox=remote needs .* set env.sandbox_url"):
         make_tools(cfg)

@@ -103,6 +103,11 @@ def check_config(cfg: DictConfig) -> Sizes:
     if e.max_turns > 1 and not e.tools:
         raise ConfigError(f"env.max_turns={e.max_turns}: an episode goes on only after a tool call, "
                          "and env.tools is empty: name the tools (env.tools=[calculator]).")
+    if e.max_turns > 1 and cfg.data.chat_template == "plain":
+        raise ConfigError(f"env.max_turns={e.max_turns} with data.chat_template=plain: a plain "
+                         "text has no roles, so the policy could not tell its own turns from the "
+                         "tools' messages. Set data.chat_template=null (the tokenizer's) or a "
+                         "template with roles.")
     if e.max_turns > 1 and (cfg.distributed.strategy == "fsdp2" and world > 1):
         raise ConfigError("env.max_turns > 1 with FSDP2: each process's rows take their own number "
                          "of turns, and FSDP2's generation needs every process to run the same "
