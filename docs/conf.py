@@ -39,7 +39,7 @@ exclude_patterns += ["_generated"]
 smartquotes = False
 
 # --- MyST: links between pages and to headings are checked (a broken one is a warning, -W an error)
-myst_heading_anchors = 3
+myst_heading_anchors = 4
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_links_external_new_tab = False
 
