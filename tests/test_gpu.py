@@ -78,6 +78,8 @@ VARIANTS = {
     "lora": ["lora.r=8"],
     "rloo-groups": ["advantage.estimator=rloo", "generation.samples_per_prompt=2"],
     "overlap": ["collection.overlap=1"],
+    "packed": ["model.packing=true", "ppo.micro_batch_tokens=256"],
+    "packed-compiled-bf16": ["model.packing=true", "model.compile=true", "model.autocast=bfloat16"],
 }
 
 
