@@ -131,6 +131,23 @@ def test_vs_trl_fixture_shares_one_tokenizer(tmp_path):
     assert len((tmp_path / "prompts.jsonl").read_text().splitlines()) > 16
 
 
+def test_vs_trl_gives_the_ours_overrides_to_this_side(tmp_path):
+    """``--ours`` reaches this package's recipe run (here ``model.packing=true``), one iteration
+    of our worker on the fixture (TRL's worker needs TRL, not installed here)."""
+    import argparse
+
+    from rlhf_torchrl.benchmarks import vs_trl
+
+    vs_trl.make_fixture(tmp_path, argparse.Namespace(model="tiny-gpt2", tokenizer="auto", seed=0))
+    out = tmp_path / "ours.json"
+    vs_trl.main(["--worker", "ours", "--fixture", str(tmp_path), "--worker-out", str(out),
+                 "--batch-size", "4", "--epochs", "1", "--iterations", "1", "--warmup", "0",
+                 "--response-length", "4", "--ours", "model.packing=true"])
+    assert len(json.loads(out.read_text())["seconds"]) == 1
+    (report,) = tmp_path.glob("*/report.json")
+    assert json.loads(report.read_text())["config"]["model"]["packing"] is True
+
+
 def test_estimators_table_reads_the_runs(tmp_path, capsys):
     """One row per finished run (an unfinished one is left out), the mean over seeds, the median
     iteration and the peak RSS of `/usr/bin/time -v`."""

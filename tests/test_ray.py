@@ -47,8 +47,11 @@ def test_two_ray_workers_sample_what_one_process_samples(tmp_path, tiny_llama_di
         assert a.keys() == b.keys()
         for key in a:
             # fp32 log-probs of the same rows in batches of another shape: the KL (a difference
-            # of nearly equal log-probs, summed over the response) agrees to ~1e-6 nats per token
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), key
+            # of nearly equal log-probs, summed over the response) agrees to ~1e-6 nats per token.
+            # The explained variance divides by the variance of 4 responses' returns (-37 here,
+            # the tiny model's returns barely vary): the same ~1e-6 in the values moves it by 1e-5
+            rel = 1e-4 if key == "val/explained_variance" else 1e-5
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-5), key
     assert all(m["time/weight_sync"] > 0 for m in remote[:-1])
 
 

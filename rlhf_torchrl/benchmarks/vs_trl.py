@@ -169,6 +169,7 @@ def worker_ours(a, fixture: Path) -> dict:
         f"optim.lr={a.lr}", "optim.value_head_lr=null", "ppo.kl_coef=0.05",
         "logging.progress_bar=false", "logging.save_model=false", "logging.logger=null",
         "model.autocast=null", f"seed={a.seed}",  # fp32 on both sides
+        *a.ours,
     ]
     cfg = compose(overrides)
     builders.train(cfg)
@@ -206,6 +207,9 @@ def main(argv=None) -> dict | None:
     parser.add_argument("--venv", default=str(_cache_root() / f"venv-trl-{TRL_VERSION}"),
                         help="TRL's virtual environment, created here on first use "
                              "(RLHF_TORCHRL_CACHE moves the default)")
+    parser.add_argument("--ours", nargs="*", default=[], metavar="OVERRIDE",
+                        help="recipe overrides for this package's side only, e.g. "
+                             "model.packing=true model.compile=true (TRL has neither)")
     add_out_arg(parser)
     parser.add_argument("--worker", choices=("trl", "ours"), help=argparse.SUPPRESS)
     parser.add_argument("--fixture", help=argparse.SUPPRESS)
@@ -220,6 +224,8 @@ def main(argv=None) -> dict | None:
                               "temperature", "lr", "iterations", "warmup", "threads", "seed")]
     if a.trl_reuse_freed_memory:
         a.passthrough.append("--trl-reuse-freed-memory")
+    if a.ours:
+        a.passthrough += ["--ours", *a.ours]
     trl_python = str(ensure_trl_venv(Path(a.venv)))
     runs = {"trl": [], "ours": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -236,7 +242,7 @@ def main(argv=None) -> dict | None:
            for side, rs in runs.items()}
     print(f"\nPPO iteration, {a.model}, batch {a.batch_size}, response {a.response_length}, "
           f"{a.epochs} epochs x {a.minibatches} minibatches, {a.threads} threads, "
-          f"{a.rounds} alternating runs each")
+          f"{a.rounds} alternating runs each" + (f"; ours with {' '.join(a.ours)}" if a.ours else ""))
     malloc = " (with reuse_freed_memory)" if a.trl_reuse_freed_memory else ""
     print(f"  TRL {TRL_VERSION} PPOTrainer{malloc}: {med['trl']:.3f} s/iteration (median)")
     print(f"  rlhf_torchrl:            {med['ours']:.3f} s/iteration (median)")
