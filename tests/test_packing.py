@@ -274,7 +274,7 @@ def test_packed_equals_padded_on_cuda(attn, tiny_llama_dir, tokenizer):
     out = {}
     for packing in (False, True):
         critic = make_critic(policy=model, tokenizer=tokenizer, init="shared", packing=packing,
-                             autocast_dtype=dtype).cuda()
+                             autocast_dtype=dtype)
         torch.manual_seed(1)
         torch.nn.init.normal_(critic.head.weight)
         actor = TokenLevelActor(model, temperature=0.7, trunk_critic=critic, packing=packing,

@@ -295,7 +295,8 @@ class TokenCritic(TensorDictModuleBase):
                                                   autocast_dtype=autocast_dtype)
         if head is None:
             hidden = backbone.config.hidden_size
-            head = nn.Linear(hidden, 1)
+            # on the trunk's device (a CUDA policy gets a CUDA head), in fp32 whatever its dtype
+            head = nn.Linear(hidden, 1, device=next(backbone.parameters()).device)
             # zero: every value starts at 0, so the first advantages are the returns themselves.
             # A random head (N(0, 1/sqrt(d + 1)), the reward head's init) starts SmolLM2's values
             # ~1.3 rms away from scores of ~0.3 spread, and that noise swamps the advantages
