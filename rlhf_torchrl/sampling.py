@@ -495,15 +495,19 @@ def log_probs_from_sampling(*, backend: str = "transformers", autocast: str | No
 
 
 def on_policy_tolerance(*, autocast: str | None = None, dtype: str = "float32",
-                        setting: float | None = None) -> float:
-    """The on-policy check's tolerance (``setting`` when given): 1e-3 nats in fp32, 0.5 in
-    bf16/fp16 (rounding alone gave up to 0.25 on SmolLM2 with bf16 autocast on CPU).
+                        setting: float | None = None, sampler_dtype: str | None = None) -> float:
+    """The on-policy check's tolerance (``setting`` when given): 1e-3 nats in fp32, 0.5 where the
+    trainer or the sampler computes in bf16/fp16 (rounding alone gave up to 0.25 on SmolLM2 with
+    bf16 autocast on CPU, 0.22 for a bf16 vLLM engine against an fp32 trainer).
 
     Args:
-        autocast: the autocast dtype's name (None: none).
-        dtype: the weights' dtype.
+        autocast: the trainer's autocast dtype's name (None: none).
+        dtype: the trainer's weights' dtype.
         setting: the user's tolerance, in nats (None: as above).
+        sampler_dtype: the weights' dtype of a sampler of its own (a vLLM engine; None: the
+            trainer's model samples).
     """
     if setting is not None:
         return float(setting)
-    return 0.5 if low_precision(autocast=autocast, dtype=dtype) else 1e-3
+    low = low_precision(autocast=autocast, dtype=dtype) or low_precision(dtype=sampler_dtype or dtype)
+    return 0.5 if low else 1e-3

@@ -227,6 +227,11 @@ def test_low_precision_recomputes_old_log_probs(tmp_path, tiny_llama_dir):
     for setting in ("model.autocast=bfloat16", "model.dtype=bfloat16"):
         low = _cfg(tmp_path, tiny_llama_dir, setting)
         assert not builders.log_probs_from_sampling(low) and builders.on_policy_tolerance(low) == 0.5
+    # an fp32 trainer sampled by a bf16 vLLM engine: the engine's rounding, the same coarse check
+    engine = _cfg(tmp_path, tiny_llama_dir, "generation.backend=vllm", "vllm.dtype=bfloat16")
+    assert not builders.log_probs_from_sampling(engine) and builders.on_policy_tolerance(engine) == 0.5
+    engine32 = _cfg(tmp_path, tiny_llama_dir, "generation.backend=vllm", "vllm.dtype=float32")
+    assert builders.on_policy_tolerance(engine32) == 1e-3
     mine = _cfg(tmp_path, tiny_llama_dir, "model.autocast=bfloat16",
                 "generation.log_probs_from_sampling=true", "generation.on_policy_tolerance=0.1")
     assert builders.log_probs_from_sampling(mine) and builders.on_policy_tolerance(mine) == 0.1

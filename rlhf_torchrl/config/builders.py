@@ -434,8 +434,9 @@ def on_policy_tolerance(cfg: DictConfig) -> float:
     """
     from ..sampling import on_policy_tolerance as tolerance
 
+    engine = cfg.vllm.dtype if cfg.generation.backend == "vllm" else None
     return tolerance(autocast=cfg.model.autocast, dtype=cfg.model.dtype,
-                     setting=cfg.generation.on_policy_tolerance)
+                     setting=cfg.generation.on_policy_tolerance, sampler_dtype=engine)
 
 
 def make_thread_tuner(cfg: DictConfig) -> ThreadTuner:
