@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rlhf_torchrl.cli import check_overrides, run, with_run_dir
-from rlhf_torchrl.config.builders import evaluate_policy as evaluate
+from rlhf_torchrl.config.evaluate_policy import evaluate_policy as evaluate
 
 
 @hydra.main(config_path=None, config_name="rlhf_ppo", version_base=None)

@@ -15,11 +15,11 @@ import hydra
 from omegaconf import DictConfig
 
 from rlhf_torchrl.cli import check_overrides, run, with_run_dir
-from rlhf_torchrl.config import builders
+from rlhf_torchrl.config import builders, resume
 
 
 def train(cfg: DictConfig) -> dict:
-    report = builders.finished_run(cfg)  # output_dir holds this run, finished: its report
+    report = resume.finished_run(cfg)  # output_dir holds this run, finished: its report
     if report is not None:
         return report
     trainer = builders.build_trainer(cfg)  # collector, scorer, actor/reference/critic, loss, hooks

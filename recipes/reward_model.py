@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rlhf_torchrl.cli import check_overrides, run, with_run_dir
-from rlhf_torchrl.config.builders import train_reward_model as train
+from rlhf_torchrl.config.reward_model import train_reward_model as train
 
 
 @hydra.main(config_path=None, config_name="rlhf_reward_model", version_base=None)

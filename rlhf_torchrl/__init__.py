@@ -1,10 +1,16 @@
 """PPO-based RLHF for language models as a composable TorchRL pipeline."""
 
 from . import functional, keys
-from .advantages import GRPOAdvantage, ReinforcePPAdvantage, RLOOAdvantage, make_advantage
+from .advantages import (
+    GRPOAdvantage,
+    ReinforcePPAdvantage,
+    ResponseGAE,
+    RLOOAdvantage,
+    make_advantage,
+)
 from .collectors import RolloutCollector, make_generation_env, make_generation_policy, to_rollout
 from .modules import TokenCritic, TokenLevelActor, evaluate_rollout, make_critic
-from .objectives import ResponseGAE, make_ppo_loss, ppo_update
+from .objectives import make_ppo_loss, ppo_update
 from .rewards import KLRewardShaper, RewardModel, Scorer, load_reward_function, make_kl_controller
 from .trainer import PPOTrainer
 from .trajectory import merge_token_view, token_view

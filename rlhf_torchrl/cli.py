@@ -255,19 +255,19 @@ def _ppo(args: list[str]) -> None:
 
 
 def _reward_model(args: list[str]) -> None:
-    from .config.builders import train_reward_model
+    from .config.reward_model import train_reward_model
 
     _hydra_app(train_reward_model, "rlhf_reward_model", "reward_model", args)
 
 
 def _serve_reward_model(args: list[str]) -> None:
-    from .config.builders import serve_reward_model
+    from .config.serve_reward_model import serve_reward_model
 
     _hydra_app(serve_reward_model, "rlhf_serve_reward_model", "serve_reward_model", args)
 
 
 def _evaluate(args: list[str]) -> None:
-    from .config.builders import evaluate_policy
+    from .config.evaluate_policy import evaluate_policy
 
     _hydra_app(evaluate_policy, "rlhf_ppo", "evaluate", args)
 

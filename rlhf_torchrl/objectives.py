@@ -16,7 +16,6 @@ from torchrl.objectives import ClipPPOLoss
 
 from . import functional as F
 from . import keys as K
-from .advantages import ResponseGAE  # noqa: F401 - its home before the estimators had their own
 from .errors import ConfigError
 from .loss_inputs import loss_input_keys
 from .update import (  # noqa: F401 - their home before the update had its own module

@@ -40,7 +40,7 @@ PLOTS = [
      ["eval/score", "eval/reference_score", "eval/win_rate", "eval/accuracy"], "value"),
     ("eval_diversity", "Held-out evaluation: diversity", ["eval/distinct_1", "eval/distinct_2"],
      "distinct n-grams / n-grams"),
-    ("time", "Seconds per phase", ["time/generation", "time/scoring", "time/evaluation",
+    ("time", "Seconds per phase", ["time/generation", "time/scoring", "time/old_quantities",
                                    "time/advantages", "time/update", "time/eval"], "seconds"),
 ]
 

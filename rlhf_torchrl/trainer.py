@@ -311,7 +311,7 @@ class PPOTrainer:
                 if self.reward_transform is not None:  # e.g. a TorchRL Transform on "score"
                     rollout = self.reward_transform(rollout)
             # 3. Old quantities, no grad: policy and reference log-probs (fp32, temperature), values.
-            with self.timed("evaluation"):
+            with self.timed("old_quantities"):
                 self.old_quantities(rollout)
             # 4-6. On the global batch: per-token KL rewards, advantages, then PPO epochs.
             batch, stats = self.optimise(rollout, iteration)

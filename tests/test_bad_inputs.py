@@ -13,7 +13,7 @@ from conftest import _save_tiny, _tiny_llama
 from test_recipe import IN_PROCESS, RECIPES, TINY, _cfg, ppo
 
 from rlhf_torchrl.cli import USER_ERRORS
-from rlhf_torchrl.config import builders, compose
+from rlhf_torchrl.config import checks, components, compose, inputs
 
 
 @pytest.fixture(scope="module")
@@ -256,8 +256,8 @@ def test_prompt_plus_response_past_the_models_positions_is_one_line(tmp_path, sh
     assert not (tmp_path / "metrics.jsonl").exists()
     # prompts that fit with the response: accepted, though data.max_prompt_length=128 would not
     cfg = _cfg(tmp_path, short_gpt2_dir, f"generation.max_new_tokens={most}")
-    tokenizer = builders.make_tokenizer(cfg)
-    builders.check_sequence_length(cfg, builders.make_prompts(cfg, tokenizer), tokenizer)
+    tokenizer = components.make_tokenizer(cfg)
+    checks.check_sequence_length(cfg, inputs.make_prompts(cfg, tokenizer), tokenizer)
     for overrides, fix in [
         # episodes of up to 3 turns of 50 tokens, without an episode budget
         (["data.chat_template=null", "env.max_turns=3", "env.tools=[calculator]",
@@ -272,7 +272,7 @@ def test_prompt_plus_response_past_the_models_positions_is_one_line(tmp_path, sh
     ]:
         cfg = _cfg(tmp_path, short_gpt2_dir, *overrides)
         with pytest.raises(USER_ERRORS, match=fix):
-            builders.check_sequence_length(cfg, builders.make_prompts(cfg, tokenizer), tokenizer)
+            checks.check_sequence_length(cfg, inputs.make_prompts(cfg, tokenizer), tokenizer)
 
 
 @pytest.mark.parametrize("overrides,expected", [

@@ -26,7 +26,7 @@ def test_ppo_iteration_benchmark_from_the_command(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["benchmark"] == "ppo_iteration"
     for side in ("ours", "floor"):
-        for phase in ("generation", "evaluation", "update", "total", "tokens_per_second"):
+        for phase in ("generation", "old_quantities", "update", "total", "tokens_per_second"):
             assert result[side][phase] > 0, (side, phase)
     assert result["vocabulary"] == 260 and result["args"]["tokenizer"] == "auto"
     assert result["machine"]["threads"] == 1 and result["machine"]["date"]
@@ -314,7 +314,7 @@ def test_every_benchmark_has_a_plot(tmp_path):
     run to the end (TRL's comparison, the GPU suite) among them."""
     from rlhf_torchrl.benchmarks.plots import PLOTS, save
 
-    phases = {"generation": 1.0, "scoring": 0.1, "evaluation": 0.5, "advantages": 0.01,
+    phases = {"generation": 1.0, "scoring": 0.1, "old_quantities": 0.5, "advantages": 0.01,
               "update": 2.0, "total": 3.61}
     payloads = {
         "vs_trl": {"args": {"model": "tiny-gpt2"}, "median_seconds": {"trl": 5.6, "ours": 1.7},

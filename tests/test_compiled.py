@@ -9,9 +9,10 @@ import torch
 from test_objectives import _rollout
 
 from rlhf_torchrl import keys as K
+from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
 from rlhf_torchrl.modules.compiled import compile_layers, decoder_layers
-from rlhf_torchrl.objectives import ResponseGAE, make_ppo_loss
+from rlhf_torchrl.objectives import make_ppo_loss
 from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,

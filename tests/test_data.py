@@ -117,12 +117,12 @@ def test_conversations_are_rendered_by_the_template(tmp_path, tiny_llama_dir, to
 def test_a_plain_chat_template_gives_the_text_to_continue(tmp_path, tiny_llama_dir):
     """data.chat_template=plain: the policy reads the prompt's text as it is (no roles, no
     markers), in the trainer and in a Ray worker's tokenizer; a Jinja string is used as given."""
-    from rlhf_torchrl.config import builders, compose
+    from rlhf_torchrl.config import components, compose
 
     cfg = compose([f"output_dir={tmp_path}", f"model.policy={tiny_llama_dir}",
                    "data.chat_template=plain", "data.system_prompt=null"])
-    tokenizer = builders.make_tokenizer(cfg)
-    assert builders.collector_spec(cfg, [tokenizer.eos_token_id]).chat_template == "plain"
+    tokenizer = components.make_tokenizer(cfg)
+    assert components.collector_spec(cfg, [tokenizer.eos_token_id]).chat_template == "plain"
     prompts = load_prompts("polarity", template="{prompt}", max_words=4, limit=2)
     rollout = _collect(tiny_llama_dir, tokenizer, prompts, batch_size=2)
     assert rollout.get(K.PROMPT_TEXT).tolist() == [p.text for p in prompts]
@@ -134,14 +134,14 @@ def test_a_plain_chat_template_gives_the_text_to_continue(tmp_path, tiny_llama_d
 def test_a_stop_token_ends_responses_beside_eos(tmp_path, tiny_llama_dir):
     """generation.stop_token adds a stop to the tokenizer's EOS (a sentence ends at "."; a
     response that emits EOS first still ends there)."""
-    from rlhf_torchrl.config import builders, compose
+    from rlhf_torchrl.config import components, compose
 
     cfg = compose([f"output_dir={tmp_path}", f"model.policy={tiny_llama_dir}"])
-    tokenizer = builders.make_tokenizer(cfg)
-    assert builders.stop_token_ids(cfg, tokenizer) == [tokenizer.eos_token_id]
+    tokenizer = components.make_tokenizer(cfg)
+    assert components.stop_token_ids(cfg, tokenizer) == [tokenizer.eos_token_id]
     cfg.generation.stop_token = "."
     period = tokenizer.convert_tokens_to_ids(".")
-    assert builders.stop_token_ids(cfg, tokenizer) == [period, tokenizer.eos_token_id]
+    assert components.stop_token_ids(cfg, tokenizer) == [period, tokenizer.eos_token_id]
 
 
 def test_prompt_length_check_and_left_truncation(tokenizer):

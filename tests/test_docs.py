@@ -130,7 +130,7 @@ def _words(words: list[str], run_dir: str | None) -> list[str]:
 
 def _check(name: str, args: list[str], d: Path, tiny_llama_dir: str) -> None:
     """Every check ``rlhf-torchrl <name> args`` makes before it loads weights."""
-    from rlhf_torchrl.config import builders, compose
+    from rlhf_torchrl.config import checks, components, compose, inputs
 
     if name == "report":
         assert (Path(args[0]) / "metrics.jsonl").is_file(), args
@@ -145,13 +145,13 @@ def _check(name: str, args: list[str], d: Path, tiny_llama_dir: str) -> None:
         assert cfg.data.source == "polarity" or Path(cfg.data.source).exists(), cfg.data.source
         return
     _tiny_models(cfg, d, tiny_llama_dir)
-    builders.check_config(cfg)
-    builders.check_models(cfg)
-    builders.make_reward_functions(cfg)
-    builders.make_tools(cfg)
-    tokenizer = builders.make_tokenizer(cfg)
-    prompts = builders.make_prompts(cfg, tokenizer)
-    builders.check_sequence_length(cfg, prompts, tokenizer)
+    checks.check_config(cfg)
+    checks.check_models(cfg)
+    components.make_reward_functions(cfg)
+    components.make_tools(cfg)
+    tokenizer = components.make_tokenizer(cfg)
+    prompts = inputs.make_prompts(cfg, tokenizer)
+    checks.check_sequence_length(cfg, prompts, tokenizer)
 
 
 def _needs_run(block) -> bool:

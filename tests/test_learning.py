@@ -9,9 +9,10 @@ scoring, old/ref log-probs, KL shaping, GAE, ClipPPOLoss through the replay buff
 import torch
 
 from rlhf_torchrl import keys as K
+from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
 from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
-from rlhf_torchrl.objectives import ResponseGAE, make_ppo_loss, ppo_update
+from rlhf_torchrl.objectives import make_ppo_loss, ppo_update
 from rlhf_torchrl.rewards import KLRewardShaper, Scorer, make_kl_controller
 
 

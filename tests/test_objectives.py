@@ -8,9 +8,10 @@ from tensordict import TensorDict
 
 from rlhf_torchrl import functional as F
 from rlhf_torchrl import keys as K
+from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
 from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
-from rlhf_torchrl.objectives import ResponseGAE, make_ppo_loss, ppo_update
+from rlhf_torchrl.objectives import make_ppo_loss, ppo_update
 from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
 
 
@@ -512,33 +513,33 @@ def test_micro_batch_weights_over_two_processes(mode, tokenizer):
 def test_config_keys_reach_the_loss(tmp_path, tiny_llama_dir):
     """ppo.clip_epsilon_low/high, dual_clip and loss_aggregation go from the config to the loss
     (the Dr. GRPO constant defaults to the generation budget); bad values get one clear line."""
-    from rlhf_torchrl.config import builders, compose, schema
+    from rlhf_torchrl.config import checks, components, compose, schema
     from rlhf_torchrl.errors import ConfigError
 
     base = [f"output_dir={tmp_path}", f"model.policy={tiny_llama_dir}", "generation.max_new_tokens=6"]
     actor = TokenLevelActor(load_causal_lm(tiny_llama_dir), temperature=0.7)
-    default = builders.make_loss(compose(base), actor, None)
+    default = components.make_loss(compose(base), actor, None)
     assert float(default.clip_epsilon) == pytest.approx(0.2) and default.dual_clip is None
     assert default.loss_aggregation == "token_mean"
     cfg = compose([*base, "ppo.clip_epsilon_high=0.28", "ppo.dual_clip=3",
                    "ppo.loss_aggregation=seq_mean_token_sum_norm", "env.max_turns=2"])
     schema.validate(cfg)
-    loss = builders.make_loss(cfg, actor, None)
+    loss = components.make_loss(cfg, actor, None)
     assert (float(loss.clip_epsilon_low), float(loss.clip_epsilon_high)) == pytest.approx((0.2, 0.28))
     assert loss.dual_clip == 3 and loss.loss_aggregation == "seq_mean_token_sum_norm"
     assert loss.loss_aggregation_constant == 12  # max_new_tokens x max_turns
     # the off-policy correction and its bounds, where the run keeps the sampler's log-probs
     sampled_elsewhere = [*base, "ppo.tis_cap=1.5", "generation.log_probs_from_sampling=false"]
     cfg = compose([*sampled_elsewhere, "ppo.off_policy_correction=seq_mask_tis", "ppo.off_policy_low=0.9"])
-    builders.check_off_policy_correction(cfg)
-    loss = builders.make_loss(cfg, actor, None)
+    checks.check_off_policy_correction(cfg)
+    loss = components.make_loss(cfg, actor, None)
     assert (loss.off_policy_correction, loss.off_policy_low, loss.tis_cap) == ("seq_mask_tis", 0.9, 1.5)
-    assert builders.make_loss(compose(sampled_elsewhere), actor, None).off_policy_correction == "tis"
+    assert components.make_loss(compose(sampled_elsewhere), actor, None).off_policy_correction == "tis"
     with pytest.raises(ConfigError, match=r"ppo.off_policy_correction=icepop weights the loss .* set "
                                           r"its upper bound ppo.tis_cap"):
-        builders.check_off_policy_correction(compose([*base, "ppo.off_policy_correction=icepop"]))
+        checks.check_off_policy_correction(compose([*base, "ppo.off_policy_correction=icepop"]))
     with pytest.raises(ConfigError, match="leaves no room"):
-        builders.check_off_policy_correction(compose([*sampled_elsewhere, "ppo.off_policy_low=2"]))
+        checks.check_off_policy_correction(compose([*sampled_elsewhere, "ppo.off_policy_low=2"]))
     for bad, message in (("ppo.dual_clip=1", r"ppo.dual_clip=1.0 is out of range: it must be > 1"),
                          ("ppo.clip_epsilon_low=1", r"ppo.clip_epsilon_low=1.0 is out of range: "
                                                     r"it must be in \(0, 1\)"),

@@ -8,10 +8,11 @@ from test_modules import _ragged_batch
 from test_objectives import _rollout
 
 from rlhf_torchrl import keys as K
+from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
 from rlhf_torchrl.modules.packing import SequenceCost, pack_rows, plan_rows
-from rlhf_torchrl.objectives import ResponseGAE, make_ppo_loss, ppo_update
+from rlhf_torchrl.objectives import make_ppo_loss, ppo_update
 from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.update import micro_batches, token_budget_split
 

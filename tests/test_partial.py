@@ -210,11 +210,11 @@ def test_partial_rollout_settings_that_cannot_work_are_refused(tmp_path, tiny_ll
                                                                says):
     from test_recipe import _cfg
 
-    from rlhf_torchrl.config import builders
+    from rlhf_torchrl.config import checks
     from rlhf_torchrl.errors import ConfigError
 
     with pytest.raises(ConfigError, match=says):
-        builders.check_config(_cfg(tmp_path, tiny_llama_dir, *overrides))
+        checks.check_config(_cfg(tmp_path, tiny_llama_dir, *overrides))
 
 
 @pytest.mark.xdist_group("serial")

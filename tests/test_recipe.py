@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_torchrl.config import builders, compose
+from rlhf_torchrl.config import builders, checks, compose, derived
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -195,7 +195,7 @@ def test_recipe_precision_and_memory_settings(tmp_path, tiny_llama_dir, dtype):
 
         native = native_bf16(torch.device("cpu"))
         assert ran["model"]["autocast"] == ("bfloat16" if native else None)
-        assert ran["ppo"]["tis_cap"] == (builders.AUTO_TIS_CAP if native else None)
+        assert ran["ppo"]["tis_cap"] == (derived.AUTO_TIS_CAP if native else None)
         assert ("policy/behaviour_approxkl" in rows[0]) == native  # recomputed old log-probs
     else:
         assert ran["model"]["autocast"] == dtype and ran["ppo"]["tis_cap"] is None
@@ -223,18 +223,18 @@ def test_low_precision_recomputes_old_log_probs(tmp_path, tiny_llama_dir):
     """In bf16/fp16 the old log-probs come from the training forward and the on-policy check is
     coarser; fp32 keeps the recorded ones and 1e-3; explicit settings win."""
     fp32 = _cfg(tmp_path, tiny_llama_dir)
-    assert builders.log_probs_from_sampling(fp32) and builders.on_policy_tolerance(fp32) == 1e-3
+    assert derived.log_probs_from_sampling(fp32) and derived.on_policy_tolerance(fp32) == 1e-3
     for setting in ("model.autocast=bfloat16", "model.dtype=bfloat16"):
         low = _cfg(tmp_path, tiny_llama_dir, setting)
-        assert not builders.log_probs_from_sampling(low) and builders.on_policy_tolerance(low) == 0.5
+        assert not derived.log_probs_from_sampling(low) and derived.on_policy_tolerance(low) == 0.5
     # an fp32 trainer sampled by a bf16 vLLM engine: the engine's rounding, the same coarse check
     engine = _cfg(tmp_path, tiny_llama_dir, "generation.backend=vllm", "vllm.dtype=bfloat16")
-    assert not builders.log_probs_from_sampling(engine) and builders.on_policy_tolerance(engine) == 0.5
+    assert not derived.log_probs_from_sampling(engine) and derived.on_policy_tolerance(engine) == 0.5
     engine32 = _cfg(tmp_path, tiny_llama_dir, "generation.backend=vllm", "vllm.dtype=float32")
-    assert builders.on_policy_tolerance(engine32) == 1e-3
+    assert derived.on_policy_tolerance(engine32) == 1e-3
     mine = _cfg(tmp_path, tiny_llama_dir, "model.autocast=bfloat16",
                 "generation.log_probs_from_sampling=true", "generation.on_policy_tolerance=0.1")
-    assert builders.log_probs_from_sampling(mine) and builders.on_policy_tolerance(mine) == 0.1
+    assert derived.log_probs_from_sampling(mine) and derived.on_policy_tolerance(mine) == 0.1
 
 
 def test_warmup_raises_the_policy_learning_rate_from_zero(tmp_path, tiny_llama_dir):
@@ -260,5 +260,5 @@ def test_critic_warmup_holds_the_policy_while_the_value_head_learns(tmp_path, ti
     coefs = [r["objective/kl_coef"] for r in rows]
     assert coefs[0] == coefs[1] == coefs[2] != coefs[3]
     with pytest.raises(ValueError, match="optim.critic_warmup=3 iterations leave the policy none"):
-        builders.check_config(_cfg(tmp_path, tiny_llama_dir, "optim.critic_warmup=3",
+        checks.check_config(_cfg(tmp_path, tiny_llama_dir, "optim.critic_warmup=3",
                                    "ppo.num_iterations=3"))

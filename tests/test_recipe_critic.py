@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_recipe import _cfg
 
-from rlhf_torchrl.config import builders
+from rlhf_torchrl.config import builders, checks
 from rlhf_torchrl.errors import ConfigError
 
 
@@ -40,9 +40,9 @@ def test_groups_with_a_critic_and_vapo_settings(tmp_path, tiny_llama_dir, monkey
     resumed = builders.build_trainer(_cfg(tmp_path, tiny_llama_dir, "ppo.num_iterations=3", *overrides))
     assert resumed.iteration == 2 and resumed.critic is not None
     monkeypatch.setenv("WORLD_SIZE", "2")  # 4 groups of 2 over 2 processes: whole groups each
-    builders.check_config(_cfg(tmp_path, tiny_llama_dir, *overrides))
+    checks.check_config(_cfg(tmp_path, tiny_llama_dir, *overrides))
     with pytest.raises(ConfigError, match="group"):
-        builders.check_config(_cfg(tmp_path, tiny_llama_dir, *overrides, "ppo.batch_size=6",
+        checks.check_config(_cfg(tmp_path, tiny_llama_dir, *overrides, "ppo.batch_size=6",
                                    "ppo.num_mini_batches=1"))
 
 
@@ -76,10 +76,10 @@ def test_critic_warmup_until_its_fit_stops_improving(tmp_path, tiny_llama_dir):
         [g["lr"] for g in trainer.optimizer.param_groups]
     with pytest.raises(ConfigError, match="optim.critic_warmup_until=value_loss ends the critic "
                                           "warm-up early: set optim.critic_warmup=N > 0"):
-        builders.check_config(_cfg(tmp_path, tiny_llama_dir, "optim.critic_warmup_until=value_loss"))
+        checks.check_config(_cfg(tmp_path, tiny_llama_dir, "optim.critic_warmup_until=value_loss"))
     with pytest.raises(ConfigError, match="ppo.critic_epochs=1: the critic trains in each of the "
                                           "ppo.num_ppo_epochs=2"):
-        builders.check_config(_cfg(tmp_path, tiny_llama_dir, "ppo.num_ppo_epochs=2",
+        checks.check_config(_cfg(tmp_path, tiny_llama_dir, "ppo.num_ppo_epochs=2",
                                    "ppo.critic_epochs=1"))
 
 
@@ -103,5 +103,5 @@ def test_critic_warm_started_from_a_saved_critic(tmp_path, tiny_llama_dir):
         builders.build_trainer(_cfg(tmp_path / "third", tiny_llama_dir, "value_model.init=policy",
                                     f"value_model.warm_start={tmp_path / 'first'}"))
     with pytest.raises(ConfigError, match="neither a checkpoint"):
-        builders.check_config(_cfg(tmp_path / "third", tiny_llama_dir,
+        checks.check_config(_cfg(tmp_path / "third", tiny_llama_dir,
                                    f"value_model.warm_start={tmp_path / 'nowhere'}"))

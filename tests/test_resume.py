@@ -25,7 +25,7 @@ from rlhf_torchrl.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from rlhf_torchrl.config import builders  # noqa: E402
+from rlhf_torchrl.config import builders, resume  # noqa: E402
 
 # one thread: the same summation order run to run (an adapting thread count changes it)
 EXACT = ["threads=1", "checkpoint.every=1", "checkpoint.keep=null", "ppo.num_iterations=4"]
@@ -86,17 +86,17 @@ def test_resume_from_a_path_and_never(tmp_path, tiny_llama_dir):
 def test_resume_with_other_models_data_or_rewards_is_refused(tmp_path, tiny_llama_dir):
     ppo.train(_cfg(tmp_path, tiny_llama_dir, *EXACT, "ppo.num_iterations=1"))
     # the same run may go on longer, with another schedule
-    builders.resume_path(_cfg(tmp_path, tiny_llama_dir, *EXACT, "ppo.num_iterations=3", "optim.lr=1e-6"))
+    resume.resume_path(_cfg(tmp_path, tiny_llama_dir, *EXACT, "ppo.num_iterations=3", "optim.lr=1e-6"))
     checkpoint = str(latest_checkpoint(tmp_path))
     other_task = ["task=arithmetic", "data.limit=8", "eval.every=0"]
-    for resume, overrides in [("auto", other_task), (checkpoint, other_task),
+    for setting, overrides in [("auto", other_task), (checkpoint, other_task),
                               ("auto", ["data.template='Review: {prompt}'"])]:
-        cfg = _cfg(tmp_path, tiny_llama_dir, *EXACT, f"resume={resume}", *overrides)
+        cfg = _cfg(tmp_path, tiny_llama_dir, *EXACT, f"resume={setting}", *overrides)
         with pytest.raises(ValueError, match="Cannot resume from .*(data.source|data.template)") as info:
             ppo.train(cfg)
         assert "resume=never" in str(info.value)
     assert "data.source: 'polarity' in the checkpoint, 'reasoning_gym:basic_arithmetic' now" in str(
-        pytest.raises(ValueError, builders.resume_path,
+        pytest.raises(ValueError, resume.resume_path,
                       _cfg(tmp_path, tiny_llama_dir, *EXACT, *other_task)).value)
     assert [r["iteration"] for r in _rows(tmp_path)] == [0]  # nothing of the run was touched
 
@@ -294,7 +294,7 @@ def test_resume_with_another_seed_or_batch_size_is_refused(tmp_path, tiny_llama_
                             ("ppo.batch_size=8", "ppo.batch_size: 4 in the checkpoint, 8 now"),
                             ("eval.every=0", "held-out prompts")]:
         with pytest.raises(ValueError, match="Cannot resume") as info:
-            builders.resume_path(_cfg(tmp_path, tiny_llama_dir, *EXACT, override))
+            resume.resume_path(_cfg(tmp_path, tiny_llama_dir, *EXACT, override))
         assert named in str(info.value)
 
 
@@ -312,7 +312,7 @@ def test_torn_checkpoint_is_named_and_the_one_before_used(tmp_path, tiny_llama_d
     newest = cut / "checkpoints" / "iter_00000002"
     (newest / "config.yaml").write_bytes(b"seed: \x00\x9f\xff torn\n")  # yaml: a ReaderError
     with pytest.raises(CheckpointError, match="iter_00000002 is (torn|unreadable)"):
-        builders.resume_path(_cfg(cut, tiny_llama_dir, *EXACT, f"resume={newest}"))
+        resume.resume_path(_cfg(cut, tiny_llama_dir, *EXACT, f"resume={newest}"))
     trainer_pt = cut / "checkpoints" / "iter_00000001" / "trainer.pt"
     with caplog.at_level("WARNING"):
         ppo.train(_cfg(cut, tiny_llama_dir, *EXACT, "ppo.num_iterations=3"))
@@ -322,7 +322,7 @@ def test_torn_checkpoint_is_named_and_the_one_before_used(tmp_path, tiny_llama_d
     with open(trainer_pt, "r+b") as f:
         f.truncate(10)
     with pytest.raises(CheckpointError, match="trainer.pt has 10 bytes"):
-        builders.resume_path(_cfg(cut, tiny_llama_dir, *EXACT, f"resume={trainer_pt.parent}"))
+        resume.resume_path(_cfg(cut, tiny_llama_dir, *EXACT, f"resume={trainer_pt.parent}"))
 
 
 class _Payload:
@@ -344,7 +344,7 @@ def test_a_checkpoint_cannot_run_code_when_resumed(tmp_path, tiny_llama_dir):
     from rlhf_torchrl.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="unreadable.*UnpicklingError"):
-        builders.resume_path(_cfg(tmp_path, tiny_llama_dir, *EXACT, f"resume={path}"))
+        resume.resume_path(_cfg(tmp_path, tiny_llama_dir, *EXACT, f"resume={path}"))
     assert not os.path.exists("/tmp/rlhf_torchrl_pwned")
 
 

@@ -290,13 +290,13 @@ def test_a_service_that_is_down_is_named():
 def test_remote_reward_functions_from_the_config(endpoint, tmp_path, monkeypatch):
     """``reward.functions`` takes a URL beside dotted paths: a verifier endpoint that reads the
     rows' dataset fields, named after its path; a token variable that is not set is one line."""
-    from rlhf_torchrl.config import builders, compose
+    from rlhf_torchrl.config import checks, components, compose
     from rlhf_torchrl.errors import ConfigError
 
     endpoint.mode = "verify"
     cfg = compose([f"output_dir={tmp_path}", f"reward.functions=[{endpoint.url}]",
                    "reward.remote_retries=0"])
-    functions = builders.make_reward_functions(cfg)
+    functions = components.make_reward_functions(cfg)
     assert list(functions) == ["score"]
     td = _rollout(3)
     td.set(K.RESPONSE_TEXT, ["0", "7", "2"])
@@ -305,11 +305,11 @@ def test_remote_reward_functions_from_the_config(endpoint, tmp_path, monkeypatch
     monkeypatch.delenv("NO_SUCH_TOKEN", raising=False)
     with pytest.raises(ConfigError, match="reward.remote_token_env=NO_SUCH_TOKEN: the environment "
                                           "variable NO_SUCH_TOKEN is not set"):
-        builders.check_remote_rewards(compose([f"output_dir={tmp_path}",
+        checks.check_remote_rewards(compose([f"output_dir={tmp_path}",
                                                "reward.remote_url=http://127.0.0.1:1/score",
                                                "reward.remote_token_env=NO_SUCH_TOKEN"]))
     with pytest.raises(ConfigError, match="scored here or by the server, not both"):
-        builders.check_remote_rewards(compose([f"output_dir={tmp_path}", "reward.model=x",
+        checks.check_remote_rewards(compose([f"output_dir={tmp_path}", "reward.model=x",
                                                "reward.remote_url=http://127.0.0.1:1/score"]))
 
 

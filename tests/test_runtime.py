@@ -122,9 +122,9 @@ def test_native_bf16_reads_the_cpu_flags():
 def test_autocast_auto_resolves_into_the_config(monkeypatch, native):
     """``model.autocast=auto`` becomes bfloat16 (and ``ppo.tis_cap`` 2 when null) where the device
     computes bf16 natively and the weights are fp32, else null; explicit settings stay."""
-    from rlhf_torchrl.config import builders, compose
+    from rlhf_torchrl.config import builders, compose, derived
 
-    monkeypatch.setattr(builders, "native_bf16", lambda device: native)
+    monkeypatch.setattr(derived, "native_bf16", lambda device: native)
 
     def resolved(*overrides):
         cfg = compose(["model.autocast=auto", *overrides])
@@ -132,7 +132,7 @@ def test_autocast_auto_resolves_into_the_config(monkeypatch, native):
         builders.resolve_precision(cfg)  # idempotent: the second call sees the resolved value
         return cfg.model.autocast, cfg.ppo.tis_cap
 
-    assert resolved() == (("bfloat16", builders.AUTO_TIS_CAP) if native else (None, None))
+    assert resolved() == (("bfloat16", derived.AUTO_TIS_CAP) if native else (None, None))
     assert resolved("ppo.tis_cap=1.5") == ("bfloat16" if native else None, 1.5)
     assert resolved("model.dtype=bfloat16") == (None, None)  # already low precision: no autocast
     # log-probs recorded while sampling, as asked: nothing to correct, no TIS

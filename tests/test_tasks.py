@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_torchrl.config import builders, compose
+from rlhf_torchrl.config import checks, components, compose, inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -101,7 +101,7 @@ def test_every_preset_composes_and_passes_the_config_checks():
     for task in TASKS:
         extra = ["data.source=prompts.jsonl", "reward.model=rm"] if task == "custom" else []
         cfg = _compose(f"task={task}", "output_dir=/tmp/unused", *extra)
-        builders.check_config(cfg)  # choices, ranges and cross-checks, before any weights
+        checks.check_config(cfg)  # choices, ranges and cross-checks, before any weights
         assert cfg.data.source and (cfg.reward.functions or cfg.reward.model), task
     default = _compose()  # no task named: the sentiment task
     assert default == _compose("task=sentiment") and default.data.source == "polarity"
@@ -220,12 +220,12 @@ def test_gsm8k_preset_trains_on_verls_parquet(tmp_path, tiny_llama_dir):
     assert report["samples_after"][0]["prompt"].count("Let's think step by step") == 1
     # the verifier, through the rollout's ("data", ...) fields: right and wrong final answers
     cfg = _compose(f"output_dir={tmp_path / 'probe'}", *TWO_ITERATIONS, *overrides)
-    tokenizer = builders.make_tokenizer(cfg)
-    prompts = builders.make_prompts(cfg, tokenizer)
+    tokenizer = components.make_tokenizer(cfg)
+    prompts = inputs.make_prompts(cfg, tokenizer)
     truth = [p.fields["ground_truth"] for p in prompts[:2]]
     assert truth == ["3", "5"]
     rollout = probe_rollout(prompts[:2], tokenizer, [f"So #### {truth[0]}", f"#### {truth[1]}1"])
-    scorer = builders.make_scorer(cfg, builders.make_reward_functions(cfg), torch.device("cpu"))
+    scorer = components.make_scorer(cfg, components.make_reward_functions(cfg), torch.device("cpu"))
     assert scorer(rollout).get(("scores", "gsm8k_correct")).tolist() == [1.0, 0.0]
 
 
@@ -363,7 +363,7 @@ def test_arithmetic_tools_preset_composes_with_the_calculator():
     """The calculator preset: episodes of up to 3 turns, the tool shown in the system prompt
     (tests/test_multiturn.py runs the same machinery end to end with a taught tiny model)."""
     cfg = _compose("task=arithmetic_tools", "output_dir=/tmp/unused")
-    builders.check_config(cfg)
+    checks.check_config(cfg)
     assert (cfg.env.max_turns, list(cfg.env.tools)) == (3, ["calculator"])
-    assert "<tool name=\"calculator\">" in builders.system_prompt(cfg)
+    assert "<tool name=\"calculator\">" in inputs.system_prompt(cfg)
     assert cfg.eval.accuracy_reward == "gsm8k_correct"

@@ -3,7 +3,7 @@ to serving the first batch, as the recipe does it.
 
 For each size (``--rows``) and form (``--forms``) the same GSM8K-like rows (a question and an
 answer) are written once, then loaded in a fresh process the way the recipe loads them:
-``builders.make_prompts`` (the reader, the column checks, ``data.check_prompts``), the held-out
+``inputs.make_prompts`` (the reader, the column checks, ``data.check_prompts``), the held-out
 split (``eval.num_prompts``, the last rows) and the generation env's first batch. Each start
 runs twice: ``cold`` converts an Arrow form into ``datasets``' cache (a fresh cache folder),
 ``warm`` reuses it, as every later run does. Peak memory is the process's largest resident set;
@@ -68,7 +68,7 @@ def start(spec: dict) -> None:
     import torch
 
     from ..collectors import make_generation_env
-    from ..config import builders, compose
+    from ..config import compose, inputs
     from ..modules import load_tokenizer
     from ..modules.models import SMOLLM2, byte_tokenizer
 
@@ -80,9 +80,9 @@ def start(spec: dict) -> None:
                    f"output_dir={spec['output_dir']}", "eval.every=1",
                    f"eval.num_prompts={spec['held_out']}", f"ppo.batch_size={spec['batch_size']}"])
     begin = time.perf_counter()
-    prompts = builders.make_prompts(cfg, tokenizer)
+    prompts = inputs.make_prompts(cfg, tokenizer)
     out["load_s"] = time.perf_counter() - begin
-    train, held_out = builders.split_eval_prompts(cfg, prompts)
+    train, held_out = inputs.split_eval_prompts(cfg, prompts)
     out["hold_out_s"] = time.perf_counter() - begin - out["load_s"]
     env = make_generation_env(train, tokenizer, batch_size=spec["batch_size"], seed=0)
     env.reset()

@@ -89,7 +89,7 @@ def recipe_rows(args) -> tuple[list, dict]:
                 note = (f"score {r['final_score']:+.4f} vs {base['final_score']:+.4f}, "
                         f"KL {r['final_kl']:.4f} vs {base['final_kl']:.4f} on 1 GPU")
             rows.append([label, f"{r['total']:.2f}", f"{r['generation']:.2f}",
-                         f"{r['evaluation']:.2f}", f"{r['update']:.2f}",
+                         f"{r['old_quantities']:.2f}", f"{r['update']:.2f}",
                          f"{r['weight_sync']:.3f}" if "weight_sync" in r else "-",
                          "-" if hidden is None else f"{100 * hidden:.0f}%",
                          f"{r['tokens_per_second']:.0f}" if "tokens_per_second" in r else "-",

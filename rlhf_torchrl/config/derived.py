@@ -1,0 +1,165 @@
+"""Settings the PPO config implies: each computed from the config in one place, never written
+back into it (:func:`rlhf_torchrl.config.builders.resolve_precision` is the one step that writes
+``model.autocast=auto``'s resolution, so a run's saved config says what ran).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from omegaconf import DictConfig
+
+from ..distributed import DataParallel
+from ..modules.models import torch_dtype
+from ..runtime import native_bf16, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+#: ``ppo.tis_cap`` that ``model.autocast=auto`` sets with bf16 (the setting the 3-seed comparison
+#: of bf16 against fp32 used: docs/experiments.md, "bf16 autocast against fp32")
+AUTO_TIS_CAP = 2.0
+
+
+def precision(cfg: DictConfig) -> tuple[str | None, float | None]:
+    """``(model.autocast, ppo.tis_cap)`` as the run uses them. ``model.autocast=auto`` is
+    ``bfloat16`` where the device computes bf16 natively (:func:`~rlhf_torchrl.runtime.native_bf16`)
+    and the weights are fp32, else null (fp32). With bf16 the old log-probs are recomputed by the
+    training forward, and ``ppo.tis_cap``, when null, becomes :data:`AUTO_TIS_CAP` (each token's
+    surrogate weighted by the truncated ratio of the trainer's and the sampler's probabilities).
+    An explicit ``model.autocast`` gives both as they are.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    m, cap = cfg.model, cfg.ppo.tis_cap
+    if m.autocast != "auto":
+        return m.autocast, cap
+    bf16 = m.dtype == "float32" and native_bf16(resolve_device(cfg.device))
+    if bf16 and cap is None and not log_probs_from_sampling(cfg, autocast="bfloat16"):
+        cap = AUTO_TIS_CAP
+    return ("bfloat16" if bf16 else None), cap
+
+
+def autocast_dtype(cfg: DictConfig) -> torch.dtype | None:
+    """``model.autocast`` as a torch dtype (None: no autocast).
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    return torch_dtype(cfg.model.autocast) if cfg.model.autocast else None
+
+
+def values_from_sampling(cfg: DictConfig, parallel: DataParallel, *, critic: bool) -> bool:
+    """Whether a shared-trunk critic's old values are read off the sampling pass
+    (:class:`~rlhf_torchrl.sampling.ValueRecorder`): when the old log-probs are recorded while
+    sampling and the trained model itself samples (the transformers backend, no copy under
+    ``collection.overlap`` > 0, no Ray workers, no FSDP2, whose shared trunk runs inside the
+    sharded model). Elsewhere the critic computes them.
+
+    Args:
+        cfg: the composed PPO config.
+        parallel: this process's place in a torchrun job.
+        critic: the run has a critic.
+    """
+    c = cfg.collection
+    return (critic and cfg.value_model.init == "shared" and log_probs_from_sampling(cfg)
+            and cfg.generation.backend == "transformers" and not parallel.fsdp
+            and not c.ray_workers and not c.overlap)
+
+
+def log_probs_from_sampling(cfg: DictConfig, *, autocast: str | None | bool = False) -> bool:
+    """Old log-probs recorded while sampling, or recomputed (:func:`rlhf_torchrl.sampling.log_probs_from_sampling`).
+
+    Args:
+        cfg: the composed PPO config.
+        autocast: the autocast dtype's name to take in place of ``model.autocast`` (False: the
+            config's).
+    """
+    from ..sampling import log_probs_from_sampling as from_sampling
+
+    return from_sampling(backend=cfg.generation.backend, autocast=cfg.model.autocast if autocast is False else autocast,
+                         dtype=cfg.model.dtype, overlap=cfg.collection.overlap,
+                         setting=cfg.generation.log_probs_from_sampling,
+                         partial_rollout=cfg.collection.partial_rollout)
+
+
+def tis_cap(cfg: DictConfig) -> float | None:
+    """``ppo.tis_cap``; when null, :data:`AUTO_TIS_CAP` under ``collection.overlap`` >= 1 or
+    ``collection.partial_rollout`` with recomputed old log-probs (the sampler's, one or more
+    updates old, weight the loss: decoupled PPO), else off.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    if cfg.ppo.tis_cap is not None:
+        return float(cfg.ppo.tis_cap)
+    stale = cfg.collection.overlap or cfg.collection.partial_rollout
+    if stale and not log_probs_from_sampling(cfg):
+        return AUTO_TIS_CAP
+    return None
+
+
+def partial_rollout_tokens(cfg: DictConfig) -> int | None:
+    """The tokens a response grows per round of partial rollouts: ``collection.partial_rollout_tokens``,
+    or a quarter of ``generation.max_new_tokens`` when null (the longest response spans 4 rounds,
+    as MindSpeed-RL's ``partial_rollout_max_split``); None without partial rollouts.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    c = cfg.collection
+    if not c.partial_rollout:
+        return None
+    return c.partial_rollout_tokens or max(1, cfg.generation.max_new_tokens // 4)
+
+
+def on_policy_tolerance(cfg: DictConfig) -> float:
+    """The on-policy check's tolerance (:func:`rlhf_torchrl.sampling.on_policy_tolerance`).
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    from ..sampling import on_policy_tolerance as tolerance
+
+    engine = cfg.vllm.dtype if cfg.generation.backend == "vllm" else None
+    return tolerance(autocast=cfg.model.autocast, dtype=cfg.model.dtype,
+                     setting=cfg.generation.on_policy_tolerance, sampler_dtype=engine)
+
+
+def eval_prompt_count(cfg: DictConfig) -> int:
+    """The prompts held out for evaluation: ``eval.num_prompts``, or 0 when ``eval.every=0``.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    return cfg.eval.num_prompts if cfg.eval.every else 0
+
+
+def response_budget(cfg: DictConfig) -> tuple[int, str, str]:
+    """The most tokens a response (an episode's, tool messages included) may take, what bounds
+    it, and the setting that lowers it. Evaluation samples with ``generation.max_new_tokens`` too.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    g, e = cfg.generation, cfg.env
+    if e.max_turns > 1 and e.max_tokens is not None and e.max_tokens > g.max_new_tokens:
+        return e.max_tokens, f"env.max_tokens={e.max_tokens}", "env.max_tokens"
+    if e.max_turns > 1 and e.max_tokens is None:
+        return (e.max_turns * g.max_new_tokens, f"env.max_turns={e.max_turns} x generation."
+                f"max_new_tokens={g.max_new_tokens}, the tool messages on top", "env.max_tokens")
+    return g.max_new_tokens, f"generation.max_new_tokens={g.max_new_tokens}", "generation.max_new_tokens"
+
+
+def lora_kwargs(cfg: DictConfig) -> dict:
+    """The ``lora.*`` settings as :func:`~rlhf_torchrl.modules.lora.add_lora`'s keyword arguments.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    lora = cfg.lora
+    targets = lora.target_modules
+    return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout,
+            "target_modules": targets if isinstance(targets, str) else list(targets)}

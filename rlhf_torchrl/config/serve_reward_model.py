@@ -1,0 +1,59 @@
+"""The ``serve-reward-model`` command: serve a reward model over HTTP as
+``serve_reward_model.yaml`` says."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import ConfigError
+from ..rewards import (
+    RewardModel,
+)
+from ..runtime import resolve_device
+from . import schema
+from .checks import check_reward_model
+
+log = logging.getLogger(__name__)
+
+
+def serve_reward_model(cfg: DictConfig) -> None:
+    """Serve the reward model of ``cfg`` (``serve_reward_model.yaml``) over HTTP until
+    interrupted (:func:`rlhf_torchrl.reward_server.serve`).
+
+    Args:
+        cfg: the composed config (``serve_reward_model.yaml``).
+    """
+    from ..remote_rewards import bearer_token
+    from ..reward_server import serve
+
+    if OmegaConf.is_missing(cfg, "model"):
+        raise ConfigError("model must be set: rlhf-torchrl serve-reward-model model=<a reward "
+                          "model's directory or hub id> (port=8000).")
+    if importlib.util.find_spec("starlette") is None or importlib.util.find_spec("uvicorn") is None:
+        raise ConfigError("serve-reward-model needs Starlette and uvicorn: "
+                          "pip install 'rlhf_torchrl[serve]'.")
+    for key, low in (("port", 0), ("batch_size", 1), ("max_request_responses", 1),
+                     ("max_batch", 1), ("max_wait_ms", 0)):
+        if cfg[key] < low or (key == "port" and cfg.port > 65535):
+            shown = "in [0, 65535]" if key == "port" else f">= {low}"
+            raise ConfigError(f"{key}={cfg[key]} is out of range: it must be {shown}.")
+    if not cfg.max_request_mb > 0:
+        raise ConfigError(f"max_request_mb={cfg.max_request_mb} is out of range: it must be > 0.")
+    if cfg.dtype not in schema.DTYPES:
+        raise ConfigError(f"dtype={cfg.dtype} is not one of the allowed values: "
+                          f"{', '.join(schema.DTYPES)}.")
+    token = bearer_token(cfg.token_env, "token_env")
+    check_reward_model("model", cfg.model)  # config.json first: a clear line, no weights
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    reward_model = RewardModel.from_pretrained(cfg.model, dtype=cfg.dtype, batch_size=cfg.batch_size,
+                                               max_length=cfg.max_length,
+                                               device=resolve_device(cfg.device))
+    serve(reward_model, name=cfg.model, host=cfg.host, port=cfg.port, token=token,
+          max_request_bytes=int(cfg.max_request_mb * (1 << 20)),
+          max_request_responses=cfg.max_request_responses, max_batch=cfg.max_batch,
+          max_wait=cfg.max_wait_ms / 1000)
