@@ -15,7 +15,14 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
+from ..advantages import ESTIMATORS
+from ..distributed import STRATEGIES
 from ..errors import ConfigError
+from ..functional import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
+from ..modules.packing import PACKING
+from ..optim import SCHEDULES, WARMUP_SIGNALS
+from ..sandbox import KINDS as SANDBOXES
+from ..trackers import LOGGERS
 
 
 @dataclass
@@ -415,29 +422,29 @@ class PPOConfig:
 ConfigStore.instance().store(name="ppo_schema", node=PPOConfig)
 
 DTYPES = ("float32", "bfloat16", "float16")
-#: setting -> its allowed values (None among them: null is allowed)
+#: setting -> its allowed values (None among them: null is allowed), from the modules that define
+#: them where one does
 CHOICES = {
     "data.truncate_side": ("left", "right"),
     "data.check_prompts": ("auto", "all", "served"),
-    "distributed.strategy": ("ddp", "fsdp2"),
+    "distributed.strategy": STRATEGIES,
     "distributed.backend": (None, "gloo", "nccl"),
     "model.dtype": DTYPES,
     "model.autocast": (None, "auto", "bfloat16", "float16"),
-    "model.packing": (False, True, "auto"),
+    "model.packing": PACKING,
     "reward.model_dtype": DTYPES,
     "value_model.init": ("shared", "policy", "reward_model", "model"),
     "generation.backend": ("transformers", "vllm"),
-    "env.python_sandbox": ("bubblewrap", "remote", "none"),
+    "env.python_sandbox": SANDBOXES,
     "vllm.dtype": (None, *DTYPES),
-    "ppo.kl_estimator": ("k1", "k2", "k3"),
-    "ppo.loss_aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                             "seq_mean_token_sum_norm"),
-    "ppo.off_policy_correction": ("tis", "mis", "icepop", "seq_mask_tis"),
-    "advantage.estimator": ("gae", "grpo", "rloo", "reinforce_pp"),
-    "optim.lr_schedule": ("linear", "constant"),
-    "optim.critic_warmup_until": (None, "explained_variance", "value_loss"),
+    "ppo.kl_estimator": KL_ESTIMATORS,
+    "ppo.loss_aggregation": LOSS_AGGREGATIONS,
+    "ppo.off_policy_correction": OFF_POLICY_CORRECTIONS,
+    "advantage.estimator": ESTIMATORS,
+    "optim.lr_schedule": SCHEDULES,
+    "optim.critic_warmup_until": (None, *WARMUP_SIGNALS),
     "guards.non_finite": ("stop", "skip"),
-    "logging.logger": (None, "csv", "tensorboard", "wandb", "mlflow"),
+    "logging.logger": (None, *LOGGERS),
 }
 
 _INF = math.inf
