@@ -176,6 +176,31 @@ def test_estimators_table_reads_the_runs(tmp_path, capsys):
     assert (tmp_path / "table.png").stat().st_size > 0
 
 
+def test_estimators_runs_each_seed_and_estimator_once_then_the_table(tmp_path, tiny_llama_dir,
+                                                                       capsys):
+    """A real run per seed x estimator, each its own `rlhf-torchrl ppo` process with its peak RSS
+    from the kernel; finished runs are skipped the next time; a variant needs a tag."""
+    from rlhf_torchrl.benchmarks import estimators
+    from rlhf_torchrl.errors import ConfigError
+
+    runs = tmp_path / "runs"
+    tiny = [f"model.policy={tiny_llama_dir}", "ppo.num_iterations=1", "ppo.batch_size=4",
+            "ppo.num_mini_batches=1", "generation.max_new_tokens=4", "data.limit=12",
+            "eval.num_prompts=4", "optim.critic_warmup=0", "threads=1"]
+    with pytest.raises(ConfigError, match="--extra needs --tag"):
+        estimators.main(["--runs", str(runs), "--extra", *tiny])
+    args = ["--task", "sentiment", "--seeds", "0", "--estimators", "rloo", "--runs", str(runs),
+            "--extra", *tiny, "--tag", "tiny"]
+    assert estimators.main(args) == [str(runs / "sentiment_rloo_tiny_0")]
+    report = json.loads((runs / "sentiment_rloo_tiny_0" / "report.json").read_text())
+    assert report["config"]["generation"]["samples_per_prompt"] == 4
+    assert report["config"]["advantage"]["estimator"] == "rloo"
+    rss = (runs / "sentiment_rloo_tiny_0.time").read_text()
+    assert int(rss.split("(kbytes): ")[1].split()[0]) > 100_000  # a torch process: > 100 MB
+    assert "| rloo_tiny | 0 |" in capsys.readouterr().out  # the table of the runs
+    assert estimators.main([*args, "--dry-run"]) == []  # finished: nothing left to run
+
+
 def test_bench_command_lists_the_benchmarks_and_each_help_shows_its_defaults(capsys):
     cli(["bench", "--help"])
     listing = capsys.readouterr().out

@@ -1,9 +1,9 @@
-"""The table of ``benchmarks/estimators.sh``'s runs: one row per run, then the mean over seeds.
+"""The table of :mod:`.estimators`' runs: one row per run, then the mean over seeds.
 
 Reads ``<runs>/<task>_<estimator>[_<tag>]_<seed>/`` (``report.json``, ``metrics.jsonl``) and
-``<runs>/<task>_<estimator>_<seed>.time`` (``/usr/bin/time -v``'s peak RSS). The held-out figure
-is ``eval/accuracy`` on arithmetic and ``eval/score`` elsewhere; seconds per iteration are the
-median ``time/total`` (an iteration with an evaluation, or one paused, does not move it). Prints
+``<runs>/<task>_<estimator>[_<tag>]_<seed>.time`` (the peak RSS, in ``/usr/bin/time -v``'s
+words). The held-out figure is ``eval/accuracy`` on arithmetic and ``eval/score`` elsewhere;
+seconds per iteration are the median ``time/total`` (an iteration with an evaluation, or one paused, does not move it). Prints
 a Markdown table.
 
     rlhf-torchrl bench estimators_table --task arithmetic --runs outputs/estimators
@@ -47,15 +47,15 @@ def main(argv=None) -> dict:
     parser = make_parser(__doc__)
     parser.add_argument("--task", default="arithmetic", help="the task preset the runs trained on")
     parser.add_argument("--runs", default="outputs/estimators",
-                        help="the folder of the runs (estimators.sh's OUT)")
+                        help="the folder of the runs (estimators' --runs)")
     parser.add_argument("--tag", default="",
-                        help="a variant's runs (estimators.sh's TAG), e.g. bf16; none: the plain runs")
+                        help="a variant's runs (estimators' --tag), e.g. bf16; none: the plain runs")
     parser.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS)
     add_out_arg(parser)
     args = parser.parse_args(argv)
     if not os.path.isdir(args.runs):
         raise ConfigError(f"--runs {args.runs} is not a folder: give the OUT folder of "
-                          "benchmarks/estimators.sh's runs.")
+                          "`rlhf-torchrl bench estimators`' runs.")
     held_out = "eval/accuracy" if args.task == "arithmetic" else "eval/score"
     print(f"| estimator | seed | held-out {held_out.split('/')[1]} | training score, first -> last "
           "quarter | KL at the end | held-out distinct-2 | s/iteration (median) | peak RSS |")

@@ -244,5 +244,5 @@ def compare(plt, payload: dict):
 #: benchmark name -> its drawing function
 PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": backends,
          "scaling": scaling, "vs_trl": vs_trl, "gpu_suite": gpu_suite,
-         "estimators_table": estimators_table, "data_loading": data_loading,
+         "estimators": estimators_table, "estimators_table": estimators_table, "data_loading": data_loading,
          "reward_server": reward_server, "partial_rollout": partial_rollout, "compare": compare}
