@@ -88,10 +88,10 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
         Evaluation,
         KLCeiling,
         OnPolicyCheck,
-        RunLog,
         SavePolicy,
         ThreadTuning,
     )
+    from ..run_log import RunLog
     from ..runtime import reuse_freed_memory
     from ..trainer import PPOTrainer
 
