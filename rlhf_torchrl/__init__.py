@@ -8,10 +8,11 @@ from .advantages import (
     RLOOAdvantage,
     make_advantage,
 )
-from .collectors import RolloutCollector, make_generation_env, make_generation_policy, to_rollout
+from .collectors import RolloutCollector, make_generation_env, make_generation_policy
 from .modules import TokenCritic, TokenLevelActor, evaluate_rollout, make_critic
 from .objectives import make_ppo_loss, ppo_update
 from .rewards import KLRewardShaper, RewardModel, Scorer, load_reward_function, make_kl_controller
+from .rollout import to_rollout
 from .trainer import PPOTrainer
 from .trajectory import merge_token_view, token_view
 

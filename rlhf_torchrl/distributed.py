@@ -124,7 +124,7 @@ class DataParallel:
             return rollout
         import torch.distributed as dist
 
-        from .collectors.base import pad_rollout
+        from .rollout import pad_rollout
 
         widths = torch.tensor([rollout.get(K.PROMPT_MASK).shape[1], rollout.get(K.RESPONSE_MASK).shape[1]],
                               device=self._comm_device())

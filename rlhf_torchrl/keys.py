@@ -75,7 +75,7 @@ ENTROPY = ("entropy", "response")
 TURN_REWARD = "turn_reward"
 # (B,) int64, multi-turn episodes: assistant turns, tool calls made, tool calls that failed (an
 # error or a timeout), and why the episode ended (an index into
-# rlhf_torchrl.collectors.multiturn.END_REASONS).
+# rlhf_torchrl.rollout.END_REASONS).
 TURNS = ("episode", "turns")
 TOOL_CALLS = ("episode", "tool_calls")
 TOOL_ERRORS = ("episode", "tool_errors")

@@ -63,7 +63,7 @@ def episode_metrics(td: TensorDictBase) -> dict[str, float]:
     Args:
         td: a rollout.
     """
-    from .collectors.multiturn import END_REASONS
+    from .rollout import END_REASONS
 
     keys = td.keys(True)
     if K.TURNS not in keys:

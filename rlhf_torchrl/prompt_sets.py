@@ -352,7 +352,7 @@ class MixtureBatchSampler(torch.utils.data.Sampler):
     a new order each time it runs out, so a small set with a large weight repeats more often). The
     batches therefore depend on the seed and the batch index alone: the first ``skip`` global
     batches are drawn and dropped, and a resumed run serves exactly what the uninterrupted run
-    served next. As :class:`~rlhf_torchrl.collectors.base.ShardedBatchSampler`: every process draws
+    served next. As :class:`~rlhf_torchrl.collectors.env.ShardedBatchSampler`: every process draws
     the same global batches, process ``rank`` of ``world_size`` gets its contiguous
     ``batch_size / world_size`` slice, every index ``repeats`` times in a row (a group).
 

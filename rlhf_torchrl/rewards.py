@@ -392,7 +392,7 @@ class Scorer(TensorDictModuleBase):
 
         Args:
             probe: a small rollout with the layout of a real one (e.g.
-                :func:`~rlhf_torchrl.collectors.probe_rollout`: real prompts and their dataset
+                :func:`~rlhf_torchrl.rollout.probe_rollout`: real prompts and their dataset
                 fields, made-up responses).
         """
         for name, (fn, _) in self.rewards.items():

@@ -41,7 +41,7 @@ def token_view(rollout: TensorDictBase) -> TensorDict:
     are left out; the prompt is not a time step.
 
     Args:
-        rollout: a rollout (:func:`~rlhf_torchrl.collectors.to_rollout`'s layout), scored or not.
+        rollout: a rollout (:func:`~rlhf_torchrl.rollout.to_rollout`'s layout), scored or not.
 
     Steps: step ``t`` of row ``i`` is its ``t``-th policy token (``("masks", "response")``), then
     its pads (mask False). A single-response rollout is right-padded: its steps are its positions,

@@ -123,9 +123,9 @@ def test_overlap_one_anchors_the_trust_region_at_the_current_policy(tmp_path, ti
 def test_truncated_importance_sampling_weights_the_surrogate(tokenizer, tiny_llama_dir):
     """Hand check: with behaviour log-probs shifted by d from the old ones, every token's surrogate
     is weighted by min(exp(d), cap): the policy loss scales by that factor at ratio 1."""
-    from rlhf_torchrl.collectors import probe_rollout
     from rlhf_torchrl.modules import evaluate_rollout, make_critic
     from rlhf_torchrl.objectives import make_ppo_loss
+    from rlhf_torchrl.rollout import probe_rollout
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     actor = TokenLevelActor(policy)

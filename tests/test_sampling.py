@@ -264,11 +264,11 @@ def test_one_prefill_per_group_samples_what_a_prefill_per_row_does(request, mode
     """Groups of 3 responses per prompt, prompts of different lengths (left padding): prefilling
     each prompt once and repeating its KV cache gives the tokens and recorded log-probs of a
     prefill per row."""
-    import rlhf_torchrl.collectors.base as base
+    import rlhf_torchrl.collectors.generation as generation
 
     calls = []
-    original = base.generate_in_groups
-    monkeypatch.setattr(base, "generate_in_groups",
+    original = generation.generate_in_groups
+    monkeypatch.setattr(generation, "generate_in_groups",
                         lambda *a, **kw: calls.append(a[2]) or original(*a, **kw))
     model = load_causal_lm(request.getfixturevalue(model_fixture), tokenizer)
     prompts = [f"Prompt {i} " + "word " * i for i in range(12)]  # every prompt its own length

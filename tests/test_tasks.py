@@ -205,7 +205,7 @@ def test_gsm8k_preset_trains_on_verls_parquet(tmp_path, tiny_llama_dir):
     datasets = pytest.importorskip("datasets")
     from test_data import verl_rows
 
-    from rlhf_torchrl.collectors import probe_rollout
+    from rlhf_torchrl.rollout import probe_rollout
 
     instruction = "Let's think step by step and output the final answer after \"####\"."
     rows = [{"prompt": f"{r['question']} {instruction}", "answer": r["answer"].split("#### ")[-1]}

@@ -27,7 +27,9 @@ from ..runtime import resolve_device
 from ..sampling import check_full_distribution
 from ..sandbox import SandboxSpec
 from .asynchronous import AsyncCollector, ModelCopy
-from .base import RolloutCollector, make_generation_env, make_generation_policy
+from .base import RolloutCollector
+from .env import make_generation_env
+from .generation import make_generation_policy
 from .weight_sync import SyncedCollector, WeightSync
 
 log = logging.getLogger(__name__)

@@ -33,10 +33,9 @@ from torch.nn.utils.rnn import pad_sequence
 from .. import functional as F
 from .. import keys as K
 from ..errors import ConfigError
+from ..rollout import END_REASONS
 from ..tools import ToolCall, parse_tool_calls, run_tool
 
-#: why an episode ended (``("episode", "end")``, as an index into this tuple)
-END_REASONS = ("answer", "tool_stop", "max_turns", "max_tokens", "length")
 _SENTINEL = "\ue000"  # a private-use character: where the assistant's text sits in a rendering
 
 
@@ -81,7 +80,7 @@ class MultiTurnCollector:
 
     Adds to each rollout (besides the layout above): ``("episode", "turns")``,
     ``("episode", "tool_calls")``, ``("episode", "tool_errors")`` (B,) int64, and
-    ``("episode", "end")`` (B,) int64, an index into :data:`END_REASONS`.
+    ``("episode", "end")`` (B,) int64, an index into :data:`~rlhf_torchrl.rollout.END_REASONS`.
 
     Args:
         collector (rlhf_torchrl.collectors.RolloutCollector): samples the first turn.

@@ -36,7 +36,9 @@ from torch.nn.utils.rnn import pad_sequence
 from .. import functional as F
 from .. import keys as K
 from ..errors import ConfigError
-from .base import build_rollout, check_group_sizes, sampler_of
+from ..rollout import build_rollout
+from .env import check_group_sizes
+from .generation import sampler_of
 
 #: where a saved response stands: not started, in flight (paused), finished and not yet trained on
 _QUEUES = ("fresh", "running", "finished")
@@ -211,7 +213,7 @@ class PartialRolloutCollector:
             r.done = stop or len(r.tokens) >= self.max_new_tokens
 
     def _to_rollout(self, groups: list[list[_Response]]) -> TensorDict:
-        """The rollout layout of :func:`~rlhf_torchrl.collectors.build_rollout` for ``groups``."""
+        """The rollout layout of :func:`~rlhf_torchrl.rollout.build_rollout` for ``groups``."""
         rows = [r for group in groups for r in group]
         pad = self.tokenizer.pad_token_id
         prompt = _padded([r.prompt for r in rows], pad, torch.long, left=True)  # (B, P) left-padded

@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 
 from ..errors import ConfigError
-from .base import concat_rollouts
+from ..rollout import concat_rollouts
 
 
 class _Worker:

@@ -294,20 +294,7 @@ def make_vllm_generation_policy(
         max_new_tokens: the response budget, in tokens.
         stop_token_ids: the ids that end a response (None: the tokenizer's EOS).
     """
-    from .base import _OnPolicyTransformersWrapper
+    from .generation import on_policy_wrapper
 
-    return _OnPolicyTransformersWrapper(
-        generator,
-        tokenizer=tokenizer,
-        input_mode="text",
-        generate=True,
-        return_log_probs=False,
-        pad_output=True,
-        tokenizer_kwargs={"add_special_tokens": False},  # the chat template wrote the specials
-        device=torch.device("cpu"),
-        generate_kwargs={
-            "max_new_tokens": max_new_tokens,
-            "pad_token_id": tokenizer.pad_token_id,
-            "eos_token_id": list(stop_token_ids or [tokenizer.eos_token_id]),
-        },
-    )
+    return on_policy_wrapper(generator, tokenizer, max_new_tokens=max_new_tokens,
+                             stop_token_ids=stop_token_ids, device=torch.device("cpu"))

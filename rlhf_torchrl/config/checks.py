@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .. import functional as F
 from ..advantages import GROUP_ESTIMATORS
-from ..collectors.base import check_group_sizes
+from ..collectors.env import check_group_sizes
 from ..data import templated_length
 from ..errors import ConfigError
 from ..prompt_sets import PromptMixture, PromptSet

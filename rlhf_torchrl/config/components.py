@@ -13,7 +13,6 @@ from omegaconf import DictConfig
 
 from ..advantages import make_advantage as advantage_module
 from ..advantages import needs_critic
-from ..collectors import probe_rollout
 from ..collectors.factory import CollectorSpec, VLLMSpec
 from ..distributed import DataParallel, init_data_parallel
 from ..errors import ConfigError
@@ -26,6 +25,7 @@ from ..rewards import (
     load_reward_function,
     make_kl_controller,
 )
+from ..rollout import probe_rollout
 from ..runtime import ThreadTuner, resolve_device
 from ..sandbox import SandboxSpec
 from .derived import (
