@@ -11,8 +11,8 @@ from rlhf_torchrl.collectors import (
     make_generation_env,
     make_generation_policy,
 )
-from rlhf_torchrl.rollout import END_REASONS
 from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, make_critic
+from rlhf_torchrl.rollout import END_REASONS
 from rlhf_torchrl.sampling import check_on_policy
 from rlhf_torchrl.tools import ToolResult, calculator
 

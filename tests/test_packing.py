@@ -241,7 +241,7 @@ def test_packed_runs_under_bf16_autocast(tiny_llama_dir, tokenizer):
 
 def test_ppo_iteration_times_the_layouts(tmp_path, capsys):
     """``bench ppo_iteration --packing true --variants ...``: ours packed, the other layouts'
-    evaluation and update timed on the same rollouts, each against the padded floor."""
+    old quantities and update timed on the same rollouts, each against the padded floor."""
     import json
 
     from rlhf_torchrl.cli import main as cli
@@ -255,7 +255,7 @@ def test_ppo_iteration_times_the_layouts(tmp_path, capsys):
     assert "ours (packing true)" in printed and "update (s)" in printed
     result = json.loads(out.read_text())
     for name in ("padded", "auto"):
-        assert result["ours"][f"update, {name}"] > 0 and result["first"][f"evaluation, {name}"] > 0
+        assert result["ours"][f"update, {name}"] > 0 and result["first"][f"old_quantities, {name}"] > 0
     assert result["args"]["packing"] == "true"
 
 

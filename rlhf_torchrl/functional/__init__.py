@@ -1,0 +1,91 @@
+"""Pure tensor math for token-level PPO-RLHF, one module per concern, every name here.
+
+Conventions: response tensors are ``(B, R)``, right-padded; ``mask`` is True (or 1) on valid
+response tokens. Prompts are ``(B, P)``, left-padded. Nothing here knows about TensorDicts.
+"""
+
+from .advantages import (
+    explained_variance,
+    gae,
+    group_index,
+    group_mean,
+    group_std,
+    leave_one_out_mean,
+    length_adaptive_lmbda,
+    returns_to_go,
+)
+from .kl import (
+    KL_ESTIMATORS,
+    check_kl_estimator,
+    kl_estimate,
+    per_token_rewards,
+)
+from .log_probs import (
+    entropy_from_logits,
+    log_probs_from_logits,
+)
+from .losses import (
+    LOSS_AGGREGATIONS,
+    aggregate_loss,
+    aggregation_size,
+    check_loss_aggregation,
+    clip_binds,
+    dual_clip,
+    positive_nll,
+    positive_nll_weights,
+)
+from .masks import (
+    has_holes,
+    last_token_index,
+    last_token_mask,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    packing_order,
+    position_ids_from_mask,
+    truncate_after_stop,
+    unpack,
+)
+from .off_policy import (
+    OFF_POLICY_CORRECTIONS,
+    check_off_policy_correction,
+    off_policy_log_weight,
+)
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "OFF_POLICY_CORRECTIONS",
+    "aggregate_loss",
+    "aggregation_size",
+    "check_kl_estimator",
+    "check_loss_aggregation",
+    "check_off_policy_correction",
+    "clip_binds",
+    "dual_clip",
+    "entropy_from_logits",
+    "explained_variance",
+    "gae",
+    "group_index",
+    "group_mean",
+    "group_std",
+    "has_holes",
+    "kl_estimate",
+    "last_token_index",
+    "last_token_mask",
+    "leave_one_out_mean",
+    "length_adaptive_lmbda",
+    "log_probs_from_logits",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "off_policy_log_weight",
+    "packing_order",
+    "per_token_rewards",
+    "position_ids_from_mask",
+    "positive_nll",
+    "positive_nll_weights",
+    "returns_to_go",
+    "truncate_after_stop",
+    "unpack",
+]
