@@ -111,3 +111,36 @@ def test_recipe_refuses_bad_settings(tmp_path):
         reward_model.train(_rm_cfg(tmp_path, "train.epochs=0"))
     with pytest.raises(ValueError, match="data.eval_fraction=1.0 is out of range"):
         reward_model.train(_rm_cfg(tmp_path, "data.eval_fraction=1.0"))
+    with pytest.raises(ValueError, match=r"train.lr=0.0 is out of range: it must be > 0"):
+        reward_model.train(_rm_cfg(tmp_path, "train.lr=0"))
+    with pytest.raises(ValueError, match="model.dtype='float7' is not one of the allowed values"):
+        reward_model.train(_rm_cfg(tmp_path, "model.dtype=float7"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=m", "port=70000"], r"port=70000 is out of range: it must be in \[0, 65535\]"),
+    (["model=m", "max_request_mb=0"], r"max_request_mb=0.0 is out of range: it must be > 0"),
+    (["model=m", "max_wait_ms=-1"], r"max_wait_ms=-1.0 is out of range: it must be >= 0"),
+    (["model=m", "dtype=float7"], r"dtype='float7' is not one of the allowed values: float32"),
+    ([], r"model must be set"),
+])
+def test_the_server_refuses_bad_settings_before_loading(tmp_path, overrides, message):
+    """serve_reward_model.yaml has a schema of its own: ranges and choices checked first."""
+    from rlhf_torchrl.config import compose
+    from rlhf_torchrl.config.serve_reward_model import serve_reward_model
+
+    cfg = compose(overrides, config_name="serve_reward_model")
+    with pytest.raises(ValueError, match=message):
+        serve_reward_model(cfg)
+
+
+def test_the_reward_model_configs_are_typed():
+    """A value of the wrong type or an unknown key fails while composing, as in the PPO config."""
+    from hydra.errors import ConfigCompositionException
+
+    from rlhf_torchrl.config import compose
+
+    for overrides, name in [(["train.epochs=abc"], "reward_model"), (["port=abc"], "serve_reward_model"),
+                            (["train.epoch=3"], "reward_model"), (["prot=8000"], "serve_reward_model")]:
+        with pytest.raises(ConfigCompositionException):
+            compose(overrides, config_name=name)

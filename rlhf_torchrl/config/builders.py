@@ -102,7 +102,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     check_models(cfg)  # config.json of each model, no weights
     resume_from = resume_path(cfg)  # None: a fresh run
     reward_functions = make_reward_functions(cfg)
-    make_tools(cfg)  # an unknown tool fails here, before any model is loaded
+    tools = make_tools(cfg)  # loaded once: an unknown tool fails here, before any model loads
     device = make_device(cfg)
     parallel = make_data_parallel(cfg, device)
     if not parallel.is_main:
@@ -113,7 +113,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
         reuse_freed_memory()
 
     tokenizer = make_tokenizer(cfg)
-    prompts = make_prompts(cfg, tokenizer)
+    prompts = make_prompts(cfg, tokenizer, tools)
     check_sequence_length(cfg, prompts, tokenizer)
     prompts, held_out = split_eval_prompts(cfg, prompts)
     stop_ids = stop_token_ids(cfg, tokenizer)
@@ -162,7 +162,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
         trainer.register_hook("on_policy_check", OnPolicyCheck(
             num_rows=g.on_policy_rows, atol=on_policy_tolerance(cfg),
             recheck_after_push=separate and not c.overlap))
-    evaluator = make_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device, parallel)
+    evaluator = make_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device, parallel, tools)
     evaluation = None
     if evaluator is not None:
         evaluation = Evaluation(evaluator, every=cfg.eval.every, policy=policy, reference=reference,

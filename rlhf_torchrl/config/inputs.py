@@ -17,28 +17,31 @@ from .derived import eval_prompt_count
 log = logging.getLogger(__name__)
 
 
-def system_prompt(cfg: DictConfig) -> str | None:
+def system_prompt(cfg: DictConfig, tools: dict | None = None) -> str | None:
     """``data.system_prompt``, followed by the tools' descriptions when the episode has tools
     (``env.describe_tools``).
 
     Args:
         cfg: the composed PPO config.
+        tools: the loaded ``env.tools`` (:func:`~rlhf_torchrl.config.components.make_tools`;
+            None: loaded here).
     """
     from ..tools import describe_tools
 
     prompt = cfg.data.system_prompt
     if cfg.env.tools and cfg.env.describe_tools:
-        tools = describe_tools(make_tools(cfg))
-        prompt = f"{prompt}\n\n{tools}" if prompt else tools
+        described = describe_tools(tools if tools is not None else make_tools(cfg))
+        prompt = f"{prompt}\n\n{described}" if prompt else described
     return prompt
 
 
-def make_prompts(cfg: DictConfig, tokenizer) -> PromptSet | PromptMixture:
+def make_prompts(cfg: DictConfig, tokenizer, tools: dict | None = None) -> PromptSet | PromptMixture:
     """The prompts of ``data.source`` (or the mixture of ``data.sources``), each held to
     ``data.max_prompt_length`` tokens; checked whole now, or as batches serve them
-    (``data.check_prompts``)."""
+    (``data.check_prompts``). ``tools``: the loaded ``env.tools`` their system prompt describes
+    (None: loaded here)."""
     d = cfg.data
-    system = system_prompt(cfg)
+    system = system_prompt(cfg, tools)
     if d.sources:
         prompts = PromptMixture([_load_source(cfg, entry, system) for entry in d.sources],
                                 [entry.weight for entry in d.sources],
@@ -128,19 +131,21 @@ def hold_out(prompts, k: int) -> tuple:
     return prompts.hold_out(k) if hasattr(prompts, "hold_out") else (prompts[:-k], prompts[-k:])
 
 
-def make_evaluator(cfg: DictConfig, held_out, tokenizer, scorer, stop_ids, device, parallel):
+def make_evaluator(cfg: DictConfig, held_out, tokenizer, scorer, stop_ids, device, parallel,
+                   tools: dict | None = None):
     """The held-out evaluator (rank 0; None when eval.every=0, or under FSDP2, whose sharded
-    forward needs every process)."""
+    forward needs every process); ``tools``: the loaded ``env.tools`` (None: loaded here)."""
     e = cfg.eval
     if not e.every or not parallel.is_main:
         return None
     if parallel.fsdp:
         log.warning("eval.every: evaluation is not run under FSDP2 yet (its forward is collective).")
         return None
-    return new_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device)
+    return new_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device, tools)
 
 
-def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device):
+def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device,
+                  tools: dict | None = None):
     """An :class:`~rlhf_torchrl.evaluation.Evaluator` of ``prompts`` with the ``eval.*`` settings.
 
     Args:
@@ -150,13 +155,16 @@ def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device)
         scorer (rlhf_torchrl.rewards.Scorer): scores the responses.
         stop_ids (list[int]): the ids that end a response.
         device (torch.device): where the evaluation samples.
+        tools: the loaded ``env.tools`` of its episodes (None: loaded here).
     """
     from ..evaluation import Evaluator
 
     e = cfg.eval
     judge = e.judge or ("reward_model" if cfg.reward.model or cfg.reward.remote_url else None)
     env = cfg.env
-    episode = ({"tools": make_tools(cfg), "max_turns": env.max_turns, "max_tokens": env.max_tokens,
+    if env.tools and tools is None:
+        tools = make_tools(cfg)
+    episode = ({"tools": tools, "max_turns": env.max_turns, "max_tokens": env.max_tokens,
                 "tool_timeout": env.tool_timeout} if env.tools else None)
     return Evaluator(prompts, tokenizer, scorer, max_new_tokens=cfg.generation.max_new_tokens,
                      temperature=e.temperature, stop_token_ids=stop_ids, seed=cfg.seed, judge=judge,

@@ -9,10 +9,8 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError
-from ..rewards import (
-    RewardModel,
-)
+from ..rewards import RewardModel
+from .reward_model_schema import validate_reward_model
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +32,8 @@ def train_reward_model(cfg: DictConfig) -> dict:
         train_reward_model as fit_reward_model,
     )
 
+    validate_reward_model(cfg)
     t, d, m = cfg.train, cfg.data, cfg.model
-    for key in ("epochs", "batch_size"):
-        if int(t[key]) < 1:
-            raise ConfigError(f"train.{key}={t[key]} is out of range: it must be >= 1.")
-    if not 0 < d.eval_fraction < 1:
-        raise ConfigError(f"data.eval_fraction={d.eval_fraction} is out of range: it must be in (0, 1).")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr={t.lr} is out of range: it must be > 0.")
     torch.manual_seed(cfg.seed)
     train_pairs, eval_pairs = load_preference_pairs(
         d.source, split=d.split, prompt_column=d.prompt_column, chosen_column=d.chosen_column,

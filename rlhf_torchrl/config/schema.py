@@ -558,17 +558,31 @@ def validate(cfg: DictConfig) -> None:
     if missing:
         raise ConfigError(f"{', '.join(sorted(missing))} must be set: the task (task=...) sets it, "
                          "or give it on the command line, e.g. data.source=prompts.jsonl.")
-    for key, allowed in CHOICES.items():
+    check_choices_and_ranges(cfg, CHOICES, RANGES)
+    for i, entry in enumerate(OmegaConf.select(cfg, "data.sources") or []):
+        for key, bounds in SOURCE_RANGES.items():
+            _check_range(f"data.sources[{i}].{key}", entry[key], bounds)
+
+
+def check_choices_and_ranges(cfg: DictConfig, choices: dict, ranges: dict) -> None:
+    """A ConfigError for the first setting of ``cfg`` outside its ``choices`` (setting -> allowed
+    values) or ``ranges`` (setting -> (low, high, low inclusive, high inclusive)), naming both.
+
+    Args:
+        cfg: a composed config.
+        choices: as :data:`CHOICES`.
+        ranges: as :data:`RANGES`.
+    """
+    from omegaconf import OmegaConf
+
+    for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             shown = ", ".join("null" if a is None else str(a).lower() if isinstance(a, bool)
                               else a for a in allowed)
             raise ConfigError(f"{key}={value!r} is not one of the allowed values: {shown}.")
-    for key, bounds in RANGES.items():
+    for key, bounds in ranges.items():
         _check_range(key, OmegaConf.select(cfg, key), bounds)
-    for i, entry in enumerate(OmegaConf.select(cfg, "data.sources") or []):
-        for key, bounds in SOURCE_RANGES.items():
-            _check_range(f"data.sources[{i}].{key}", entry[key], bounds)
 
 
 def _check_range(key: str, value, bounds) -> None:

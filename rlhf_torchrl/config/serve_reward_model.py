@@ -7,15 +7,13 @@ import importlib.util
 import logging
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ..errors import ConfigError
-from ..rewards import (
-    RewardModel,
-)
+from ..rewards import RewardModel
 from ..runtime import resolve_device
-from . import schema
 from .checks import check_reward_model
+from .reward_model_schema import validate_serve_reward_model
 
 log = logging.getLogger(__name__)
 
@@ -30,22 +28,10 @@ def serve_reward_model(cfg: DictConfig) -> None:
     from ..remote_rewards import bearer_token
     from ..reward_server import serve
 
-    if OmegaConf.is_missing(cfg, "model"):
-        raise ConfigError("model must be set: rlhf-torchrl serve-reward-model model=<a reward "
-                          "model's directory or hub id> (port=8000).")
+    validate_serve_reward_model(cfg)
     if importlib.util.find_spec("starlette") is None or importlib.util.find_spec("uvicorn") is None:
         raise ConfigError("serve-reward-model needs Starlette and uvicorn: "
                           "pip install 'rlhf_torchrl[serve]'.")
-    for key, low in (("port", 0), ("batch_size", 1), ("max_request_responses", 1),
-                     ("max_batch", 1), ("max_wait_ms", 0)):
-        if cfg[key] < low or (key == "port" and cfg.port > 65535):
-            shown = "in [0, 65535]" if key == "port" else f">= {low}"
-            raise ConfigError(f"{key}={cfg[key]} is out of range: it must be {shown}.")
-    if not cfg.max_request_mb > 0:
-        raise ConfigError(f"max_request_mb={cfg.max_request_mb} is out of range: it must be > 0.")
-    if cfg.dtype not in schema.DTYPES:
-        raise ConfigError(f"dtype={cfg.dtype} is not one of the allowed values: "
-                          f"{', '.join(schema.DTYPES)}.")
     token = bearer_token(cfg.token_env, "token_env")
     check_reward_model("model", cfg.model)  # config.json first: a clear line, no weights
     if cfg.threads:
