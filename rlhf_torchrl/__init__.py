@@ -11,8 +11,10 @@ from .advantages import (
 from .collectors import RolloutCollector, make_generation_env, make_generation_policy
 from .modules import TokenCritic, TokenLevelActor, evaluate_rollout, make_critic
 from .objectives import make_ppo_loss, ppo_update
-from .rewards import KLRewardShaper, RewardModel, Scorer, load_reward_function, make_kl_controller
+from .reward_model import RewardModel
+from .rewards import KLRewardShaper, make_kl_controller
 from .rollout import to_rollout
+from .scoring import Scorer, load_reward_function
 from .trainer import PPOTrainer
 from .trajectory import merge_token_view, token_view
 

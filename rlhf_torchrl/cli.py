@@ -20,8 +20,8 @@ import sys
 
 from .errors import ConfigError
 from .guards import DivergenceError
-from .rewards import RewardError
 from .sampling import OffPolicyError
+from .scoring import RewardError
 
 #: errors that explain themselves: bad settings, data, files or packages (ConfigError and its
 #: kin), a reward that fails, and the guards that stop a run. Anything else is a bug: traceback.

@@ -3,7 +3,7 @@ distinct-n.
 
 :class:`Evaluator` samples one response per held-out prompt from a model at a low temperature
 (the same TorchRL collector as training, its own random streams), scores them with the run's
-:class:`~rlhf_torchrl.rewards.Scorer`, and compares them with the reference policy's responses
+:class:`~rlhf_torchrl.scoring.Scorer`, and compares them with the reference policy's responses
 to the same prompts (sampled once and kept: the reference is frozen).
 """
 
@@ -49,7 +49,7 @@ class Evaluator:
         prompts (Sequence): the held-out prompts, as
             :func:`~rlhf_torchrl.collectors.make_generation_env` takes them.
         tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
-        scorer (rlhf_torchrl.rewards.Scorer): scores the responses.
+        scorer (rlhf_torchrl.scoring.Scorer): scores the responses.
         max_new_tokens: the response budget, in tokens.
         temperature: the sampling temperature.
         stop_token_ids (Sequence[int]): the ids that end a response.

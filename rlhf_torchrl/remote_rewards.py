@@ -36,7 +36,7 @@ from tensordict import TensorDictBase
 from . import keys as K
 from .errors import ConfigError
 from .http_client import ServiceError, post_json
-from .rewards import RewardError
+from .scoring import RewardError
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +88,12 @@ def bearer_token(token_env: str | None, setting: str = "reward.remote_token_env"
 
 class RemoteReward:
     """Scores responses by POSTing them to ``url`` (the module docstring gives the format): a
-    reward function for :class:`~rlhf_torchrl.rewards.Scorer`.
+    reward function for :class:`~rlhf_torchrl.scoring.Scorer`.
 
     The scores come back in the rows' order. A refused connection, a timeout or a 429/5xx answer is
     tried again, with one warning when it first fails. A service that stays down,
     an error answer (400, 401, 413, ...) or an answer other than one number per response raises
-    :class:`~rlhf_torchrl.rewards.RewardError`, one line naming the URL and what came back: the
+    :class:`~rlhf_torchrl.scoring.RewardError`, one line naming the URL and what came back: the
     run stops before its update, its last checkpoint intact. No score is ever made up.
 
     Args:

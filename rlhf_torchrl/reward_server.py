@@ -11,7 +11,7 @@ Endpoints:
 - ``POST /score`` (also ``/get_reward``, OpenRLHF's path): the request of
   :mod:`rlhf_torchrl.remote_rewards` (``prompts``, ``responses``, ``messages``, ``has_stop``):
   the server renders each conversation with the reward model's own chat template and tokenizer,
-  as the in-process :class:`~rlhf_torchrl.rewards.RewardModel` does, so the scores are the same.
+  as the in-process :class:`~rlhf_torchrl.reward_model.RewardModel` does, so the scores are the same.
   OpenRLHF's ``{"query": [text, ...]}`` alone is scored as given. Answer: ``{"rewards": [...],
   "scores": [...]}`` (the same numbers under both of OpenRLHF's names).
 - ``GET /health``: ``{"status": "ok", "requests": ..., "rounds": ..., "queued": ...}``.
@@ -159,7 +159,7 @@ def request_texts(request, reward_model, max_responses: int) -> list[str]:
 
     Args:
         request (dict): the parsed request body.
-        reward_model (rlhf_torchrl.rewards.RewardModel): renders the texts.
+        reward_model (rlhf_torchrl.reward_model.RewardModel): renders the texts.
         max_responses: the most responses a request may hold (more: 413).
     """
     if not isinstance(request, dict):
@@ -205,7 +205,7 @@ def make_app(reward_model, *, token: str | None = None, max_request_bytes: int =
     limits.
 
     Args:
-        reward_model (rlhf_torchrl.rewards.RewardModel): the model that scores.
+        reward_model (rlhf_torchrl.reward_model.RewardModel): the model that scores.
         token: the bearer token every ``POST`` needs (None: none).
         max_request_bytes: a larger body gets 413.
         max_request_responses: a request with more responses gets 413.
@@ -325,7 +325,7 @@ def serve(reward_model, *, name: str = "reward model", host: str = "127.0.0.1", 
     ``Serving <name> at http://HOST:PORT`` once it takes requests.
 
     Args:
-        reward_model (rlhf_torchrl.rewards.RewardModel): the model that scores.
+        reward_model (rlhf_torchrl.reward_model.RewardModel): the model that scores.
         name: what the start-up line calls it.
         host: the address to bind (``127.0.0.1``: this machine only).
         port: the port (0: one the server picks, printed).

@@ -6,7 +6,7 @@ Implementation Details of RLHF with PPO" (Huang et al. 2024): the score head sta
 ``N(0, 1/sqrt(d + 1))``, the loss is ``-log sigmoid(r(chosen) - r(rejected))``, held-out pairwise
 accuracy is the headline, and after training the reward is shifted so that the reference
 responses average zero. The shift is stored in the model's config (``reward_offset``), which
-:class:`~rlhf_torchrl.rewards.RewardModel` subtracts, so the saved directory is the PPO reward
+:class:`~rlhf_torchrl.reward_model.RewardModel` subtracts, so the saved directory is the PPO reward
 model as it is (and a critic's initialisation: ``value_model.init=reward_model``).
 """
 
@@ -185,7 +185,7 @@ def scores(reward_model, pairs, which: str, *, grad: bool = False) -> torch.Tens
     """The raw scores (no offset) of ``which`` (chosen/rejected) responses of ``pairs``.
 
     Args:
-        reward_model (rlhf_torchrl.rewards.RewardModel): the model that scores.
+        reward_model (rlhf_torchrl.reward_model.RewardModel): the model that scores.
         pairs (list[PreferencePair]): the pairs.
         which: ``"chosen"`` or ``"rejected"``.
         grad: keep the graph (training); False: no grad.
@@ -203,7 +203,7 @@ def evaluate_pairs(reward_model, pairs) -> dict[str, float]:
     """Held-out pairwise accuracy, loss and mean margin.
 
     Args:
-        reward_model (rlhf_torchrl.rewards.RewardModel): the model to evaluate.
+        reward_model (rlhf_torchrl.reward_model.RewardModel): the model to evaluate.
         pairs (list[PreferencePair]): the held-out pairs.
     """
     reward_model.model.eval()
@@ -221,7 +221,7 @@ def train_reward_model(reward_model, train_pairs, eval_pairs, *, epochs: int = 1
     reports train loss/accuracy and the held-out metrics. Returns one row per epoch.
 
     Args:
-        reward_model (rlhf_torchrl.rewards.RewardModel): the model to train, in place.
+        reward_model (rlhf_torchrl.reward_model.RewardModel): the model to train, in place.
         train_pairs (list[PreferencePair]): the training pairs.
         eval_pairs (list[PreferencePair]): the held-out pairs.
         epochs: passes over the training pairs.
@@ -281,7 +281,7 @@ def reward_offset(reward_model, pairs) -> float:
     them average zero.
 
     Args:
-        reward_model (rlhf_torchrl.rewards.RewardModel): the trained model.
+        reward_model (rlhf_torchrl.reward_model.RewardModel): the trained model.
         pairs (list[PreferencePair]): the reference pairs.
     """
     reward_model.model.eval()

@@ -205,7 +205,7 @@ def load_tools(names: Sequence[str], *, python_sandbox: SandboxSpec | None = Non
         python_sandbox: where ``python`` runs its code (None: the default
             :class:`~rlhf_torchrl.sandbox.SandboxSpec`).
     """
-    from .rewards import load_callable
+    from .scoring import load_callable
 
     tools: dict[str, Callable] = {}
     for name in names:

@@ -68,7 +68,7 @@ class PPOTrainer:
         collector (Iterable | Callable): an iterable of rollouts, or a callable
             ``(start_batch, pending) -> collector`` that :meth:`fit` calls, so that a resumed
             run's collector starts where the checkpoint stopped.
-        scorer (nn.Module): writes ``"score"`` (:class:`~rlhf_torchrl.rewards.Scorer`).
+        scorer (nn.Module): writes ``"score"`` (:class:`~rlhf_torchrl.scoring.Scorer`).
         actor (nn.Module): the policy's token-level log-probs
             (:class:`~rlhf_torchrl.modules.TokenLevelActor`).
         reference (nn.Module): the frozen reference's, written as ``("ref_log_probs", "response")``.

@@ -13,7 +13,8 @@ from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
 from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
 from rlhf_torchrl.objectives import make_ppo_loss, ppo_update
-from rlhf_torchrl.rewards import KLRewardShaper, Scorer, make_kl_controller
+from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
+from rlhf_torchrl.scoring import Scorer
 
 
 def multiple_of_ten(prompts, responses, tensordict):

@@ -129,7 +129,8 @@ def _too_early(td):
         ResponseGAE,
         RLOOAdvantage,
     )
-    from rlhf_torchrl.rewards import KLRewardShaper, Scorer, make_kl_controller
+    from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
+    from rlhf_torchrl.scoring import Scorer
 
     shaped = (K.KL, K.REWARD, K.NON_SCORE_REWARD, K.DONE, K.TERMINATED, K.SHAPED_SCORE)
     advantages = (K.ADVANTAGE, K.VALUE_TARGET)
@@ -175,7 +176,7 @@ def test_scorer_refuses_a_non_finite_reward_naming_it_and_the_row():
 
     from tensordict import TensorDict
 
-    from rlhf_torchrl.rewards import Scorer
+    from rlhf_torchrl.scoring import Scorer
 
     def flaky(prompts, responses):
         return [1.0, math.nan, 0.5]

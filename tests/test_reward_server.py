@@ -22,7 +22,8 @@ from tensordict import TensorDict
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.remote_rewards import RemoteReward
-from rlhf_torchrl.rewards import RewardError, RewardModel, Scorer
+from rlhf_torchrl.reward_model import RewardModel
+from rlhf_torchrl.scoring import RewardError, Scorer
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")

@@ -10,6 +10,7 @@ import torch
 from test_recipe import _cfg, ppo
 
 from rlhf_torchrl.config import compose
+from rlhf_torchrl.reward_model import RewardModel
 from rlhf_torchrl.reward_training import (
     bradley_terry_loss,
     init_reward_head,
@@ -17,7 +18,6 @@ from rlhf_torchrl.reward_training import (
     pairwise_accuracy,
     polarity_pairs,
 )
-from rlhf_torchrl.rewards import RewardModel
 
 
 def test_bradley_terry_loss_and_accuracy_by_hand():

@@ -7,8 +7,9 @@ from tensordict import TensorDict
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.data import Prompt
 from rlhf_torchrl.reward_functions import vader_sentiment
-from rlhf_torchrl.rewards import RewardModel, Scorer, load_reward_function
+from rlhf_torchrl.reward_model import RewardModel
 from rlhf_torchrl.rollout import probe_rollout
+from rlhf_torchrl.scoring import Scorer, load_reward_function
 
 
 def _td(prompts, responses, has_stop):

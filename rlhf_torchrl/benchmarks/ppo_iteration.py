@@ -39,8 +39,9 @@ from ..modules import TokenLevelActor, evaluate_rollout, make_critic
 from ..modules.compiled import compile_layers
 from ..objectives import make_minibatch_buffer, make_ppo_loss, ppo_update
 from ..reward_functions import vader_sentiment
-from ..rewards import KLRewardShaper, Scorer, make_kl_controller
+from ..rewards import KLRewardShaper, make_kl_controller
 from ..sampling import InverseCDFSampler
+from ..scoring import Scorer
 from .common import (
     add_model_args,
     add_out_arg,

@@ -317,7 +317,7 @@ def check_rewards(cfg: DictConfig, scorer, prompts, tokenizer, stop_ids,
 
     Args:
         cfg: the composed PPO config.
-        scorer (rlhf_torchrl.rewards.Scorer): the rewards to call.
+        scorer (rlhf_torchrl.scoring.Scorer): the rewards to call.
         prompts (Sequence | PromptSet | PromptMixture): the training prompts.
         tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
         stop_ids (list[int]): the ids that end a response.

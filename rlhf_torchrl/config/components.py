@@ -18,16 +18,12 @@ from ..distributed import DataParallel, init_data_parallel
 from ..errors import ConfigError
 from ..modules import load_tokenizer
 from ..objectives import make_minibatch_buffer, make_ppo_loss
-from ..rewards import (
-    KLRewardShaper,
-    RewardModel,
-    Scorer,
-    load_reward_function,
-    make_kl_controller,
-)
+from ..reward_model import RewardModel
+from ..rewards import KLRewardShaper, make_kl_controller
 from ..rollout import probe_rollout
 from ..runtime import ThreadTuner, resolve_device
 from ..sandbox import SandboxSpec
+from ..scoring import Scorer, load_reward_function
 from .derived import (
     autocast_dtype,
     log_probs_from_sampling,
@@ -211,7 +207,7 @@ def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids, with_values
 
 def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device,
                 stop_text: str = "") -> Scorer:
-    """The :class:`~rlhf_torchrl.rewards.Scorer` of ``reward_functions`` and the reward model
+    """The :class:`~rlhf_torchrl.scoring.Scorer` of ``reward_functions`` and the reward model
     (``reward.model``, or the one served at ``reward.remote_url``); ``stop_text``: the policy's
     stop token, which remote rewards append to OpenRLHF's ``query`` where a response stopped."""
     from ..remote_rewards import RemoteReward

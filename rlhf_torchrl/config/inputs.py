@@ -152,7 +152,7 @@ def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device,
         cfg: the composed PPO config.
         prompts (Sequence): the held-out prompts.
         tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
-        scorer (rlhf_torchrl.rewards.Scorer): scores the responses.
+        scorer (rlhf_torchrl.scoring.Scorer): scores the responses.
         stop_ids (list[int]): the ids that end a response.
         device (torch.device): where the evaluation samples.
         tools: the loaded ``env.tools`` of its episodes (None: loaded here).

@@ -9,7 +9,7 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..rewards import RewardModel
+from ..reward_model import RewardModel
 from .reward_model_schema import validate_reward_model
 
 log = logging.getLogger(__name__)

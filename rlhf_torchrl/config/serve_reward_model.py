@@ -10,7 +10,7 @@ import torch
 from omegaconf import DictConfig
 
 from ..errors import ConfigError
-from ..rewards import RewardModel
+from ..reward_model import RewardModel
 from ..runtime import resolve_device
 from .checks import check_reward_model
 from .reward_model_schema import validate_serve_reward_model
