@@ -20,7 +20,7 @@ import sys
 
 from .errors import ConfigError
 from .guards import DivergenceError
-from .sampling import OffPolicyError
+from .on_policy import OffPolicyError
 from .scoring import RewardError
 
 #: errors that explain themselves: bad settings, data, files or packages (ConfigError and its

@@ -51,7 +51,7 @@ class ThreadTuning(_Stateless):
 
 class OnPolicyCheck(_Stateless):
     """The first batch's recorded log-probs (and values, where the sampling pass recorded them)
-    against a training forward's (:func:`~rlhf_torchrl.sampling.check_on_policy`): PPO's first
+    against a training forward's (:func:`~rlhf_torchrl.on_policy.check_on_policy`): PPO's first
     ratio is 1 only if the tokens came from the loss's distribution. A sampler that gets pushed weights (vLLM, a Ray worker, a
     copy) is checked again on the batch after its first push; a resumed run checks its first
     batch unless it was sampled before the interruption. With partial rollouts only the tokens the
@@ -71,7 +71,7 @@ class OnPolicyCheck(_Stateless):
         trainer.register_op("batch_process", self)
 
     def __call__(self, rollout):
-        from .sampling import check_on_policy
+        from .on_policy import check_on_policy
 
         t = self.trainer
         first = t.iteration == t.first_iteration and not t.pending

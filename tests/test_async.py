@@ -19,7 +19,7 @@ from rlhf_torchrl.collectors import (
 )
 from rlhf_torchrl.collectors.asynchronous import AsyncCollector, ModelCopy
 from rlhf_torchrl.modules import TokenLevelActor
-from rlhf_torchrl.sampling import check_on_policy
+from rlhf_torchrl.on_policy import check_on_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))

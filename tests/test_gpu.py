@@ -20,7 +20,7 @@ import torch
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
 from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, make_critic
-from rlhf_torchrl.sampling import check_on_policy
+from rlhf_torchrl.on_policy import check_on_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))

@@ -12,8 +12,8 @@ from rlhf_torchrl.collectors import (
     make_generation_policy,
 )
 from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, make_critic
+from rlhf_torchrl.on_policy import check_on_policy
 from rlhf_torchrl.rollout import END_REASONS
-from rlhf_torchrl.sampling import check_on_policy
 from rlhf_torchrl.tools import ToolResult, calculator
 
 PROMPTS = [TOOL_QUESTION, PLAIN_QUESTION] * 4

@@ -23,7 +23,8 @@ from rlhf_torchrl.collectors import (
 )
 from rlhf_torchrl.collectors.partial import current_tokens, resume_batch
 from rlhf_torchrl.modules import TokenLevelActor
-from rlhf_torchrl.sampling import OffPolicyError, check_on_policy, row_stream_seeds
+from rlhf_torchrl.on_policy import OffPolicyError, check_on_policy
+from rlhf_torchrl.sampling import row_stream_seeds
 
 PROMPTS = ["The film was", "I did not expect", "Its story", "The acting", "A slow start but",
            "Music and light", "The ending", "Nothing"]

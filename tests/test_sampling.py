@@ -6,13 +6,8 @@ import torch
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
 from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
-from rlhf_torchrl.sampling import (
-    InverseCDFSampler,
-    OffPolicyError,
-    check_on_policy,
-    ignored_generation_settings,
-    sample_inverse_cdf,
-)
+from rlhf_torchrl.on_policy import OffPolicyError, check_on_policy
+from rlhf_torchrl.sampling import InverseCDFSampler, ignored_generation_settings, sample_inverse_cdf
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:

@@ -31,7 +31,7 @@ from rlhf_torchrl.collectors.vllm import (  # noqa: E402
     make_vllm_generation_policy,
 )
 from rlhf_torchrl.modules import TokenLevelActor  # noqa: E402
-from rlhf_torchrl.sampling import check_on_policy  # noqa: E402
+from rlhf_torchrl.on_policy import check_on_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The film was", "I did not expect", "Its story", "The acting", "The film was",

@@ -70,14 +70,14 @@ def values_from_sampling(cfg: DictConfig, parallel: DataParallel, *, critic: boo
 
 
 def log_probs_from_sampling(cfg: DictConfig, *, autocast: str | None | bool = False) -> bool:
-    """Old log-probs recorded while sampling, or recomputed (:func:`rlhf_torchrl.sampling.log_probs_from_sampling`).
+    """Old log-probs recorded while sampling, or recomputed (:func:`rlhf_torchrl.on_policy.log_probs_from_sampling`).
 
     Args:
         cfg: the composed PPO config.
         autocast: the autocast dtype's name to take in place of ``model.autocast`` (False: the
             config's).
     """
-    from ..sampling import log_probs_from_sampling as from_sampling
+    from ..on_policy import log_probs_from_sampling as from_sampling
 
     return from_sampling(backend=cfg.generation.backend, autocast=cfg.model.autocast if autocast is False else autocast,
                          dtype=cfg.model.dtype, overlap=cfg.collection.overlap,
@@ -116,12 +116,12 @@ def partial_rollout_tokens(cfg: DictConfig) -> int | None:
 
 
 def on_policy_tolerance(cfg: DictConfig) -> float:
-    """The on-policy check's tolerance (:func:`rlhf_torchrl.sampling.on_policy_tolerance`).
+    """The on-policy check's tolerance (:func:`rlhf_torchrl.on_policy.on_policy_tolerance`).
 
     Args:
         cfg: the composed PPO config.
     """
-    from ..sampling import on_policy_tolerance as tolerance
+    from ..on_policy import on_policy_tolerance as tolerance
 
     engine = cfg.vllm.dtype if cfg.generation.backend == "vllm" else None
     return tolerance(autocast=cfg.model.autocast, dtype=cfg.model.dtype,
