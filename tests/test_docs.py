@@ -219,7 +219,7 @@ def _run_command(words: list[str], block, d: Path, tiny_llama_dir: str):
     return proc
 
 
-@pytest.mark.xdist_group("serial")
+@pytest.mark.xdist_group("docs_commands")  # one worker: the finished run they read, built once
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "bash" and b.mode == "run"],
                          ids=lambda b: b.id)
 def test_documented_command_runs(block, docs_dir, tiny_llama_dir, request):

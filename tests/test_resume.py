@@ -171,7 +171,8 @@ def _complete(command, out) -> None:
 
 
 #: the tests of one uninterrupted run (a module fixture): one worker, one at a time, under pytest -n
-SERIAL = pytest.mark.xdist_group("serial")
+#: (beside the torchrun and Ray tests' worker, not after them)
+SERIAL = pytest.mark.xdist_group("resume")
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ pytest.importorskip("uvicorn")
 
 from rlhf_torchrl.reward_server import ServerProcess, ServerThread, make_app  # noqa: E402
 
-SERIAL = pytest.mark.xdist_group("serial")
+SERIAL = pytest.mark.xdist_group("reward_server")  # one worker: the reward model built once
 #: the reward model's own chat template (MiniLM has none): each turn as "role: content [SEP]"
 TEMPLATE = ("{{ cls_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} "
             "{{ sep_token }} {% endfor %}")
