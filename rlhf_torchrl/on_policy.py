@@ -6,13 +6,9 @@ on the first batch that the recorded log-probs (and values) equal the training f
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from . import keys as K
-
-log = logging.getLogger(__name__)
 
 
 class OffPolicyError(RuntimeError):

@@ -4,7 +4,6 @@ explicit keyword arguments (tokenizer, models, rewards, tools, collector spec, l
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -34,8 +33,6 @@ from .derived import (
 
 if TYPE_CHECKING:
     from .checks import Sizes
-
-log = logging.getLogger(__name__)
 
 
 def critic_free(cfg: DictConfig) -> bool:

@@ -5,17 +5,12 @@ back into it (:func:`rlhf_torchrl.config.builders.resolve_precision` is the one 
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from omegaconf import DictConfig
 
 from ..distributed import DataParallel
 from ..modules.models import torch_dtype
 from ..runtime import native_bf16, resolve_device
-
-log = logging.getLogger(__name__)
-
 
 #: ``ppo.tis_cap`` that ``model.autocast=auto`` sets with bf16 (the setting the 3-seed comparison
 #: of bf16 against fp32 used: docs/experiments.md, "bf16 autocast against fp32")

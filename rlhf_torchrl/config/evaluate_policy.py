@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 import torch
@@ -21,8 +20,6 @@ from .components import (
     stop_token_ids,
 )
 from .inputs import hold_out, make_prompts, new_evaluator
-
-log = logging.getLogger(__name__)
 
 
 def evaluate_policy(cfg: DictConfig) -> dict:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 
 import torch
 from omegaconf import DictConfig
@@ -14,8 +13,6 @@ from ..reward_model import RewardModel
 from ..runtime import resolve_device
 from .checks import check_reward_model
 from .reward_model_schema import validate_serve_reward_model
-
-log = logging.getLogger(__name__)
 
 
 def serve_reward_model(cfg: DictConfig) -> None:
