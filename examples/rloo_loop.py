@@ -18,7 +18,7 @@ from rlhf_torchrl import (
     RolloutCollector,
     Scorer,
     TokenLevelActor,
-    evaluate_rollout,
+    compute_old_quantities,
     make_generation_env,
     make_generation_policy,
     make_kl_controller,
@@ -64,7 +64,7 @@ optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-6)
 
 for iteration, rollout in zip(range(args.iterations), collector):
     scorer(rollout)  # "score" (B,)
-    evaluate_rollout(rollout, actor=actor, reference=ref_actor)  # reference log-probs
+    compute_old_quantities(rollout, actor=actor, reference=ref_actor)  # reference log-probs
     shaper(rollout)  # per-token rewards: the score at the last response token
     advantage(rollout)  # "advantage" (B, R, 1): score minus the leave-one-out group mean
     stats = ppo_update(rollout, loss, optimizer, num_ppo_epochs=1, num_mini_batches=2)

@@ -21,7 +21,7 @@ from rlhf_torchrl import (
     RolloutCollector,
     Scorer,
     TokenLevelActor,
-    evaluate_rollout,
+    compute_old_quantities,
     make_critic,
     make_generation_env,
     make_generation_policy,
@@ -68,7 +68,7 @@ optimizer = torch.optim.AdamW(loss.parameters(), lr=3e-6)
 
 for iteration, rollout in zip(range(args.iterations), collector):
     scorer(rollout)  # "score" (B,)
-    evaluate_rollout(rollout, actor=actor, reference=ref_actor, critic=critic)
+    compute_old_quantities(rollout, actor=actor, reference=ref_actor, critic=critic)
     shaper(rollout)  # ("next", "reward") (B, R, 1)
     view = token_view(rollout)  # batch (B, R): TorchRL's trajectory layout
     gae(view)  # "advantage", "value_target" on the view

@@ -9,14 +9,15 @@ from .advantages import (
     make_advantage,
 )
 from .collectors import RolloutCollector, make_generation_env, make_generation_policy
-from .modules import TokenCritic, TokenLevelActor, evaluate_rollout, make_critic
-from .objectives import make_ppo_loss, ppo_update
+from .modules import TokenCritic, TokenLevelActor, compute_old_quantities, make_critic
+from .objectives import make_ppo_loss
 from .reward_model import RewardModel
 from .rewards import KLRewardShaper, make_kl_controller
 from .rollout import to_rollout
 from .scoring import Scorer, load_reward_function
 from .trainer import PPOTrainer
 from .trajectory import merge_token_view, token_view
+from .update import UpdateSettings, ppo_update
 
 __version__ = "0.1.0"
 
@@ -32,7 +33,8 @@ __all__ = [
     "Scorer",
     "TokenCritic",
     "TokenLevelActor",
-    "evaluate_rollout",
+    "UpdateSettings",
+    "compute_old_quantities",
     "functional",
     "keys",
     "load_reward_function",

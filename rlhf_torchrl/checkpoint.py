@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 _NAME = re.compile(r"^iter_(\d+)$")
 _TRAINER = "trainer.pt"
-_WEIGHTS = "weights"
+WEIGHTS = "weights"
 _ROLLOUTS = "rollouts"
 _MANIFEST = "manifest.json"
 _RNG = "rng"
@@ -123,7 +123,7 @@ def is_checkpoint(path: str) -> bool:
         path: a directory.
     """
     return (os.path.isfile(os.path.join(path, _TRAINER))
-            and os.path.isfile(os.path.join(path, _WEIGHTS, ".metadata")))
+            and os.path.isfile(os.path.join(path, WEIGHTS, ".metadata")))
 
 
 def latest_checkpoint(output_dir: str, verify: bool = False) -> str | None:
@@ -244,9 +244,9 @@ def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn
         os.makedirs(tmp)
     _barrier(parallel)
     model_state, optim_state = _state_dicts(modules, optimizer)
-    with _single_process_quiet():
+    with single_process_quiet():
         dcp.save({"model": model_state, "optim": optim_state},
-                 checkpoint_id=os.path.join(tmp, _WEIGHTS))
+                 checkpoint_id=os.path.join(tmp, WEIGHTS))
     rank = parallel.rank if parallel is not None else 0
     for i, rollout in enumerate(rollouts):
         rollout.detach().cpu().save(os.path.join(tmp, _ROLLOUTS, f"rank_{rank}", f"{i:04d}"))
@@ -375,14 +375,14 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     if not is_checkpoint(path):
-        raise MissingFileError(f"{path} is not a checkpoint (no {_TRAINER} and {_WEIGHTS}/): give "
+        raise MissingFileError(f"{path} is not a checkpoint (no {_TRAINER} and {WEIGHTS}/): give "
                                 "a checkpoints/iter_<N> directory of a run.")
     verify_checkpoint(path)
     model_state, optim_state = _state_dicts(modules, optimizer)
     state = {"model": model_state, "optim": optim_state}
     try:
-        with _single_process_quiet():
-            dcp.load(state, checkpoint_id=os.path.join(path, _WEIGHTS))
+        with single_process_quiet():
+            dcp.load(state, checkpoint_id=os.path.join(path, WEIGHTS))
     except Exception as e:  # noqa: BLE001 - a torn weights file, whatever the reader raises
         raise CheckpointError(f"Checkpoint {path} is unreadable: its weights could not be loaded "
                               f"({type(e).__name__}). Resume from an earlier one "
@@ -390,93 +390,6 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
     set_state_dict(nn.ModuleDict(dict(modules)), optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
     return load_trainer_state(path)
-
-
-def critic_checkpoint(path: str) -> str:
-    """The checkpoint ``path`` names for a critic warm start: a checkpoint directory, or a run's
-    output directory (its newest checkpoint); :class:`~rlhf_torchrl.errors.ConfigError` otherwise.
-
-    Args:
-        path: a checkpoint directory or a run's output directory.
-    """
-    if not is_checkpoint(path):
-        newest = latest_checkpoint(path) if os.path.isdir(path) else None
-        if newest is None:
-            raise ConfigError(f"value_model.warm_start={path}: neither a checkpoint (<run>/"
-                              f"{CHECKPOINTS}/iter_<N>) nor a run's output_dir holding one.")
-        path = newest
-    return path
-
-
-def saved_weight_names(path: str) -> set[str]:
-    """The names of the weights checkpoint ``path`` holds (``policy.…``, ``value_head.…``,
-    ``critic_trunk.…``: :attr:`~rlhf_torchrl.trainer.PPOTrainer.trained_modules`), read from its
-    metadata (no tensor is loaded).
-
-    Args:
-        path: the checkpoint directory.
-    """
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(os.path.join(path, _WEIGHTS)).read_metadata()
-    return {name.removeprefix("model.") for name in metadata.state_dict_metadata
-            if name.startswith("model.")}
-
-
-def load_critic(path: str, critic) -> str:
-    """Warm-start ``critic`` (a :class:`~rlhf_torchrl.modules.TokenCritic`) from the critic a
-    checkpoint saved: weights only.
-
-    A saved critic is a checkpoint of this library of a run with a critic of the same kind. Loaded:
-    its value head (``value_head``) and, for a critic with a trunk of its own, that trunk
-    (``critic_trunk``; a shared trunk is the policy's, which stays this run's). Not the policy, the
-    optimiser's moments or the trainer's state: the run starts its own optimiser, as NeMo-RL's
-    critic warm start does. Call it before the first update. Returns the checkpoint's path.
-
-    Args:
-        path: ``<run>/checkpoints/iter_<N>``, or the run's output directory (its newest,
-            :func:`critic_checkpoint`).
-        critic (rlhf_torchrl.modules.TokenCritic): the critic, loaded in place.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-
-    path = critic_checkpoint(path)
-    saved = saved_weight_names(path)
-    own_trunk = any(name.startswith("critic_trunk.") for name in saved)
-    if not any(name.startswith("value_head.") for name in saved):
-        raise ConfigError(f"value_model.warm_start={path}: the checkpoint holds no critic (a "
-                          "critic-free run's): give a checkpoint of a run with advantage.estimator=gae.")
-    if own_trunk == critic.shares_trunk:
-        then, now = ("its own trunk", "the policy's") if own_trunk else ("the policy's", "its own")
-        raise ConfigError(f"value_model.warm_start={path}: the checkpoint's critic has {then} trunk "
-                          f"and this run's has {now} (value_model.init): warm-start from a run of the "
-                          "same kind (shared, or policy/reward_model/model).")
-    modules = nn.ModuleDict({"value_head": critic.head} if critic.shares_trunk
-                            else {"value_head": critic.head, "critic_trunk": critic.backbone})
-    trainable = {name for name, p in modules.named_parameters(remove_duplicate=False)
-                 if p.requires_grad}
-    state = {k: v for k, v in get_model_state_dict(
-        modules, options=StateDictOptions(ignore_frozen_params=True)).items() if k in trainable}
-    missing = sorted(set(state) - saved)
-    if missing:
-        raise ConfigError(f"value_model.warm_start={path}: the checkpoint's critic lacks "
-                          f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}: it was "
-                          "trained on another model (or LoRA setting) than this run's critic.")
-    try:
-        with _single_process_quiet():
-            dcp.load({"model": state}, checkpoint_id=os.path.join(path, _WEIGHTS))
-    except Exception as e:  # noqa: BLE001 - another model's shapes, a torn file
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"value_model.warm_start={path}: its critic does not load into this "
-                          f"run's ({type(e).__name__}: {first[:200]}).") from e
-    set_model_state_dict(modules, state, options=StateDictOptions(strict=False))
-    log.info("Critic warm-started from %s (%s)", path, ", ".join(modules.keys()))
-    return path
 
 
 def load_rollouts(path: str, rank: int = 0, device=None) -> list:
@@ -499,7 +412,7 @@ def load_rollouts(path: str, rank: int = 0, device=None) -> list:
 
 
 @contextmanager
-def _single_process_quiet():
+def single_process_quiet():
     """DCP warns that it runs in one process when no process group exists: that is intended."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -4,7 +4,7 @@ A non-finite reward, log-prob or value spreads through the KL rewards, GAE and t
 every token of the batch, and a non-finite gradient then writes NaN into every weight; by the time a
 loss prints ``nan`` the cause is gone. :func:`check_finite` looks at each quantity of a rollout as
 soon as it exists (only at valid response tokens: padding is ignored), and
-:func:`~rlhf_torchrl.objectives.ppo_update` checks the gradient norm before every optimiser step.
+:func:`~rlhf_torchrl.update.ppo_update` checks the gradient norm before every optimiser step.
 Both raise :class:`NonFiniteError`, which names the quantity and how much of it is bad; the recipe
 then saves the rollout and skips the iteration or stops (``guards.non_finite``).
 """

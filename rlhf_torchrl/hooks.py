@@ -1,7 +1,7 @@
 """What the PPO trainer does besides the algorithm, as TorchRL trainer hooks.
 
 Each hook is a :class:`torchrl.trainers.TrainerHookBase`: ``register(trainer, name)`` puts its ops
-at the trainer's stages (:data:`rlhf_torchrl.trainer.STAGES`), and ``state_dict()`` is saved in
+at the trainer's stages (:data:`rlhf_torchrl.stages.STAGES`), and ``state_dict()`` is saved in
 every checkpoint, so that a resumed run continues each hook where it was. Register your own the same
 way, or pass a plain function to ``trainer.register_op(stage, fn)``.
 """
@@ -106,8 +106,8 @@ class WeightPush(_Stateless):
     def __call__(self):
         t = self.trainer
         push = getattr(t.collector, "update_weights", None)
-        if push is not None and t.iteration < t.num_iterations:
-            return {"time/weight_sync": push(t.iteration)}  # version = updates done
+        if push is not None and t.iterations_done < t.num_iterations:
+            return {"time/weight_sync": push(t.iterations_done)}  # version = updates done
         return None
 
 
@@ -160,7 +160,7 @@ class Evaluation(TrainerHookBase):
             log.info("Evaluation before training: %s", format_metrics(self.before))
 
     def maybe_evaluate(self, batch) -> dict | None:
-        done, last = self.trainer.iteration, self.trainer.num_iterations
+        done, last = self.trainer.iterations_done, self.trainer.num_iterations
         if done % self.every and done != last:
             return None
         start = time.perf_counter()
@@ -169,7 +169,7 @@ class Evaluation(TrainerHookBase):
             metrics, rollout = self.evaluator(self.policy)  # held-out prompts, after this update
         self.held_out_after = rollout_samples(rollout, HELD_OUT_SAMPLES)
         # at the step of this iteration's row (its eval/ metrics)
-        self.unlogged_samples.append(("eval/samples", done - 1, self.held_out_after))
+        self.unlogged_samples.append(("eval/samples", self.trainer.iteration, self.held_out_after))
         return {**metrics, "time/eval": time.perf_counter() - start}
 
     def report(self, history: list[dict]) -> dict:
@@ -223,7 +223,7 @@ class KLCeiling(_Stateless):
         if kl is None:
             return
         try:
-            check_kl_ceiling(kl, self.trainer.iteration - 1, ceiling=self.ceiling, stop=self.stop)
+            check_kl_ceiling(kl, self.trainer.iteration, ceiling=self.ceiling, stop=self.stop)
         except DivergenceError as error:
             self.trainer.request_stop(error)
 
@@ -260,17 +260,17 @@ class Checkpointer(TrainerHookBase):
         from .checkpoint import rng_state, save_checkpoint
 
         t = self.trainer
-        if not self.due(t.iteration) or t.stop_error is not None:
+        if not self.due(t.iterations_done) or t.stop_error is not None:
             return None
         start = time.perf_counter()
         if not self.lineage or self.lineage[-1][0] != self.run_id:  # (before the state is taken)
             self.lineage.append([self.run_id, t.first_iteration])
-        save_checkpoint(self.output_dir, t.iteration, modules=t.trained_modules,
+        save_checkpoint(self.output_dir, t.iterations_done, modules=t.trained_modules,
                         optimizer=t.optimizer, keep=self.keep, parallel=t.parallel,
                         config_yaml=self.config_yaml, trainer_state=t.state_dict(),
                         rollouts=t.pending_rollouts(), rng=rng_state(), lineage=self.lineage)
         seconds = time.perf_counter() - start
-        log.info("Checkpoint %d written in %.2f s", t.iteration, seconds)
+        log.info("Checkpoint %d written in %.2f s", t.iterations_done, seconds)
         return {"time/checkpoint": seconds}
 
     def state_dict(self) -> dict:

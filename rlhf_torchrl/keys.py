@@ -125,9 +125,9 @@ def written_by(key) -> str:
         RESPONSE_MASK: collector, HAS_STOP: collector, PROMPT_TEXT: text, RESPONSE_TEXT: text,
         GROUP: "the collector (RolloutCollector, samples_per_prompt)",
         LOG_PROB: "the sampler (make_generation_policy(record_log_probs=True)) or "
-                  "evaluate_rollout(actor=...)",
-        REF_LOG_PROB: "the reference pass (evaluate_rollout(reference=...))",
-        VALUE: "the critic's pass (evaluate_rollout(critic=...))",
+                  "compute_old_quantities(actor=...)",
+        REF_LOG_PROB: "the reference pass (compute_old_quantities(reference=...))",
+        VALUE: "the critic's pass (compute_old_quantities(critic=...))",
         SCORE: "the scorer (Scorer)",
         KL: shaper, REWARD: shaper, NON_SCORE_REWARD: shaper, DONE: shaper, TERMINATED: shaper,
         SHAPED_SCORE: shaper,

@@ -5,8 +5,6 @@ estimators: :mod:`rlhf_torchrl.advantages`).
   actor and critic (or no critic), averaged over valid response tokens (``loss_mask_key``) as
   ``loss_aggregation`` says, with TRL's diagnostics added, an optional KL-to-reference term (GRPO's
   k3), clip-higher (an asymmetric ``clip_epsilon``), dual-clip PPO and VAPO's positive-example NLL.
-- ``ppo_update``, ``micro_batches``, ``make_minibatch_buffer``, ``token_budget_split`` and
-  ``trim_padding`` live in :mod:`rlhf_torchrl.update` and import from here too.
 """
 
 from __future__ import annotations
@@ -18,13 +16,6 @@ from . import functional as F
 from . import keys as K
 from .errors import ConfigError
 from .loss_inputs import loss_input_keys
-from .update import (  # noqa: F401 - their home before the update had its own module
-    make_minibatch_buffer,
-    micro_batches,
-    ppo_update,
-    token_budget_split,
-    trim_padding,
-)
 
 
 class TokenPPOLoss(ClipPPOLoss):

@@ -46,7 +46,7 @@ def check_on_policy(rollout, actor, *, num_rows: int = 4, atol: float = 1e-3,
             "'response')): build the generation policy with record_log_probs=True."
         )
     check_values = critic is not None and K.VALUE in rollout.keys()
-    from .modules.actor_critic import model_input_keys
+    from .modules.sequences import model_input_keys
 
     rows = rollout[:num_rows].select(*model_input_keys(rollout), K.LOG_PROB,
                                      *([K.VALUE] if check_values else [])).clone()

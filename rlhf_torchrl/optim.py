@@ -8,13 +8,18 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
+from . import functional as F
+from . import keys as K
 from .errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 SCHEDULES = ("linear", "constant")
 
@@ -299,6 +304,37 @@ class CriticWarmup:
             self.ended_at_step = steps_done
             return True
         return False
+
+    def after_update(self, batch, stats: Mapping[str, float], iteration: int, scheduler) -> dict:
+        """After iteration ``iteration``'s update: its ``critic_warmup`` metric (1 in a warm-up
+        iteration; none without a warm-up) and, for a warm-up that ends on its own, one
+        :meth:`observe` of its signals (the update's ``stats``, and the explained variance of the
+        batch's old values against its value targets,
+        :func:`~rlhf_torchrl.functional.explained_variance`). When the warm-up ends, the policy's
+        learning rate is set for the next step (:func:`refresh_lr`).
+
+        Args:
+            batch (TensorDictBase): the iteration's batch, with its old values and value targets.
+            stats: the update's statistics.
+            iteration: the iteration, 0 first.
+            scheduler (torch.optim.lr_scheduler.LambdaLR | None): :func:`make_optimizer`'s
+                scheduler (needed with ``until``).
+        """
+        if not self.max_iterations:
+            return {}
+        metrics = {"critic_warmup": float(self.trains_critic_alone(iteration))}
+        if self.until is None or not self.running:
+            return metrics
+        signals = dict(stats)
+        if K.VALUE_TARGET in batch.keys():
+            signals["val/explained_variance"] = float(F.explained_variance(
+                batch.get(K.VALUE).squeeze(-1), batch.get(K.VALUE_TARGET).squeeze(-1),
+                batch.get(K.RESPONSE_MASK)))
+        if self.observe(signals, steps_done=scheduler.last_epoch):
+            refresh_lr(scheduler)
+            log.info("Critic warm-up ended after %d iterations (%s %.4g at best).",
+                     self.iterations, self.until, self.best)
+        return metrics
 
     def _improves(self, value: float, upwards: bool) -> bool:
         if upwards:

@@ -199,7 +199,7 @@ def scores(reward_model, pairs, which: str, *, grad: bool = False) -> torch.Tens
     return torch.cat(out)
 
 
-def evaluate_pairs(reward_model, pairs) -> dict[str, float]:
+def preference_metrics(reward_model, pairs) -> dict[str, float]:
     """Held-out pairwise accuracy, loss and mean margin.
 
     Args:
@@ -258,7 +258,7 @@ def train_reward_model(reward_model, train_pairs, eval_pairs, *, epochs: int = 1
             losses.append(float(loss) * len(batch))
             wins.append(pairwise_accuracy(chosen.detach(), rejected.detach()) * len(batch))
         row = {"epoch": epoch, "train/loss": sum(losses) / len(pairs),
-               "train/accuracy": sum(wins) / len(pairs), **evaluate_pairs(reward_model, eval_pairs)}
+               "train/accuracy": sum(wins) / len(pairs), **preference_metrics(reward_model, eval_pairs)}
         history.append(row)
         if log is not None:
             log(row)

@@ -122,7 +122,7 @@ class RunLog(TrainerHookBase):
 
     def log(self, metrics: dict) -> None:
         t = self.trainer
-        self.writer.log(t.iteration - 1, metrics)
+        self.writer.log(t.iteration, metrics)
         self._log_samples()
         scored = "objective/scores" in metrics  # (not a skipped iteration)
         if scored:
@@ -132,12 +132,12 @@ class RunLog(TrainerHookBase):
             if scored:
                 self.bar.set_postfix(score=f"{metrics['objective/scores']:.3f}",
                                      kl=f"{metrics['objective/kl']:.3f}")
-        elif scored and (t.iteration % self.every == 0 or t.iteration == t.num_iterations):
-            done = t.iteration - t.first_iteration
+        elif scored and (t.iterations_done % self.every == 0 or t.iterations_done == t.num_iterations):
+            done = t.iterations_done - t.first_iteration
             elapsed = time.perf_counter() - self._start
-            left = elapsed / done * (t.num_iterations - t.iteration) if done else 0.0
+            left = elapsed / done * (t.num_iterations - t.iterations_done) if done else 0.0
             log.info("Iteration %d/%d: score %.3f, KL %.3f, %.1f s/iteration, %s left",
-                     t.iteration, t.num_iterations, metrics["objective/scores"],
+                     t.iterations_done, t.num_iterations, metrics["objective/scores"],
                      metrics["objective/kl"], elapsed / max(done, 1), _duration(left))
 
     def close(self) -> None:

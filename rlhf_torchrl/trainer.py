@@ -20,13 +20,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from . import functional as F
 from . import keys as K
 from .advantages import compares_groups, group_metrics, informative_groups
 from .checkpoint import load_checkpoint, load_rng_state, load_rollouts, rng_state, set_rng_state
@@ -35,29 +34,15 @@ from .errors import ConfigError
 from .guards import NonFiniteError, check_finite
 from .loss_inputs import check_replay_buffer, use_rollout_keys
 from .metrics import rollout_metrics, sampler_metrics
-from .modules import evaluate_rollout
-from .objectives import ppo_update
-from .optim import CriticWarmup, refresh_lr
+from .modules import compute_old_quantities
+from .optim import CriticWarmup
 from .runtime import module_device, placed
+from .stages import StagedLoop
+from .update import UpdateSettings, ppo_update
 
 log = logging.getLogger(__name__)
 
-#: the stages hooks register at, in the order an iteration reaches them (TorchRL's names where the
-#: moment is the same; ``pre_collect``, ``checkpoint`` and ``log`` are this trainer's own)
-STAGES = {
-    "setup": "once, before the first iteration (after the collector is built): op()",
-    "pre_collect": "before sampling: op() -> metrics or None",
-    "batch_process": "the rollout, just sampled: op(rollout) -> rollout or None",
-    "post_steps": "after the update (a skipped one too): op() -> metrics or None",
-    "post_steps_log": "the iteration's global batch, updated on: op(batch) -> metrics or None",
-    "checkpoint": "after the update's metrics and the log hooks, before the row is written: "
-                  "op() -> metrics or None",
-    "log": "the iteration's finished metrics row: op(metrics) -> None",
-    "shutdown": "once, after the last iteration: op() -> None",
-}
-
-
-class PPOTrainer:
+class PPOTrainer(StagedLoop):
     """PPO over a rollout TensorDict, one method per phase; with a token-level critic (GAE) or
     a critic-free advantage estimator (GRPO, RLOO, REINFORCE++).
 
@@ -84,13 +69,12 @@ class PPOTrainer:
         num_iterations (int): iterations (rollout + update) :meth:`fit` runs, in all.
         pad_token_id (int): the tokenizer's pad id, for the update's batches.
         replay_buffer (torchrl.data.ReplayBuffer | None): the minibatch sampler
-            (:func:`~rlhf_torchrl.objectives.make_minibatch_buffer`, with a seed of its own);
+            (:func:`~rlhf_torchrl.update.make_minibatch_buffer`, with a seed of its own);
             None: one per update, shuffled by torch's global generator.
-        num_ppo_epochs (int): passes over each rollout.
-        num_mini_batches (int): minibatches per epoch, one optimiser step each.
-        gradient_accumulation_steps (int): micro-batches per minibatch and process.
-        micro_batch_tokens (int | None): instead, micro-batches of at most this many padded tokens.
-        max_grad_norm (float | None): gradient-norm clip (None: none).
+        update (UpdateSettings): how the update passes over each rollout: PPO epochs,
+            minibatches, micro-batches, gradient clip, critic-only passes
+            (:class:`~rlhf_torchrl.update.UpdateSettings`, :func:`~rlhf_torchrl.update.ppo_update`;
+            None: its defaults).
         forward_batch_size (int): rows per no-grad forward (old and reference log-probs, values).
         scheduler (torch.optim.lr_scheduler.LRScheduler | None): stepped after each optimiser step
             (:func:`~rlhf_torchrl.optim.make_optimizer`).
@@ -107,9 +91,6 @@ class PPOTrainer:
             optimiser's schedule holds the policy: :func:`~rlhf_torchrl.optim.make_optimizer`'s
             ``critic_warmup_steps``), or a :class:`~rlhf_torchrl.optim.CriticWarmup` that ends
             when the critic's fit stops improving.
-        critic_epochs (int | None): passes over each rollout that train the critic, those after
-            the PPO epochs the value loss alone (:func:`~rlhf_torchrl.update.ppo_update`); None:
-            ``num_ppo_epochs``.
         on_non_finite (Callable | None): ``(error, iteration, batch)``, called on a NaN/inf: it
             raises to stop, returns to skip the iteration (no further optimiser step); None: the
             error propagates.
@@ -122,10 +103,10 @@ class PPOTrainer:
 
     Where TorchRL's ``Trainer`` does not fit, and why: an iteration is one rollout of whole
     responses, not a frame count; minibatches are split into token-weighted micro-batches
-    (:func:`~rlhf_torchrl.objectives.ppo_update`), each process runs its slice of every minibatch
+    (:func:`~rlhf_torchrl.update.ppo_update`), each process runs its slice of every minibatch
     and the gradients are averaged over all processes' tokens; a non-finite value skips (or stops)
     the iteration before any optimiser step; checkpoints are sharded
-    (:mod:`rlhf_torchrl.checkpoint`). The stage names are TorchRL's where they fit (:data:`STAGES`).
+    (:mod:`rlhf_torchrl.checkpoint`). The stage names are TorchRL's where they fit (:data:`~rlhf_torchrl.stages.STAGES`).
 
     ``state_dict()`` holds everything an exact resume needs besides the weights, the optimiser and
     the rollouts sampled ahead (which :meth:`load_checkpoint` restores too, each process its own):
@@ -149,11 +130,7 @@ class PPOTrainer:
         num_iterations: int,
         pad_token_id: int,
         replay_buffer=None,
-        num_ppo_epochs: int = 1,
-        num_mini_batches: int = 1,
-        gradient_accumulation_steps: int = 1,
-        micro_batch_tokens: int | None = None,
-        max_grad_norm: float | None = 1.0,
+        update: UpdateSettings | None = None,
         forward_batch_size: int = 16,
         scheduler=None,
         grad_scaler=None,
@@ -163,26 +140,23 @@ class PPOTrainer:
         exact_entropy: bool = True,
         offload_reference: bool = False,
         critic_warmup: int | CriticWarmup = 0,
-        critic_epochs: int | None = None,
         on_non_finite: Callable | None = None,
         filter_groups: bool = False,
         reward_transform: Callable | None = None,
     ):
+        super().__init__()
         self.collector = collector
         self.scorer, self.actor, self.reference, self.critic = scorer, actor, reference, critic
         self.shaper, self.advantage, self.loss_module = shaper, advantage, loss_module
         self.optimizer, self.scheduler, self.grad_scaler = optimizer, scheduler, grad_scaler
         self.replay_buffer, self.pad_token_id = replay_buffer, pad_token_id
         self.parallel = parallel if parallel is not None else DataParallel()
-        self.num_iterations, self.num_ppo_epochs = num_iterations, num_ppo_epochs
-        self.num_mini_batches = num_mini_batches
-        self.gradient_accumulation_steps = gradient_accumulation_steps
-        self.micro_batch_tokens, self.max_grad_norm = micro_batch_tokens, max_grad_norm
+        self.num_iterations, self.update = num_iterations, update or UpdateSettings()
         self.forward_batch_size, self.exact_entropy = forward_batch_size, exact_entropy
         # old log-probs from a training forward (vLLM, bf16) instead of those recorded while sampling;
         # keep_sampler_log_probs keeps the recorded ones beside them (TIS, the mismatch metric)
         self.recompute_log_probs, self.keep_sampler_log_probs = recompute_log_probs, keep_sampler_log_probs
-        self.offload_reference, self.critic_epochs = offload_reference, critic_epochs
+        self.offload_reference = offload_reference
         # the critic trains alone first: N iterations, or a CriticWarmup that ends on its own
         self.critic_warmup = (critic_warmup if isinstance(critic_warmup, CriticWarmup)
                               else CriticWarmup(critic_warmup))
@@ -206,72 +180,19 @@ class PPOTrainer:
         if replay_buffer is not None:
             check_replay_buffer(replay_buffer, filtered=filter_groups)
         self.reward_transform = reward_transform
-        self.iteration = 0  # iterations done
+        self.iteration = 0  # the iteration running, 0 first (between iterations: those done)
+        self.updated = False  # whether its update has run (iterations_done counts it from then)
         self.first_iteration = 0  # where this process started (a resumed run: the checkpoint's)
         self.pending: list = []  # rollouts sampled ahead, restored from a checkpoint
         self.restored_rng: Mapping | None = None  # a checkpoint's RNG states, set when fit() starts
-        self.metrics: dict = {}  # the current iteration's row
         self.report: dict = {}  # the run's summary, filled by the RunLog hook at the end
-        self.stop_error: Exception | None = None  # request_stop(): raised once the row is logged
-        self.hooks: dict[str, object] = {}  # named hooks (their state goes into state_dict)
-        self._ops: dict[str, list[Callable]] = {stage: [] for stage in STAGES}
 
-    # ---- hooks ----------------------------------------------------------------------------------
-    def register_op(self, dest: str, op: Callable) -> None:
-        """Call ``op`` at stage ``dest`` (:data:`STAGES`) of every iteration, after the ops
-        registered there before it. Ops that return a dict add it to the iteration's metrics.
-
-        Args:
-            dest: the stage, one of :data:`STAGES`.
-            op: called with the stage's arguments (a ``batch_process`` op may return a new rollout).
-        """
-        if dest not in self._ops:
-            raise ValueError(f"Unknown stage {dest!r}: choose one of {', '.join(STAGES)}.")
-        self._ops[dest].append(op)
-
-    def register_hook(self, name: str, hook) -> None:
-        """Register ``hook`` (a :class:`torchrl.trainers.TrainerHookBase`) under ``name``: it
-        picks its stages (``hook.register(trainer, name)``) and its ``state_dict()`` is saved with
-        the trainer's.
-
-        Args:
-            name: the hook's name, its key in :meth:`state_dict`.
-            hook (torchrl.trainers.TrainerHookBase): the hook.
-        """
-        if name in self.hooks:
-            raise ValueError(f"A hook named {name!r} is registered already.")
-        self.hooks[name] = hook
-        hook.register(self, name)
-
-    def _run(self, stage: str, *args):
-        """Run ``stage``'s ops; a batch_process op may return a new rollout."""
-        for op in self._ops[stage]:
-            out = op(*args)
-            if stage == "batch_process" and isinstance(out, TensorDictBase):
-                args = (out,)
-            elif isinstance(out, Mapping):
-                self.metrics.update(out)
-        return args[0] if args else None
-
-    def request_stop(self, error: Exception) -> None:
-        """Stop the run with ``error`` once this iteration's metrics are logged (no checkpoint of
-        this iteration is written): how a guard stops it.
-
-        Args:
-            error: raised after the iteration's metrics are logged.
-        """
-        self.stop_error = error
-
-    @contextmanager
-    def timed(self, name: str):
-        """Time the block as ``time/<name>`` in this iteration's metrics.
-
-        Args:
-            name: the metric's name after ``time/``.
-        """
-        start = time.perf_counter()
-        yield
-        self.metrics[f"time/{name}"] = time.perf_counter() - start
+    @property
+    def iterations_done(self) -> int:
+        """Iterations finished, the running one included once its update has run (its
+        ``post_steps``, ``post_steps_log``, ``checkpoint`` and ``log`` stages see it done): what a
+        checkpoint records, the weights' version."""
+        return self.iteration + int(self.updated)
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -290,21 +211,21 @@ class PPOTrainer:
             from .hooks import WeightPush  # a sampler with weights of its own waits for them
 
             self.register_hook("weight_push", WeightPush())
-        self._run("setup")
+        self.run_stage("setup")
         rollouts = iter(self.collector)
         if self.restored_rng is not None:
             # after the collector and the hooks' setup, which may draw random numbers: the first
             # iteration starts from the states the checkpointed run had at that point
             set_rng_state(self.restored_rng)
             self.restored_rng = None
-        for iteration in range(self.iteration, self.num_iterations):
+        while self.iteration < self.num_iterations:
             self.metrics, start = {}, time.perf_counter()
-            self._run("pre_collect")  # thread tuning
+            self.run_stage("pre_collect")  # thread tuning
             self.actor.model.eval()
             # 1. Collect: responses to this process's prompts, truncated after the stop token.
             with self.timed("generation"):
                 rollout = next(rollouts)
-            rollout = self._run("batch_process", rollout)  # the on-policy check
+            rollout = self.run_stage("batch_process", rollout)  # the on-policy check
             # 2. Score: one scalar per response (reward model / functions, missing-EOS penalty).
             with self.timed("scoring"):
                 self.scorer(rollout)
@@ -314,15 +235,16 @@ class PPOTrainer:
             with self.timed("old_quantities"):
                 self.old_quantities(rollout)
             # 4-6. On the global batch: per-token KL rewards, advantages, then PPO epochs.
-            batch, stats = self.optimise(rollout, iteration)
-            self.iteration = iteration + 1
-            self._run("post_steps")  # the sampler gets the updated weights
+            batch, stats = self.optimise(rollout)
+            self.updated = True
+            self.run_stage("post_steps")  # the sampler gets the updated weights
             # 7. Log: the global batch's statistics (the same on every process).
-            self.log_iteration(batch, stats, iteration, start)
+            self.log_iteration(batch, stats, start)
+            self.iteration, self.updated = self.iteration + 1, False
         shutdown = getattr(self.collector, "shutdown", None)
         if shutdown is not None:
             shutdown()
-        self._run("shutdown")  # the policy saved, the report written
+        self.run_stage("shutdown")  # the policy saved, the report written
         self.parallel.barrier()
         return self.report
 
@@ -338,11 +260,11 @@ class PPOTrainer:
         # an offloaded reference visits the device while it runs (LoRA: the policy, adapters off)
         reference = None if getattr(self.reference, "adapters_off", False) else self.reference.model
         with placed(reference, module_device(self.actor.model), self.offload_reference):
-            evaluate_rollout(rollout, actor=self.actor, reference=self.reference, critic=self.critic,
+            compute_old_quantities(rollout, actor=self.actor, reference=self.reference, critic=self.critic,
                              chunk_size=self.forward_batch_size, exact_entropy=self.exact_entropy,
                              recompute_log_probs=self.recompute_log_probs)
 
-    def optimise(self, rollout: TensorDictBase, iteration: int) -> tuple[TensorDictBase, dict | None]:
+    def optimise(self, rollout: TensorDictBase) -> tuple[TensorDictBase, dict | None]:
         """Phases 4-6 on the global batch (every process's rows): KL-shaped rewards, advantages
         (whitened over the whole batch, or the rows the group filter keeps), PPO epochs (each
         process runs its slice of each minibatch). A NaN/inf is caught where it appears (the same
@@ -351,7 +273,6 @@ class PPOTrainer:
 
         Args:
             rollout: this process's rollout with its old quantities.
-            iteration: the iteration, 0 first.
         """
         batch = stats = None
         try:
@@ -372,20 +293,16 @@ class PPOTrainer:
             else:
                 with self.timed("update"):
                     stats = ppo_update(
-                        train_batch, self.loss_module, self.optimizer,
-                        num_ppo_epochs=self.num_ppo_epochs, num_mini_batches=self.num_mini_batches,
-                        gradient_accumulation_steps=self.gradient_accumulation_steps,
-                        micro_batch_tokens=self.micro_batch_tokens, max_grad_norm=self.max_grad_norm,
+                        train_batch, self.loss_module, self.optimizer, **self.update.kwargs(),
                         scheduler=self.scheduler, replay_buffer=self.replay_buffer,
-                        grad_scaler=self.grad_scaler, parallel=self.parallel,
-                        critic_epochs=self.critic_epochs,
-                    )
-                self.follow_critic_warmup(train_batch, stats, iteration)
-            self.update_kl_coef(batch, iteration)  # the next iteration's, right after the update
+                        grad_scaler=self.grad_scaler, parallel=self.parallel)
+                self.metrics.update(self.critic_warmup.after_update(
+                    train_batch, stats, self.iteration, self.scheduler))
+            self.update_kl_coef(batch)  # the next iteration's, right after the update
         except NonFiniteError as error:
             if self.on_non_finite is None:
                 raise
-            self.on_non_finite(error, iteration, batch)  # raises to stop; returns to skip
+            self.on_non_finite(error, self.iteration, batch)  # raises to stop; returns to skip
         return batch, stats
 
     def informative_rows(self, batch: TensorDictBase) -> TensorDictBase:
@@ -404,14 +321,12 @@ class PPOTrainer:
             self.shaper(kept)
         return kept
 
-    def log_iteration(self, batch: TensorDictBase, stats: dict | None, iteration: int,
-                      start: float) -> None:
+    def log_iteration(self, batch: TensorDictBase, stats: dict | None, start: float) -> None:
         """Phase 7: the iteration's metrics row and the log hooks.
 
         Args:
             batch: the iteration's global batch.
             stats: the update's statistics (None: a skipped iteration).
-            iteration: the iteration, 0 first.
             start: the iteration's start, a ``time.perf_counter()`` reading in seconds.
         """
         metrics = self.metrics
@@ -420,7 +335,7 @@ class PPOTrainer:
         else:
             metrics.update(rollout_metrics(batch, kl_coef=metrics["objective/kl_coef"]))
             metrics.update(group_metrics(batch))
-            metrics.update(sampler_metrics(batch, version=iteration))
+            metrics.update(sampler_metrics(batch, version=self.iteration))
             metrics.update(stats)
         # response tokens per second of sampling: under overlap the sampler's own clock (the
         # trainer waited only for part of it); several processes sample in parallel, so the slowest
@@ -430,55 +345,27 @@ class PPOTrainer:
             sampling = metrics["time/sampling"] = float(batch.get(K.SAMPLING_SECONDS).max())
         metrics["time/tokens_per_second"] = n_tokens / max(sampling, 1e-9)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics["episode"] = self.iteration * batch.shape[0]
-        self._run("post_steps_log", batch)  # evaluation, the KL ceiling, the report's samples
+        metrics["episode"] = self.iterations_done * batch.shape[0]
+        self.run_stage("post_steps_log", batch)  # evaluation, the KL ceiling, the report's samples
         # a background sampler of the trained model itself (overlap=0) waits: under FSDP2 its
         # forwards and a sharded checkpoint are both collectives (AsyncCollector.paused)
         with getattr(self.collector, "paused", nullcontext)():
-            self._run("checkpoint")  # (timed: in time/total)
+            self.run_stage("checkpoint")  # (timed: in time/total)
         metrics["time/total"] = time.perf_counter() - start
-        self._run("log", metrics)
+        self.run_stage("log", metrics)
         if self.stop_error is not None:
             raise self.stop_error
 
-    def follow_critic_warmup(self, batch: TensorDictBase, stats: dict, iteration: int) -> None:
-        """After an update: mark a critic warm-up iteration (``critic_warmup``: 1) and let a
-        warm-up that ends on its own read its signal (the explained variance of the batch's old
-        values, :func:`~rlhf_torchrl.functional.explained_variance`, or the update's value loss);
-        when it ends, the policy's learning rate is set for the next step.
-
-        Args:
-            batch: the iteration's batch, with its old values and value targets.
-            stats: the update's statistics.
-            iteration: the iteration, 0 first.
-        """
-        warmup = self.critic_warmup
-        if not warmup.max_iterations:
-            return
-        self.metrics["critic_warmup"] = float(warmup.trains_critic_alone(iteration))
-        if warmup.until is None or not warmup.running:
-            return
-        signals = dict(stats)
-        if K.VALUE_TARGET in batch.keys():
-            signals["val/explained_variance"] = float(F.explained_variance(
-                batch.get(K.VALUE).squeeze(-1), batch.get(K.VALUE_TARGET).squeeze(-1),
-                batch.get(K.RESPONSE_MASK)))
-        if warmup.observe(signals, steps_done=self.scheduler.last_epoch):
-            refresh_lr(self.scheduler)
-            log.info("Critic warm-up ended after %d iterations (%s %.4g at best).",
-                     warmup.iterations, warmup.until, warmup.best)
-
-    def update_kl_coef(self, batch: TensorDictBase, iteration: int) -> None:
+    def update_kl_coef(self, batch: TensorDictBase) -> None:
         """The adaptive KL coefficient's step. A batch sampled by the policy of the critic
         warm-up (updates 0..warm-1 left it as it was) has a KL of 0, which says nothing about the
         coefficient: it waits (for a warm-up that ends on its own, until it has ended).
 
         Args:
             batch: the iteration's shaped batch.
-            iteration: the iteration, 0 first.
         """
         sampled_by = (int(batch.get(K.POLICY_VERSION).min()) if K.POLICY_VERSION in batch.keys()
-                      else iteration)  # asynchronous rows record their version
+                      else self.iteration)  # asynchronous rows record their version
         warm = self.critic_warmup.warmup_iterations  # None while a warm-up runs on
         if warm is not None and (sampled_by > warm or not warm):
             self.shaper.update_kl_coef(batch)
@@ -500,13 +387,13 @@ class PPOTrainer:
         its responses partial rollouts paused (one TensorDict); none after the last iteration: a
         checkpoint keeps them, each process its own rows."""
         pending = getattr(self.collector, "pending", None)
-        return pending() if pending is not None and self.iteration < self.num_iterations else []
+        return pending() if pending is not None and self.iterations_done < self.num_iterations else []
 
     def state_dict(self) -> dict:
         """What an exact resume needs besides weights, optimiser and the rollouts sampled ahead
         (see the class docstring): plain containers, loadable with ``weights_only=True``."""
         return {
-            "iteration": self.iteration,
+            "iteration": self.iterations_done,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
             "kl_coef": getattr(self.shaper, "kl_coef", None),
@@ -522,6 +409,7 @@ class PPOTrainer:
 
     def load_state_dict(self, state: Mapping) -> None:
         self.iteration = self.first_iteration = state["iteration"]
+        self.updated = False
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.grad_scaler is not None and state["grad_scaler"] is not None:

@@ -2,15 +2,17 @@
 
 - :func:`ppo_update`: ``num_ppo_epochs`` passes, each a shuffle into minibatches served by a
   TorchRL replay buffer, with gradient accumulation over equal or token-budget micro-batches that
-  keeps the minibatch's average exact (:func:`micro_batches`), gradient-norm clipping, and data
+  keeps the minibatch's average exact (:func:`~rlhf_torchrl.micro_batches.micro_batches`), gradient-norm clipping, and data
   parallelism; then, with ``critic_epochs``, passes that train the value loss alone
   (:func:`critic_pass_loss`).
-- The loss it runs: :mod:`rlhf_torchrl.objectives` (whose names, and these, import from there).
+- How a minibatch splits into micro-batches: :mod:`rlhf_torchrl.micro_batches`; the loss it runs:
+  :mod:`rlhf_torchrl.objectives`.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -18,6 +20,7 @@ from tensordict import TensorDict, TensorDictBase
 from . import functional as F
 from . import keys as K
 from .errors import ConfigError
+from .micro_batches import micro_batches
 
 
 def make_minibatch_buffer(batch_size: int, mini_batch_size: int | None = None,
@@ -47,88 +50,6 @@ def _tensors_only(td: TensorDictBase) -> TensorDictBase:
     return td.select(*(k for k, v in td.items(True, True) if isinstance(v, torch.Tensor)))
 
 
-def trim_padding(td: TensorDictBase) -> TensorDictBase:
-    """``td`` cut to its own widths: prompt columns that are padding in every row (on the left) and
-    response columns that are padding in every row (on the right) removed.
-
-    Every entry whose second dimension is the response width is cut with the response. Left
-    padding only shifts nothing (position ids count from the first real token) and right padding
-    is never attended to, so a trimmed batch gives the same log-probs and values on its tokens.
-
-    Args:
-        td: a rollout or a slice of one.
-    """
-    from .modules.actor_critic import response_attention
-
-    prompt_mask, response_mask = td.get(K.PROMPT_MASK), response_attention(td)
-    p_width, r_width = prompt_mask.shape[1], response_mask.shape[1]
-    # at least one column each (a prompt predicts the first response token)
-    p_keep = max(p_width - int(prompt_mask.any(0).long().argmax()), 1)  # from the first real column
-    r_keep = max(int(F.last_token_index(response_mask.any(0, keepdim=True))) + 1, 1)
-    if p_keep == p_width and r_keep == r_width:
-        return td
-    out = td.clone(False)
-    for key in K.PROMPT_WIDTH:
-        out.set(key, td.get(key)[:, p_width - p_keep :])
-    for key, value in td.items(True, True):
-        if key not in K.PROMPT_WIDTH and isinstance(value, torch.Tensor) and value.ndim >= 2 \
-                and value.shape[1] == r_width:
-            out.set(key, value[:, :r_keep])
-    return out
-
-
-def token_budget_split(mask_prompt: torch.Tensor, mask_response: torch.Tensor, max_tokens: int,
-                       min_parts: int = 1, packed: bool = False) -> list[torch.Tensor]:
-    """Rows grouped into micro-batches of at most ``max_tokens`` padded tokens each (``packed``:
-    real tokens each).
-
-    The padded cost of a micro-batch is ``rows * (longest prompt + longest response)`` in it, after
-    :func:`trim_padding`; packed (:mod:`rlhf_torchrl.modules.packing`), the sum of its rows' real
-    tokens. Rows are sorted by length (longest first) and packed greedily, so each
-    micro-batch holds rows of similar length; a row longer than the budget goes alone. Then the
-    costliest micro-batches are halved until there are ``min_parts`` (data-parallel processes must
-    run the same number of micro-batches); where no micro-batch can be halved, empty ones (no rows)
-    are added. Returns one index tensor per micro-batch, longest rows first.
-
-    Args:
-        mask_prompt: (B, P) the prompts' attention mask (left-padded).
-        mask_response: (B, R) the valid response tokens.
-        max_tokens: the token budget of a micro-batch.
-        min_parts: the fewest micro-batches to return.
-        packed: count real tokens (packed rows) instead of padded ones.
-    """
-    p_len, r_len = mask_prompt.sum(-1), mask_response.sum(-1)
-    order = torch.argsort(p_len + r_len, descending=True, stable=True).tolist()
-    p_len, r_len = p_len.tolist(), r_len.tolist()
-    groups: list[list[int]] = []
-    p_max = r_max = 0
-    for i in order:
-        p_new, r_new = max(p_max, p_len[i]), max(r_max, r_len[i])
-        if packed:  # the sum of the real tokens, kept in p_max
-            p_new, r_new = p_max + p_len[i] + r_len[i], 0
-        if groups and (p_new if packed else (len(groups[-1]) + 1) * (p_new + r_new)) <= max_tokens:
-            groups[-1].append(i)
-            p_max, r_max = p_new, r_new
-        else:
-            groups.append([i])
-            p_max, r_max = (p_len[i] + r_len[i], 0) if packed else (p_len[i], r_len[i])
-
-    def cost(g):
-        if packed:
-            return sum(p_len[i] + r_len[i] for i in g)
-        return len(g) * (max(p_len[i] for i in g) + max(r_len[i] for i in g)) if g else 0
-
-    while len(groups) < min_parts:
-        splittable = [g for g in groups if len(g) > 1]
-        if not splittable:
-            groups.append([])
-            continue
-        g = max(splittable, key=cost)
-        k = groups.index(g)
-        groups[k : k + 1] = [g[: len(g) // 2], g[len(g) // 2 :]]
-    return [torch.tensor(g, dtype=torch.long) for g in groups]
-
-
 _STATS = ("policy/clipfrac_avg", "policy/approxkl_avg", "loss/policy_avg", "loss/value_avg",
           "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "policy/tis_weight_avg",
           "policy/tis_capped_frac", "policy/kl_to_ref_avg", "policy/clipfrac_high_avg",
@@ -154,84 +75,11 @@ _DIAGNOSTICS = {"policy/clipfrac_avg": ("pg_clipfrac", "clip_fraction"),
 _CRITIC_PASS_STATS = ("loss/value_critic_passes_avg",)
 
 
-def micro_batches(
-    minibatch: TensorDictBase,
-    *,
-    rank: int = 0,
-    world_size: int = 1,
-    gradient_accumulation_steps: int = 1,
-    micro_batch_tokens: int | None = None,
-    loss_aggregation: str = "token_mean",
-    loss_aggregation_constant: float | None = None,
-    max_parts=None,
-    packed: bool = False,
-) -> list[tuple[TensorDictBase, float]]:
-    """This process's micro-batches of one minibatch, each with the weight of its loss.
-
-    Process ``rank`` takes the ``rank``-th of ``world_size`` near-equal row slices of
-    ``minibatch`` and splits it into ``gradient_accumulation_steps`` equal row slices or, with
-    ``micro_batch_tokens``, token-budget groups (:func:`token_budget_split`; ``packed``: of real
-    tokens), each cut to its own widths (:func:`trim_padding`). A micro-batch's loss is aggregated over its own rows
-    (:func:`~rlhf_torchrl.functional.aggregate_loss`); its weight is its share of the whole
-    minibatch's :func:`~rlhf_torchrl.functional.aggregation_size` (every process's rows):
-
-    ``w_j = size(micro-batch j) / size(minibatch)``, so ``sum_j w_j loss_j = loss(minibatch)``
-
-    over all processes' micro-batches, whatever the split (``token_mean``: the share of the valid
-    tokens; the ``seq_mean_*`` modes: the share of the responses). verl's bug #6957 and NeMo-RL's
-    #3791 normalised per micro-batch instead, which changes the objective with the split.
-
-    Args:
-        minibatch: the whole minibatch (every process's rows).
-        rank: this process's rank.
-        world_size: the number of processes.
-        gradient_accumulation_steps: equal row slices of this process's rows.
-        micro_batch_tokens: instead, micro-batches of at most this many tokens (None: off).
-        loss_aggregation: the loss's aggregation, one of
-            :data:`~rlhf_torchrl.functional.LOSS_AGGREGATIONS`.
-        loss_aggregation_constant: ``seq_mean_token_sum_norm``'s ``C``.
-        max_parts (Callable | None): ``DataParallel.max_int``, which gives the most micro-batches
-            any process has; every process runs as many (one with no rows runs a stand-in row
-            with weight 0). None: this process's own count (one process).
-        packed: ``micro_batch_tokens`` counts real tokens, not padded ones.
-
-    Returns ``[(micro_batch, weight), ...]``, ``weight`` a float.
-    """
-    size = minibatch.shape[0]
-    shares = [size // world_size + (r < size % world_size) for r in range(world_size)]
-    start = sum(shares[:rank])
-    mine = minibatch[start : start + shares[rank]]  # this process's slice (maybe no rows)
-    if micro_batch_tokens:
-        from .modules.actor_critic import response_attention
-
-        masks = mine.get(K.PROMPT_MASK), response_attention(mine)  # every attended token
-        parts = token_budget_split(*masks, micro_batch_tokens, packed=packed)
-        busiest = max_parts(len(parts)) if max_parts is not None else len(parts)
-        if busiest > len(parts):
-            parts = token_budget_split(*masks, micro_batch_tokens, min_parts=busiest, packed=packed)
-    else:
-        parts = list(torch.arange(len(mine)).tensor_split(gradient_accumulation_steps))
-    whole = float(F.aggregation_size(minibatch.get(K.RESPONSE_MASK), loss_aggregation,
-                                     loss_aggregation_constant))
-    out = []
-    for rows in parts:
-        if rows.numel() == 0:  # keeps the collectives in step; contributes nothing
-            source = mine if len(mine) else minibatch
-            out.append((trim_padding(source[torch.zeros(1, dtype=torch.long, device=source.device)]),
-                        0.0))
-            continue
-        micro_batch = trim_padding(mine[rows.to(mine.device)])
-        part = F.aggregation_size(micro_batch.get(K.RESPONSE_MASK), loss_aggregation,
-                                  loss_aggregation_constant)
-        out.append((micro_batch, float(part) / whole))
-    return out
-
-
 def _record_diagnostics(totals: torch.Tensor, seen: torch.Tensor, out: TensorDictBase,
                         micro_batch: TensorDictBase, token_share: float, loss_share: float,
                         vf_coef: float, critic_pass: bool = False) -> None:
     """Add one micro-batch's metrics to ``totals`` (its minibatch's row of :data:`_STATS`): the
-    losses weighted by its share of the minibatch's loss (:func:`micro_batches`), so that they add
+    losses weighted by its share of the minibatch's loss (:func:`~rlhf_torchrl.micro_batches.micro_batches`), so that they add
     up to the minibatch's loss; the diagnostics, token-means, by its share of the valid tokens. A
     critic-only pass records its value loss alone."""
     out = out.detach()
@@ -337,6 +185,28 @@ def _optimizer_step(optimizer, *, max_grad_norm, grad_scaler, scheduler, where: 
     return norm
 
 
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How :func:`ppo_update` passes over one rollout: its epochs, minibatches and micro-batches,
+    the gradient clip and the critic-only passes (the arguments of the same names).
+
+    Example:
+        >>> settings = UpdateSettings(num_ppo_epochs=2, num_mini_batches=4, micro_batch_tokens=4096)
+        >>> stats = ppo_update(rollout, loss_module, optimizer, **settings.kwargs())
+    """
+
+    num_ppo_epochs: int = 1
+    num_mini_batches: int = 1
+    gradient_accumulation_steps: int = 1
+    micro_batch_tokens: int | None = None
+    max_grad_norm: float | None = 1.0
+    critic_epochs: int | None = None
+
+    def kwargs(self) -> dict:
+        """The settings as :func:`ppo_update`'s keyword arguments."""
+        return dict(self.__dict__)
+
+
 def ppo_update(
     rollout: TensorDictBase,
     loss_module,
@@ -361,12 +231,12 @@ def ppo_update(
     each (sizes as equal as the row count allows: a filtered batch need not divide evenly). A
     minibatch is split into micro-batches whose gradients add up before the step: either
     ``gradient_accumulation_steps`` equal row slices, or, with ``micro_batch_tokens``, groups of
-    rows of similar length holding at most that many tokens (:func:`token_budget_split`).
-    Each micro-batch is cut to its own prompt and response widths (:func:`trim_padding`). The loss
+    rows of similar length holding at most that many tokens (:func:`~rlhf_torchrl.micro_batches.token_budget_split`).
+    Each micro-batch is cut to its own prompt and response widths (:func:`~rlhf_torchrl.micro_batches.trim_padding`). The loss
     of a minibatch is the loss module's ``loss_aggregation`` (``token_mean`` for a plain
     ``ClipPPOLoss``) over all its rows, whatever the split: micro-batch ``j``'s loss is weighted by
     its share of the minibatch's aggregation size (``token_mean``: ``n_j / n``, its share of the
-    valid tokens; :func:`micro_batches`), so the split changes the memory, never the gradient. A
+    valid tokens; :func:`~rlhf_torchrl.micro_batches.micro_batches`), so the split changes the memory, never the gradient. A
     loss with a ``prepare_minibatch(minibatch)`` method
     (:class:`~rlhf_torchrl.objectives.TokenPPOLoss`: the positive-example NLL's per-response
     weights) sees each whole minibatch before it is split.

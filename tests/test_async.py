@@ -123,7 +123,7 @@ def test_overlap_one_anchors_the_trust_region_at_the_current_policy(tmp_path, ti
 def test_truncated_importance_sampling_weights_the_surrogate(tokenizer, tiny_llama_dir):
     """Hand check: with behaviour log-probs shifted by d from the old ones, every token's surrogate
     is weighted by min(exp(d), cap): the policy loss scales by that factor at ratio 1."""
-    from rlhf_torchrl.modules import evaluate_rollout, make_critic
+    from rlhf_torchrl.modules import compute_old_quantities, make_critic
     from rlhf_torchrl.objectives import make_ppo_loss
     from rlhf_torchrl.rollout import probe_rollout
 
@@ -131,7 +131,7 @@ def test_truncated_importance_sampling_weights_the_surrogate(tokenizer, tiny_lla
     actor = TokenLevelActor(policy)
     critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared")
     rollout = probe_rollout(PROMPTS[:4], tokenizer, ["good", "bad film", "", "fine"])
-    evaluate_rollout(rollout, actor=actor, reference=actor, critic=critic, chunk_size=4)
+    compute_old_quantities(rollout, actor=actor, reference=actor, critic=critic, chunk_size=4)
     mask = rollout.get(K.RESPONSE_MASK)
     rollout.set(K.ADVANTAGE, torch.where(mask, 1.0, 0.0).unsqueeze(-1))
     rollout.set(K.VALUE_TARGET, rollout.get(K.VALUE).clone())

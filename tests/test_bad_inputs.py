@@ -13,7 +13,7 @@ from conftest import _save_tiny, _tiny_llama
 from test_recipe import IN_PROCESS, RECIPES, TINY, _cfg, ppo
 
 from rlhf_torchrl.cli import USER_ERRORS
-from rlhf_torchrl.config import checks, components, compose, inputs
+from rlhf_torchrl.config import components, compose, inputs, model_checks
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def files(tmp_path_factory, tokenizer):
 
 # (overrides, message regex); {d}: the bad-files folder, {model}: the tiny Llama's directory
 CASES = {
-    # ranges and choices (schema.py)
+    # ranges and choices (validation.py)
     "clip-negative": (["ppo.clip_epsilon=-0.2"], r"ppo.clip_epsilon=-0.2 is out of range: it must be > 0"),
     "gamma-above-1": (["ppo.gamma=1.5"], r"ppo.gamma=1.5 is out of range: it must be in \[0, 1\]"),
     "lambda-negative": (["ppo.lmbda=-1"], r"ppo.lmbda=-1.0 is out of range: it must be in \[0, 1\]"),
@@ -257,7 +257,7 @@ def test_prompt_plus_response_past_the_models_positions_is_one_line(tmp_path, sh
     # prompts that fit with the response: accepted, though data.max_prompt_length=128 would not
     cfg = _cfg(tmp_path, short_gpt2_dir, f"generation.max_new_tokens={most}")
     tokenizer = components.make_tokenizer(cfg)
-    checks.check_sequence_length(cfg, inputs.make_prompts(cfg, tokenizer), tokenizer)
+    model_checks.check_sequence_length(cfg, inputs.make_prompts(cfg, tokenizer), tokenizer)
     for overrides, fix in [
         # episodes of up to 3 turns of 50 tokens, without an episode budget
         (["data.chat_template=null", "env.max_turns=3", "env.tools=[calculator]",
@@ -272,7 +272,7 @@ def test_prompt_plus_response_past_the_models_positions_is_one_line(tmp_path, sh
     ]:
         cfg = _cfg(tmp_path, short_gpt2_dir, *overrides)
         with pytest.raises(USER_ERRORS, match=fix):
-            checks.check_sequence_length(cfg, inputs.make_prompts(cfg, tokenizer), tokenizer)
+            model_checks.check_sequence_length(cfg, inputs.make_prompts(cfg, tokenizer), tokenizer)
 
 
 @pytest.mark.parametrize("overrides,expected", [

@@ -10,7 +10,12 @@ from test_objectives import _rollout
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.advantages import ResponseGAE
-from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
+from rlhf_torchrl.modules import (
+    TokenLevelActor,
+    compute_old_quantities,
+    load_causal_lm,
+    make_critic,
+)
 from rlhf_torchrl.modules.compiled import compile_layers, decoder_layers
 from rlhf_torchrl.objectives import make_ppo_loss
 from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
@@ -25,7 +30,7 @@ def _iteration(policy, td, packing):
     torch.nn.init.constant_(critic.head.weight, 0.1)
     actor = TokenLevelActor(policy, temperature=0.7, trunk_critic=critic, packing=packing)
     ref = TokenLevelActor(policy, temperature=0.7, out_key=K.REF_LOG_PROB, packing=packing)
-    td = evaluate_rollout(td.clone(), actor=actor, reference=ref, critic=critic, chunk_size=8)
+    td = compute_old_quantities(td.clone(), actor=actor, reference=ref, critic=critic, chunk_size=8)
     KLRewardShaper(make_kl_controller(0.05))(td)
     ResponseGAE()(td)
     loss = make_ppo_loss(actor, critic)

@@ -130,7 +130,7 @@ def _words(words: list[str], run_dir: str | None) -> list[str]:
 
 def _check(name: str, args: list[str], d: Path, tiny_llama_dir: str) -> None:
     """Every check ``rlhf-torchrl <name> args`` makes before it loads weights."""
-    from rlhf_torchrl.config import checks, components, compose, inputs
+    from rlhf_torchrl.config import checks, components, compose, inputs, model_checks
 
     if name == "report":
         assert (Path(args[0]) / "metrics.jsonl").is_file(), args
@@ -146,12 +146,12 @@ def _check(name: str, args: list[str], d: Path, tiny_llama_dir: str) -> None:
         return
     _tiny_models(cfg, d, tiny_llama_dir)
     checks.check_config(cfg)
-    checks.check_models(cfg)
+    model_checks.check_models(cfg)
     components.make_reward_functions(cfg)
     components.make_tools(cfg)
     tokenizer = components.make_tokenizer(cfg)
     prompts = inputs.make_prompts(cfg, tokenizer)
-    checks.check_sequence_length(cfg, prompts, tokenizer)
+    model_checks.check_sequence_length(cfg, prompts, tokenizer)
 
 
 def _needs_run(block) -> bool:

@@ -12,7 +12,7 @@ from test_resume import _rows
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.guards import DivergenceError, NonFiniteError, check_finite
-from rlhf_torchrl.objectives import ppo_update
+from rlhf_torchrl.update import ppo_update
 
 CALLS = {"n": 0}
 

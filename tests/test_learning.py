@@ -11,10 +11,16 @@ import torch
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
-from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
-from rlhf_torchrl.objectives import make_ppo_loss, ppo_update
+from rlhf_torchrl.modules import (
+    TokenLevelActor,
+    compute_old_quantities,
+    load_causal_lm,
+    make_critic,
+)
+from rlhf_torchrl.objectives import make_ppo_loss
 from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.scoring import Scorer
+from rlhf_torchrl.update import ppo_update
 
 
 def multiple_of_ten(prompts, responses, tensordict):
@@ -50,7 +56,7 @@ def test_ppo_raises_synthetic_reward(tiny_llama_dir, tokenizer):
     for iteration, rollout in enumerate(collector):
         policy.eval()
         scorer(rollout)
-        evaluate_rollout(rollout, actor=actor, reference=ref, critic=critic, chunk_size=32)
+        compute_old_quantities(rollout, actor=actor, reference=ref, critic=critic, chunk_size=32)
         shaper(rollout)
         gae(rollout)
         ppo_update(rollout, loss, optimizer, num_ppo_epochs=4, num_mini_batches=4)

@@ -15,7 +15,7 @@ from rlhf_torchrl import keys as K
 from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.loss_inputs import check_replay_buffer, use_rollout_keys
 from rlhf_torchrl.modules import TokenLevelActor
-from rlhf_torchrl.objectives import make_minibatch_buffer, ppo_update
+from rlhf_torchrl.update import make_minibatch_buffer, ppo_update
 
 
 def _plain_loss(policy, critic, **kwargs):

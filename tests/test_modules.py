@@ -9,7 +9,7 @@ from rlhf_torchrl import keys as K
 from rlhf_torchrl.modules import (
     TokenCritic,
     TokenLevelActor,
-    evaluate_rollout,
+    compute_old_quantities,
     load_causal_lm,
     make_critic,
     model_inputs,
@@ -99,14 +99,14 @@ def test_unknown_critic_init(tokenizer):
         make_critic(policy=None, tokenizer=tokenizer, init="nope")
 
 
-def test_evaluate_rollout_chunking_matches_one_pass(tiny_llama_dir, tokenizer):
+def test_compute_old_quantities_chunking_matches_one_pass(tiny_llama_dir, tokenizer):
     policy = load_causal_lm(tiny_llama_dir, tokenizer).eval()
     actor = TokenLevelActor(policy, temperature=0.7)
     ref = TokenLevelActor(policy, temperature=0.7, out_key=K.REF_LOG_PROB)
     critic = TokenCritic(policy.base_model)
     td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
-    one = evaluate_rollout(td.clone(), actor=actor, reference=ref, critic=critic, chunk_size=3)
-    many = evaluate_rollout(td.clone(), actor=actor, reference=ref, critic=critic, chunk_size=1)
+    one = compute_old_quantities(td.clone(), actor=actor, reference=ref, critic=critic, chunk_size=3)
+    many = compute_old_quantities(td.clone(), actor=actor, reference=ref, critic=critic, chunk_size=1)
     for key in (K.LOG_PROB, K.REF_LOG_PROB, K.VALUE, K.ENTROPY):
         torch.testing.assert_close(one[key], many[key], atol=1e-5, rtol=1e-5)
     # same weights: the reference agrees with the policy exactly
@@ -280,7 +280,7 @@ def test_sample_entropy_is_minus_log_prob(tiny_llama_dir, tokenizer):
     actor = TokenLevelActor(policy, temperature=0.7)
     ref = TokenLevelActor(policy, temperature=0.7, out_key=K.REF_LOG_PROB)
     td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
-    out = evaluate_rollout(td, actor=actor, reference=ref, critic=TokenCritic(policy.base_model),
+    out = compute_old_quantities(td, actor=actor, reference=ref, critic=TokenCritic(policy.base_model),
                            chunk_size=2, exact_entropy=False)
     torch.testing.assert_close(out[K.ENTROPY], -out[K.LOG_PROB])
 
@@ -406,7 +406,7 @@ def test_multi_turn_rows_attend_to_their_observation_tokens(model_dir, tokenizer
     critic = make_critic(policy=model, tokenizer=tokenizer, init="shared")
     torch.nn.init.normal_(critic.head.weight)
     actor = TokenLevelActor(model, temperature=0.7, trunk_critic=critic)
-    out = evaluate_rollout(td.clone(), actor=actor, reference=actor, critic=critic, chunk_size=1)
+    out = compute_old_quantities(td.clone(), actor=actor, reference=actor, critic=critic, chunk_size=1)
     for i in range(2):
         expected = _unpadded_log_probs(model, prompts[i], rows[i], 0.7)
         got = out.get(K.LOG_PROB)[i, : len(rows[i])]
@@ -418,7 +418,7 @@ def test_multi_turn_rows_attend_to_their_observation_tokens(model_dir, tokenizer
             values = critic.head(hidden).squeeze(-1)[len(prompts[i]) - 1 :]  # state before each
         torch.testing.assert_close(out.get(K.VALUE)[i, : len(rows[i]), 0][rm[i, : len(rows[i])]],
                                    values[: len(rows[i])][rm[i, : len(rows[i])]], atol=1e-5, rtol=0)
-    blind = evaluate_rollout(td.exclude(K.OBSERVATION_MASK), actor=actor, reference=actor,
+    blind = compute_old_quantities(td.exclude(K.OBSERVATION_MASK), actor=actor, reference=actor,
                              critic=critic, chunk_size=2)
     assert not torch.allclose(blind.get(K.LOG_PROB)[rm], out.get(K.LOG_PROB)[rm], atol=1e-3)
 

@@ -10,9 +10,15 @@ from rlhf_torchrl import functional as F
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
-from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
-from rlhf_torchrl.objectives import make_ppo_loss, ppo_update
+from rlhf_torchrl.modules import (
+    TokenLevelActor,
+    compute_old_quantities,
+    load_causal_lm,
+    make_critic,
+)
+from rlhf_torchrl.objectives import make_ppo_loss
 from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
+from rlhf_torchrl.update import ppo_update
 
 
 def _rollout(tokenizer, B=8, P=5, R=6, seed=0):
@@ -52,7 +58,7 @@ def _setup(model_dir, tokenizer, critic_init="policy", vf_coef=0.1, clip_value=0
 def _prepared(tiny_llama_dir, tokenizer, **kw):
     policy, actor, ref, critic, loss = _setup(tiny_llama_dir, tokenizer, **kw)
     td = _rollout(tokenizer)
-    evaluate_rollout(td, actor=actor, reference=ref, critic=critic, chunk_size=3)
+    compute_old_quantities(td, actor=actor, reference=ref, critic=critic, chunk_size=3)
     KLRewardShaper(make_kl_controller(0.05))(td)
     ResponseGAE()(td)
     return policy, loss, critic, td
@@ -83,7 +89,7 @@ def test_first_minibatch_is_on_policy(critic_init, instruct_llama_dir, tokenizer
     td = next(iter(collector))
     collector.shutdown()
     td.set(K.SCORE, torch.randn(8))
-    evaluate_rollout(td, actor=actor, reference=ref, critic=critic, chunk_size=4)
+    compute_old_quantities(td, actor=actor, reference=ref, critic=critic, chunk_size=4)
     KLRewardShaper(make_kl_controller(0.05))(td)
     ResponseGAE()(td)
     opt = torch.optim.SGD(loss.parameters(), lr=0.0)
@@ -178,7 +184,7 @@ SPLITS = {"rows=1": {}, "rows=2": {"gradient_accumulation_steps": 2},
 def test_micro_batches_keep_the_token_mean(critic_init, tiny_llama_dir, tokenizer):
     """Equal row slices or token-budget micro-batches (each trimmed to its own widths), of different
     valid-token counts, give the gradient and metrics of the whole padded minibatch (fp64)."""
-    from rlhf_torchrl.objectives import token_budget_split
+    from rlhf_torchrl.micro_batches import token_budget_split
 
     grads, stats = {}, {}
     for name, split in SPLITS.items():
@@ -242,7 +248,7 @@ def _grpo_batch(tiny_llama_dir, tokenizer, **loss_kwargs):
     ref = TokenLevelActor(reference, temperature=0.7, out_key=K.REF_LOG_PROB)
     td = _rollout(tokenizer)
     td.set(K.GROUP, torch.arange(8) // 2)
-    evaluate_rollout(td, actor=actor, reference=ref, chunk_size=4)
+    compute_old_quantities(td, actor=actor, reference=ref, chunk_size=4)
     assert K.VALUE not in td.keys()
     KLRewardShaper(make_kl_controller(0.0))(td)
     GRPOAdvantage()(td)
@@ -284,7 +290,7 @@ def test_kl_loss_term_matches_hand_formula(tiny_llama_dir, tokenizer):
 def test_token_budget_split_packs_similar_lengths():
     """Longest rows first, greedily packed under the padded-token budget; halved to a minimum count;
     empty parts only where no part can be halved."""
-    from rlhf_torchrl.objectives import token_budget_split, trim_padding
+    from rlhf_torchrl.micro_batches import token_budget_split, trim_padding
 
     prompt = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [0, 1, 1]], dtype=torch.bool)
     response = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
@@ -488,7 +494,7 @@ def test_micro_batch_weights_over_two_processes(mode, tokenizer):
     """Two simulated processes, each its slice of a minibatch of 7 rows (one row has no valid
     token), in micro-batches: the weighted micro-batch losses of both add up to the minibatch's
     (ppo_update scales each by the world size, which DDP's average over processes undoes)."""
-    from rlhf_torchrl.objectives import micro_batches
+    from rlhf_torchrl.micro_batches import micro_batches
 
     td = _rollout(tokenizer, B=7)
     mask = torch.arange(6).expand(7, 6) < torch.tensor([[3], [6], [0], [1], [5], [2], [4]])
@@ -513,7 +519,7 @@ def test_micro_batch_weights_over_two_processes(mode, tokenizer):
 def test_config_keys_reach_the_loss(tmp_path, tiny_llama_dir):
     """ppo.clip_epsilon_low/high, dual_clip and loss_aggregation go from the config to the loss
     (the Dr. GRPO constant defaults to the generation budget); bad values get one clear line."""
-    from rlhf_torchrl.config import checks, components, compose, schema
+    from rlhf_torchrl.config import checks, components, compose, validation
     from rlhf_torchrl.errors import ConfigError
 
     base = [f"output_dir={tmp_path}", f"model.policy={tiny_llama_dir}", "generation.max_new_tokens=6"]
@@ -523,7 +529,7 @@ def test_config_keys_reach_the_loss(tmp_path, tiny_llama_dir):
     assert default.loss_aggregation == "token_mean"
     cfg = compose([*base, "ppo.clip_epsilon_high=0.28", "ppo.dual_clip=3",
                    "ppo.loss_aggregation=seq_mean_token_sum_norm", "env.max_turns=2"])
-    schema.validate(cfg)
+    validation.validate(cfg)
     loss = components.make_loss(cfg, actor, None)
     assert (float(loss.clip_epsilon_low), float(loss.clip_epsilon_high)) == pytest.approx((0.2, 0.28))
     assert loss.dual_clip == 3 and loss.loss_aggregation == "seq_mean_token_sum_norm"
@@ -548,7 +554,7 @@ def test_config_keys_reach_the_loss(tmp_path, tiny_llama_dir):
                          ("ppo.off_policy_correction=clip", r"ppo.off_policy_correction='clip' is not "
                                                             r"one of the allowed values: tis, mis")):
         with pytest.raises(ConfigError, match=message):
-            schema.validate(compose([*base, bad]))
+            validation.validate(compose([*base, bad]))
 
 
 def test_positive_nll_term_matches_hand_formula(tiny_llama_dir, tokenizer):

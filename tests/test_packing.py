@@ -10,11 +10,17 @@ from test_objectives import _rollout
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
+from rlhf_torchrl.micro_batches import micro_batches, token_budget_split
+from rlhf_torchrl.modules import (
+    TokenLevelActor,
+    compute_old_quantities,
+    load_causal_lm,
+    make_critic,
+)
 from rlhf_torchrl.modules.packing import SequenceCost, pack_rows, plan_rows
-from rlhf_torchrl.objectives import make_ppo_loss, ppo_update
+from rlhf_torchrl.objectives import make_ppo_loss
 from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
-from rlhf_torchrl.update import micro_batches, token_budget_split
+from rlhf_torchrl.update import ppo_update
 
 MODELS = ["tiny_llama_dir", "tiny_gpt2_dir"]
 FREE = SequenceCost(token=1.0, pair=0.0)  # attention free: the widest row is never dearer
@@ -88,7 +94,7 @@ def test_pack_rows_refuses_a_token_with_nothing_before_it():
 @pytest.mark.parametrize("model_dir", MODELS)
 @pytest.mark.parametrize("init", ["shared", "policy"])
 def test_packed_old_quantities_equal_padded(model_dir, batch, init, tokenizer, request):
-    """evaluate_rollout packed (log-probs, entropy, reference log-probs, values; a shared trunk's
+    """compute_old_quantities packed (log-probs, entropy, reference log-probs, values; a shared trunk's
     hidden states handed over, or a separate critic's own trunk) equals the padded forward."""
     path = request.getfixturevalue(model_dir)
     model = load_causal_lm(path, tokenizer).eval()
@@ -103,7 +109,7 @@ def test_packed_old_quantities_equal_padded(model_dir, batch, init, tokenizer, r
         shared = critic if critic.shares_trunk else None
         actor = TokenLevelActor(model, temperature=0.7, trunk_critic=shared, packing=packing)
         ref = TokenLevelActor(model, temperature=0.7, out_key=K.REF_LOG_PROB, packing=packing)
-        out[packing] = evaluate_rollout(td.clone(), actor=actor, reference=ref, critic=critic,
+        out[packing] = compute_old_quantities(td.clone(), actor=actor, reference=ref, critic=critic,
                                         chunk_size=2)
     assert actor.packing is True and pack_rows(td[:2], cost=actor._cost) is not None
     mask = td[K.RESPONSE_MASK]
@@ -131,7 +137,7 @@ def test_packed_loss_and_gradients_equal_padded(model_dir, tokenizer, request):
     policy = load_causal_lm(path, tokenizer).eval()
     critic = make_critic(policy=policy, tokenizer=tokenizer, init="shared")
     actor = TokenLevelActor(policy, temperature=0.7, trunk_critic=critic)
-    evaluate_rollout(td, actor=actor, reference=TokenLevelActor(policy, out_key=K.REF_LOG_PROB),
+    compute_old_quantities(td, actor=actor, reference=TokenLevelActor(policy, out_key=K.REF_LOG_PROB),
                      critic=critic, chunk_size=8)
     td[K.LOG_PROB] = td[K.LOG_PROB] + 0.1 * torch.randn(td[K.LOG_PROB].shape)  # ratios != 1
     KLRewardShaper(make_kl_controller(0.05))(td)
@@ -169,7 +175,7 @@ def test_packed_update_equals_padded(model_dir, tokenizer, request):
         actor = TokenLevelActor(policy, temperature=0.7, trunk_critic=critic, packing=packing)
         ref = TokenLevelActor(policy, temperature=0.7, out_key=K.REF_LOG_PROB, packing=packing)
         td = _rollout(tokenizer)
-        evaluate_rollout(td, actor=actor, reference=ref, critic=critic, chunk_size=4)
+        compute_old_quantities(td, actor=actor, reference=ref, critic=critic, chunk_size=4)
         KLRewardShaper(make_kl_controller(0.05))(td)
         ResponseGAE()(td)
         loss = make_ppo_loss(actor, critic)
@@ -233,7 +239,7 @@ def test_packed_runs_under_bf16_autocast(tiny_llama_dir, tokenizer):
         torch.nn.init.normal_(critic.head.weight)
         actor = TokenLevelActor(model, temperature=0.7, trunk_critic=critic, packing=packing,
                                 autocast_dtype=torch.bfloat16)
-        out[packing] = evaluate_rollout(td.clone(), actor=actor, reference=actor, critic=critic)
+        out[packing] = compute_old_quantities(td.clone(), actor=actor, reference=actor, critic=critic)
     for key in (K.LOG_PROB, K.VALUE):
         assert out[True][key].dtype == torch.float32
         torch.testing.assert_close(out[True][key], out[False][key], atol=0.05, rtol=0.05)
@@ -280,7 +286,7 @@ def test_packed_equals_padded_on_cuda(attn, tiny_llama_dir, tokenizer):
         torch.nn.init.normal_(critic.head.weight)
         actor = TokenLevelActor(model, temperature=0.7, trunk_critic=critic, packing=packing,
                                 autocast_dtype=dtype)
-        out[packing] = evaluate_rollout(td.clone(), actor=actor, reference=actor, critic=critic)
+        out[packing] = compute_old_quantities(td.clone(), actor=actor, reference=actor, critic=critic)
     tolerance = 1e-5 if dtype is None else 0.05
     for key in (K.LOG_PROB, K.VALUE):
         torch.testing.assert_close(out[True][key], out[False][key], atol=tolerance, rtol=tolerance)

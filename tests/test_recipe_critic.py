@@ -25,7 +25,7 @@ def test_groups_with_a_critic_and_vapo_settings(tmp_path, tiny_llama_dir, monkey
                  "ppo.lmbda_critic=1.0", "ppo.lmbda_length_alpha=0.05", "ppo.critic_epochs=2",
                  "ppo.positive_nll_coef=0.1", "ppo.positive_nll_threshold=0.0"]
     trainer = builders.build_trainer(_cfg(tmp_path, tiny_llama_dir, *overrides))
-    assert trainer.critic is not None and trainer.critic_epochs == 2
+    assert trainer.critic is not None and trainer.update.critic_epochs == 2
     assert (trainer.advantage.lmbda_critic, trainer.advantage.lmbda_length_alpha) == (1.0, 0.05)
     assert trainer.loss_module.positive_nll_coef == 0.1
     trainer.fit()

@@ -5,7 +5,12 @@ import torch
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
-from rlhf_torchrl.modules import TokenLevelActor, evaluate_rollout, load_causal_lm, make_critic
+from rlhf_torchrl.modules import (
+    TokenLevelActor,
+    compute_old_quantities,
+    load_causal_lm,
+    make_critic,
+)
 from rlhf_torchrl.on_policy import OffPolicyError, check_on_policy
 from rlhf_torchrl.sampling import InverseCDFSampler, ignored_generation_settings, sample_inverse_cdf
 
@@ -120,7 +125,7 @@ def test_recorded_log_probs_equal_a_full_forward(request, model_fixture, tokeniz
         recorded = rollout.select(K.LOG_PROB, K.ENTROPY).clone()
         actor = TokenLevelActor(model, temperature=0.7)
         fresh = rollout.exclude(K.LOG_PROB, K.ENTROPY)
-        evaluate_rollout(fresh, actor=actor, reference=actor,
+        compute_old_quantities(fresh, actor=actor, reference=actor,
                          critic=make_critic(policy=model, tokenizer=tokenizer, init="shared"),
                          chunk_size=4)
         mask = rollout.get(K.RESPONSE_MASK)
@@ -143,9 +148,9 @@ def test_evaluation_keeps_recorded_log_probs(tiny_llama_dir, tokenizer):
     rollout.set(K.LOG_PROB, marked)
     critic = make_critic(policy=model, tokenizer=tokenizer, init="shared")
     actor = TokenLevelActor(model, trunk_critic=critic)
-    recomputed = evaluate_rollout(rollout.clone(), actor=actor, reference=actor, critic=critic,
+    recomputed = compute_old_quantities(rollout.clone(), actor=actor, reference=actor, critic=critic,
                                   chunk_size=2, recompute_log_probs=True)
-    evaluate_rollout(rollout, actor=actor, reference=actor, critic=critic, chunk_size=2)
+    compute_old_quantities(rollout, actor=actor, reference=actor, critic=critic, chunk_size=2)
     assert torch.equal(rollout.get(K.LOG_PROB), marked)
     torch.testing.assert_close(rollout.get(K.ENTROPY), -marked)  # the sample estimate
     torch.testing.assert_close(rollout.get(K.VALUE), recomputed.get(K.VALUE))
@@ -320,8 +325,8 @@ def test_values_read_off_the_sampling_pass_equal_the_critics(request, model_fixt
     shifted.set(K.VALUE, recorded + 0.01 * mask.unsqueeze(-1))
     with pytest.raises(OffPolicyError, match="values recorded while sampling differ"):
         check_on_policy(shifted, actor, num_rows=6, critic=critic)
-    evaluate_rollout(shifted, actor=actor, reference=actor, critic=critic, chunk_size=6)
+    compute_old_quantities(shifted, actor=actor, reference=actor, critic=critic, chunk_size=6)
     assert torch.equal(shifted.get(K.VALUE), recorded + 0.01 * mask.unsqueeze(-1))  # kept
-    evaluate_rollout(shifted, actor=actor, reference=actor, critic=critic, chunk_size=6,
+    compute_old_quantities(shifted, actor=actor, reference=actor, critic=critic, chunk_size=6,
                      recompute_log_probs=True)
     torch.testing.assert_close(shifted.get(K.VALUE), fresh, atol=1e-5, rtol=0)

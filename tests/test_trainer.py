@@ -18,6 +18,7 @@ from rlhf_torchrl import (
     RolloutCollector,
     Scorer,
     TokenLevelActor,
+    UpdateSettings,
     make_critic,
     make_generation_env,
     make_generation_policy,
@@ -28,8 +29,8 @@ from rlhf_torchrl import keys as K
 from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.hooks import Checkpointer, OnPolicyCheck
 from rlhf_torchrl.modules import load_causal_lm, load_tokenizer
-from rlhf_torchrl.objectives import make_minibatch_buffer
 from rlhf_torchrl.optim import make_optimizer
+from rlhf_torchrl.update import make_minibatch_buffer
 
 PROMPTS = [f"Tell me about the number {i}." for i in range(8)]
 
@@ -61,7 +62,7 @@ def build(model_dir, *, num_iterations=3, scorer=None, seed=0):
         actor=actor, reference=ref, critic=critic,
         shaper=KLRewardShaper(make_kl_controller(0.05)), advantage=ResponseGAE(),
         loss_module=make_ppo_loss(actor, critic), optimizer=optimizer, scheduler=scheduler,
-        replay_buffer=make_minibatch_buffer(4, 2, seed=seed), num_mini_batches=2,
+        replay_buffer=make_minibatch_buffer(4, 2, seed=seed), update=UpdateSettings(num_mini_batches=2),
         num_iterations=num_iterations, pad_token_id=tok.pad_token_id, forward_batch_size=4)
 
 
@@ -162,7 +163,7 @@ def test_group_filter_runs_before_the_advantages(monkeypatch):
                         lambda batch, *args, **kwargs: updated.append(batch) or {"loss": 0.0})
     shaper = KLRewardShaper(make_kl_controller(0.0), whiten_scores=True)
     trainer = _phases(critic=None, shaper=shaper, advantage=RLOOAdvantage(), filter_groups=True)
-    batch, stats = trainer.optimise(rollout(), iteration=0)
+    batch, stats = trainer.optimise(rollout())
     (kept,) = updated
     assert trainer.metrics["group/filtered_frac"] == pytest.approx(1 / 3)
     assert kept.get(K.GROUP).tolist() == [1, 1, 2, 2]

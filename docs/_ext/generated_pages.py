@@ -5,7 +5,7 @@ Writes, into ``docs/_generated/`` (included by ``configuration.md``, ``concepts.
 
 - ``config_ppo.md``: every setting of ``rlhf_torchrl/config/ppo.yaml``, in its order, with its type
   (the structured schema, ``config/schema.py``), its task-neutral default, its allowed values or
-  range (``schema.CHOICES``, ``schema.RANGES``), the task presets that set it, and its one-line
+  range (``validation.CHOICES``, ``validation.RANGES``), the task presets that set it, and its one-line
   comment (``config.setting_docs``);
 - ``config_tasks.md``: each task preset, its header and the settings it overrides;
 - ``config_reward_model.md``, ``config_serve_reward_model.md``: every setting of
@@ -159,7 +159,7 @@ def _schema_types() -> dict[str, object]:
 
 
 def _allowed(key: str) -> str:
-    from rlhf_torchrl.config.schema import CHOICES, RANGES, _describe
+    from rlhf_torchrl.config.validation import CHOICES, RANGES, _describe
 
     if key in CHOICES:
         return ", ".join(code(yaml_value(v)) for v in CHOICES[key])

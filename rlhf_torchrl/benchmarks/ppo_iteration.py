@@ -35,13 +35,14 @@ from ..advantages import ResponseGAE
 from ..collectors import RolloutCollector, make_generation_env, make_generation_policy
 from ..data import load_prompts
 from ..functional import log_probs_from_logits
-from ..modules import TokenLevelActor, evaluate_rollout, make_critic
+from ..modules import TokenLevelActor, compute_old_quantities, make_critic
 from ..modules.compiled import compile_layers
-from ..objectives import make_minibatch_buffer, make_ppo_loss, ppo_update
+from ..objectives import make_ppo_loss
 from ..reward_functions import vader_sentiment
 from ..rewards import KLRewardShaper, make_kl_controller
 from ..sampling import InverseCDFSampler
 from ..scoring import Scorer
+from ..update import make_minibatch_buffer, ppo_update
 from .common import (
     add_model_args,
     add_out_arg,
@@ -93,7 +94,7 @@ def run_variants(parts, rollout, args, times: dict) -> None:
     for name in names[shift:] + names[:shift]:
         way, copy = parts["variants"][name], rollout.clone()
         with timer(times, f"old_quantities, {name}"), _stance(way["compiled"]):
-            evaluate_rollout(copy, actor=way["actor"], reference=way["ref"], critic=way["critic"],
+            compute_old_quantities(copy, actor=way["actor"], reference=way["ref"], critic=way["critic"],
                              chunk_size=args.forward_batch_size,
                              exact_entropy=not args.sample_entropy,
                              recompute_log_probs=args.recompute_log_probs)
@@ -115,7 +116,7 @@ def run_ours(parts, rollouts, args) -> tuple[dict, object]:
     with timer(times, "scoring"):
         parts["scorer"](rollout)
     with timer(times, "old_quantities"), _stance(args.compile):
-        evaluate_rollout(rollout, actor=parts["actor"], reference=parts["ref"],
+        compute_old_quantities(rollout, actor=parts["actor"], reference=parts["ref"],
                          critic=parts["critic"], chunk_size=args.forward_batch_size,
                          exact_entropy=not args.sample_entropy,
                          recompute_log_probs=args.recompute_log_probs)

@@ -44,7 +44,7 @@ def make_generation_policy(
     With ``record_log_probs`` (and ``record_entropy``) the sampler keeps the sampled tokens'
     log-probs (and exact entropies), which :class:`RolloutCollector` writes to each rollout: no
     policy forward is needed to get PPO's old log-probs. TorchRL's own log-probs are never
-    requested: they are wrong for PPO (see :mod:`rlhf_torchrl.modules.actor_critic`).
+    requested: they are wrong for PPO (see :mod:`rlhf_torchrl.modules.actor`).
 
     Args:
         model (transformers.PreTrainedModel): the policy's causal LM (the trained model itself).

@@ -2,7 +2,7 @@
 
 ``ppo.yaml`` (every setting with a one-line comment, in construction order), ``task/*.yaml`` (the
 presets), ``reward_model.yaml`` and ``serve_reward_model.yaml`` sit in this folder; :mod:`.schema` gives every setting its type,
-choices and range. Importing this module registers them in Hydra's ConfigStore (the files are read
+:mod:`.validation` its choices and range. Importing this module registers them in Hydra's ConfigStore (the files are read
 from there only): the schema as ``ppo_schema``, the PPO defaults as ``rlhf_ppo``, reward-model
 training as ``rlhf_reward_model``, the reward-model server as ``rlhf_serve_reward_model`` and
 each preset in the group ``task``. A Hydra app runs them with

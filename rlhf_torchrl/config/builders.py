@@ -15,13 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..collectors.factory import make_collector
 from ..guards import NonFiniteAction
-from . import schema
+from ..update import UpdateSettings
+from . import validation
 from .checks import (
     check_config,
-    check_models,
     check_output_dir,
     check_rewards,
-    check_sequence_length,
 )
 from .components import (
     collector_spec,
@@ -51,6 +50,7 @@ from .derived import (
     values_from_sampling,
 )
 from .inputs import make_evaluator, make_prompts, split_eval_prompts
+from .model_checks import check_models, check_sequence_length
 from .resume import finished_run, resume_path
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
             applied to each scored rollout (:class:`~rlhf_torchrl.trainer.PPOTrainer`); None: none.
     """
     from ..advantages import needs_critic
-    from ..checkpoint import load_critic
+    from ..critic_warm_start import load_critic
     from ..hooks import (
         Checkpointer,
         Evaluation,
@@ -95,7 +95,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     from ..runtime import reuse_freed_memory
     from ..trainer import PPOTrainer
 
-    schema.validate(cfg)  # (the resolution below reads model.* and device)
+    validation.validate(cfg)  # (the resolution below reads model.* and device)
     resolve_precision(cfg)
     sizes = check_config(cfg)
     check_output_dir(cfg)
@@ -133,6 +133,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     warmup = make_critic_warmup(cfg, critic)
     optimizer, scheduler = make_optimizer(cfg, policy, critic, sizes, warmup)
     p, g, c = cfg.ppo, cfg.generation, cfg.collection
+    sampled = log_probs_from_sampling(cfg)  # the old log-probs recorded while sampling
     trainer = PPOTrainer(
         # built when the run starts, at the batch the checkpoint stopped at
         collector=functools.partial(_collector_factory, collector_spec(cfg, stop_ids), prompts,
@@ -143,16 +144,17 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
         scheduler=scheduler, grad_scaler=make_grad_scaler(cfg, device),
         replay_buffer=make_replay_buffer(cfg, sizes), parallel=parallel,
         pad_token_id=tokenizer.pad_token_id, num_iterations=p.num_iterations,
-        num_ppo_epochs=p.num_ppo_epochs, num_mini_batches=p.num_mini_batches,
-        gradient_accumulation_steps=p.gradient_accumulation_steps,
-        micro_batch_tokens=p.micro_batch_tokens, max_grad_norm=cfg.optim.max_grad_norm,
+        update=UpdateSettings(
+            num_ppo_epochs=p.num_ppo_epochs, num_mini_batches=p.num_mini_batches,
+            gradient_accumulation_steps=p.gradient_accumulation_steps,
+            micro_batch_tokens=p.micro_batch_tokens, max_grad_norm=cfg.optim.max_grad_norm,
+            critic_epochs=p.critic_epochs if critic is not None else None),
         forward_batch_size=p.forward_batch_size, exact_entropy=cfg.logging.exact_entropy,
         # a shared trunk under FSDP2 is run through the whole (sharded) model, never the bare trunk
-        recompute_log_probs=not log_probs_from_sampling(cfg) or (
-            parallel.fsdp and critic is not None and critic.shares_trunk),
-        keep_sampler_log_probs=not log_probs_from_sampling(cfg),
+        recompute_log_probs=not sampled or (parallel.fsdp and critic is not None and critic.shares_trunk),
+        keep_sampler_log_probs=not sampled,
         offload_reference=cfg.model.offload_reference,
-        critic_warmup=warmup, critic_epochs=p.critic_epochs if critic is not None else None,
+        critic_warmup=warmup,
         filter_groups=cfg.advantage.filter_groups,
         on_non_finite=NonFiniteAction(cfg.output_dir, cfg.guards.non_finite, is_main=parallel.is_main),
     )

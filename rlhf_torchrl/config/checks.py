@@ -1,7 +1,8 @@
 """The PPO config's settings checked against each other, and the inputs they name (output
-directory, models' configs, prompt lengths, rewards on a probe), before any weights load.
+directory, rewards on a probe), before any weights load. The models' configs and the prompts'
+lengths against their positions: :mod:`.model_checks`.
 
-Types were checked by Hydra and choices and ranges by :func:`.schema.validate`; :func:`check_config`
+Types were checked by Hydra and choices and ranges by :func:`.validation.validate`; :func:`check_config`
 runs it and returns the batch sizes the settings derive (:class:`Sizes`). Nothing here writes into
 the config.
 """
@@ -18,14 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 from .. import functional as F
 from ..advantages import GROUP_ESTIMATORS
 from ..collectors.env import check_group_sizes
-from ..data import templated_length
 from ..errors import ConfigError
-from ..prompt_sets import PromptMixture, PromptSet
+from ..prompt_sets import PromptMixture
 from ..sampling import check_full_distribution
 from ..trackers import check_logger
-from . import schema
+from . import validation
 from .components import critic_free, make_reward_probe
-from .derived import log_probs_from_sampling, partial_rollout_tokens, response_budget, tis_cap
+from .derived import log_probs_from_sampling, partial_rollout_tokens, tis_cap
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,13 @@ def exact_div(a: int, b: int, what: str) -> int:
 def check_config(cfg: DictConfig) -> Sizes:
     """Validate the config before any work starts; returns the derived sizes.
 
-    Types were checked by Hydra (``schema.py``); choices and ranges by :func:`schema.validate`;
+    Types were checked by Hydra (``schema.py``), choices and ranges by :func:`.validation.validate`;
     here the settings are checked against each other.
 
     Args:
         cfg: the composed PPO config.
     """
-    schema.validate(cfg)
+    validation.validate(cfg)
     p = cfg.ppo
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's process count
     mini = exact_div(p.batch_size, p.num_mini_batches,
@@ -221,12 +221,12 @@ def check_critic_settings(cfg: DictConfig) -> None:
 
 def check_warm_start(cfg: DictConfig) -> None:
     """``value_model.warm_start`` names a checkpoint whose run had a critic of this run's kind
-    (its config, read before any weights; :func:`rlhf_torchrl.checkpoint.load_critic` loads it).
+    (its config, read before any weights; :func:`rlhf_torchrl.critic_warm_start.load_critic` loads it).
 
     Args:
         cfg: the composed PPO config.
     """
-    from ..checkpoint import critic_checkpoint
+    from ..critic_warm_start import critic_checkpoint
 
     path = critic_checkpoint(cfg.value_model.warm_start)
     then = OmegaConf.load(os.path.join(path, "config.yaml"))
@@ -347,124 +347,3 @@ def check_output_dir(cfg: DictConfig) -> None:
         raise ConfigError(f"output_dir={out} cannot be created: {e.strerror}.") from None
     if not os.access(out, os.W_OK):
         raise ConfigError(f"output_dir={out} is not writable: choose another directory.")
-
-
-def _model_config(setting: str, name: str):
-    """The ``config.json`` of model ``name`` (a setting's value): a clear error if it cannot be
-    read, before any weights are."""
-    from transformers import AutoConfig
-
-    from ..modules.models import resolve_model_path
-
-    path = resolve_model_path(name)
-    if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):
-        raise ConfigError(f"{setting}={name}: no such directory. Give a local model directory (with "
-                         "config.json) or a Hugging Face hub id such as HuggingFaceTB/SmolLM2-135M.")
-    try:
-        return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{setting}={name}: not a loadable Hugging Face model ({first}).") from None
-
-
-def check_models(cfg: DictConfig) -> None:
-    """Each model's config read before any weights: it exists, the reward model is a one-label
-    sequence classifier, the reference shares the policy's vocabulary.
-
-    Args:
-        cfg: the composed PPO config.
-    """
-    m, r, v = cfg.model, cfg.reward, cfg.value_model
-    policy = _model_config("model.policy", m.policy)
-    if m.reference:
-        reference = _model_config("model.reference", m.reference)
-        if getattr(reference, "vocab_size", None) != getattr(policy, "vocab_size", None):
-            raise ConfigError(
-                f"model.reference={m.reference} has a vocabulary of {reference.vocab_size} tokens and "
-                f"model.policy={m.policy} one of {policy.vocab_size}: the per-token KL needs the same "
-                "tokenizer. Use a reference with the policy's tokenizer (or model.reference=null)."
-            )
-    if r.model:
-        check_reward_model("reward.model", r.model)
-    if v.init == "model" and v.name_or_path:
-        _model_config("value_model.name_or_path", v.name_or_path)
-
-
-def check_reward_model(setting: str, name: str) -> None:
-    """The model ``setting`` names is a sequence classifier with one label (its config read, no
-    weights).
-
-    Args:
-        setting: the setting that names the model (for the error).
-        name: the model's directory or Hub name.
-    """
-    reward = _model_config(setting, name)
-    archs = getattr(reward, "architectures", None) or []
-    if not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise ConfigError(
-            f"{setting}={name} is a {', '.join(archs) or 'model without an architecture'}, "
-            "not a sequence classifier: a reward model is an AutoModelForSequenceClassification "
-            f"with one label (train one with a Bradley-Terry loss), or drop {setting}."
-        )
-    if reward.num_labels != 1:
-        raise ConfigError(f"{setting}={name} has {reward.num_labels} labels: a reward model "
-                          "gives one score (num_labels=1).")
-
-
-def check_sequence_length(cfg: DictConfig, prompts, tokenizer) -> None:
-    """The longest prompt (chat template included, after ``data.truncate_prompts``) plus the
-    longest response fits the positions of each model that reads the policy's tokens (policy,
-    reference, a critic of its own), where its config gives a limit. Past it a learned position
-    embedding (GPT-2's ``n_positions``) fails deep inside the first forward with an IndexError:
-    refused, one line. A rotary model (a ``rope_parameters``/``rope_scaling`` config) computes any
-    position, but reads positions it was never trained on: a warning.
-
-    Args:
-        cfg: the composed PPO config.
-        prompts (Sequence | PromptSet | PromptMixture): the training prompts.
-        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
-    """
-    m, v = cfg.model, cfg.value_model
-    models = [("model.policy", m.policy), ("model.reference", m.reference)]
-    if v.init == "model" and v.name_or_path:
-        models.append(("value_model.name_or_path", v.name_or_path))
-    limits = []
-    for setting, name in models:
-        config = _model_config(setting, name) if name else None
-        # (GPT-2's config maps max_position_embeddings to n_positions)
-        positions = getattr(config, "max_position_embeddings", None)
-        if isinstance(positions, int):
-            rotary = any(getattr(config, a, None) for a in ("rope_parameters", "rope_scaling",
-                                                            "rope_theta", "rotary_dim"))
-            limits.append((positions, not rotary, setting, name))
-    if not limits:
-        return
-    positions, learned, setting, name = min(limits)
-    response, bound, lower = response_budget(cfg)
-    if cfg.data.max_prompt_length + response <= positions:
-        return  # every prompt fits data.max_prompt_length (the length check)
-    if isinstance(prompts, (PromptSet, PromptMixture)):
-        longest = prompts.longest  # None: checked as batches serve them, each within the limit
-        what = (f"The longest prompt ({longest} tokens, chat template included)" if longest else
-                f"A prompt of data.max_prompt_length={cfg.data.max_prompt_length} tokens (the "
-                "prompts are checked as batches serve them, data.check_prompts)")
-        longest = longest or cfg.data.max_prompt_length
-    else:
-        longest = max(templated_length(tokenizer, prompt) for prompt in prompts)
-        what = f"The longest prompt ({longest} tokens, chat template included)"
-    if longest + response <= positions:
-        return
-    fixes = []
-    if positions > longest:
-        fixes.append(f"set {lower}={positions - longest} or less")
-    if positions > response:
-        fixes.append(f"cut the prompts (data.max_prompt_length={positions - response} "
-                     "data.truncate_prompts=true)")
-    message = (f"{what} plus {response} "
-               f"response tokens ({bound}) is {longest + response} tokens, more than the "
-               f"{positions} positions of {setting}={name}")
-    if not learned:  # rotary: it runs, on positions it was not trained on
-        log.warning("%s (a rotary model: it runs on positions it was never trained on). To stay "
-                    "within them: %s.", message, ", or ".join(fixes) or "use a longer-context model")
-        return
-    raise ConfigError(f"{message}: {', or '.join(fixes) or 'use a model with more positions'}.")

@@ -16,13 +16,14 @@ from ..collectors.factory import CollectorSpec, VLLMSpec
 from ..distributed import DataParallel, init_data_parallel
 from ..errors import ConfigError
 from ..modules import load_tokenizer
-from ..objectives import make_minibatch_buffer, make_ppo_loss
+from ..objectives import make_ppo_loss
 from ..reward_model import RewardModel
 from ..rewards import KLRewardShaper, make_kl_controller
 from ..rollout import probe_rollout
 from ..runtime import ThreadTuner, resolve_device
 from ..sandbox import SandboxSpec
 from ..scoring import Scorer, load_reward_function
+from ..update import make_minibatch_buffer
 from .derived import (
     autocast_dtype,
     log_probs_from_sampling,

@@ -9,8 +9,8 @@ import torch
 from omegaconf import DictConfig
 
 from ..modules import load_causal_lm
-from . import schema
-from .checks import check_models, check_output_dir, check_remote_rewards, check_sequence_length
+from . import validation
+from .checks import check_output_dir, check_remote_rewards
 from .components import (
     make_device,
     make_reward_functions,
@@ -20,6 +20,7 @@ from .components import (
     stop_token_ids,
 )
 from .inputs import hold_out, make_prompts, new_evaluator
+from .model_checks import check_models, check_sequence_length
 
 
 def evaluate_policy(cfg: DictConfig) -> dict:
@@ -32,7 +33,7 @@ def evaluate_policy(cfg: DictConfig) -> dict:
     """
     from ..evaluation import format_metrics, rollout_samples
 
-    schema.validate(cfg)
+    validation.validate(cfg)
     check_output_dir(cfg)
     check_models(cfg)
     check_remote_rewards(cfg)

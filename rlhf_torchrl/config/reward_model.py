@@ -23,9 +23,9 @@ def train_reward_model(cfg: DictConfig) -> dict:
         cfg: the composed reward-model config (``reward_model.yaml``).
     """
     from ..reward_training import (
-        evaluate_pairs,
         init_reward_head,
         load_preference_pairs,
+        preference_metrics,
         reward_offset,
     )
     from ..reward_training import (
@@ -43,7 +43,7 @@ def train_reward_model(cfg: DictConfig) -> dict:
                                                max_length=m.max_length)
     init_reward_head(reward_model.model)
     reward_model.model.requires_grad_(True)
-    before = evaluate_pairs(reward_model, eval_pairs)
+    before = preference_metrics(reward_model, eval_pairs)
     log.info("Held-out accuracy before training: %.3f", before["eval/accuracy"])
     os.makedirs(cfg.output_dir, exist_ok=True)
     with open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w") as f:

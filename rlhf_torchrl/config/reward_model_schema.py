@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from ..errors import ConfigError
-from .schema import _INF, DTYPES, check_choices_and_ranges
+from .validation import _INF, DTYPES, check_choices_and_ranges
 
 
 @dataclass

@@ -1,28 +1,17 @@
-"""The PPO recipe's config schema: every setting's type (Hydra structured config), allowed values
-and range.
+"""The PPO recipe's config schema: every setting's type (Hydra structured config).
 
 ``config/ppo.yaml`` holds the defaults and their documentation; this schema sits under it
 (``defaults: [ppo_schema, _self_]``), so Hydra rejects a value of the wrong type or an unknown key
 while composing (``ppo.batch_size=abc``: "Value 'abc' of type 'str' could not be converted to
-Integer, full_key: ppo.batch_size"), and :func:`validate` checks choices and ranges before anything
-is loaded, each message naming the setting, its value and what it may be.
+Integer, full_key: ppo.batch_size"). The allowed values and ranges, checked before anything is
+loaded: :mod:`rlhf_torchrl.config.validation`.
 """
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
-
-from ..advantages import ESTIMATORS
-from ..distributed import STRATEGIES
-from ..errors import ConfigError
-from ..functional import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
-from ..modules.packing import PACKING
-from ..optim import SCHEDULES, WARMUP_SIGNALS
-from ..sandbox import KINDS as SANDBOXES
-from ..trackers import LOGGERS
+from omegaconf import MISSING
 
 
 @dataclass
@@ -31,7 +20,7 @@ class Distributed:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     strategy: str = MISSING
@@ -44,7 +33,7 @@ class Checkpoint:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     every: int = MISSING
@@ -57,7 +46,7 @@ class Model:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     policy: str = MISSING
@@ -95,7 +84,7 @@ class Data:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     source: str = MISSING
@@ -122,7 +111,7 @@ class Lora:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     r: int = MISSING
@@ -139,7 +128,7 @@ class Reward:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     model: str | None = MISSING
@@ -167,7 +156,7 @@ class ValueModel:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     init: str = MISSING
@@ -181,7 +170,7 @@ class Generation:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     backend: str = MISSING
@@ -203,7 +192,7 @@ class Env:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     max_turns: int = MISSING
@@ -225,7 +214,7 @@ class Collection:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     overlap: int | None = MISSING
@@ -243,7 +232,7 @@ class VLLM:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     dtype: str | None = MISSING
@@ -261,7 +250,7 @@ class PPO:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     num_iterations: int = MISSING
@@ -304,7 +293,7 @@ class Advantage:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     estimator: str = MISSING
@@ -318,7 +307,7 @@ class Optim:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     lr: float = MISSING
@@ -341,7 +330,7 @@ class Eval:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     every: int = MISSING
@@ -357,7 +346,7 @@ class Guards:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     non_finite: str = MISSING
@@ -371,7 +360,7 @@ class Logging:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     logger: str | None = MISSING
@@ -391,7 +380,7 @@ class PPOConfig:
 
     Each field is the setting of that name, described with its default and allowed values in the
     :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
-    ``rlhf-torchrl ppo --help`` shows too); :func:`validate` checks the choices and ranges.
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
     """
 
     seed: int = MISSING
@@ -420,176 +409,3 @@ class PPOConfig:
 
 
 ConfigStore.instance().store(name="ppo_schema", node=PPOConfig)
-
-DTYPES = ("float32", "bfloat16", "float16")
-#: setting -> its allowed values (None among them: null is allowed), from the modules that define
-#: them where one does
-CHOICES = {
-    "data.truncate_side": ("left", "right"),
-    "data.check_prompts": ("auto", "all", "served"),
-    "distributed.strategy": STRATEGIES,
-    "distributed.backend": (None, "gloo", "nccl"),
-    "model.dtype": DTYPES,
-    "model.autocast": (None, "auto", "bfloat16", "float16"),
-    "model.packing": PACKING,
-    "reward.model_dtype": DTYPES,
-    "value_model.init": ("shared", "policy", "reward_model", "model"),
-    "generation.backend": ("transformers", "vllm"),
-    "env.python_sandbox": SANDBOXES,
-    "vllm.dtype": (None, *DTYPES),
-    "ppo.kl_estimator": KL_ESTIMATORS,
-    "ppo.loss_aggregation": LOSS_AGGREGATIONS,
-    "ppo.off_policy_correction": OFF_POLICY_CORRECTIONS,
-    "advantage.estimator": ESTIMATORS,
-    "optim.lr_schedule": SCHEDULES,
-    "optim.critic_warmup_until": (None, *WARMUP_SIGNALS),
-    "guards.non_finite": ("stop", "skip"),
-    "logging.logger": (None, *LOGGERS),
-}
-
-_INF = math.inf
-#: setting -> (low, high, low inclusive, high inclusive); null passes where the type allows it
-RANGES = {
-    "optim.warmup_steps": (0, _INF, True, True),
-    "optim.critic_warmup": (0, _INF, True, True),
-    "optim.critic_warmup_patience": (1, _INF, True, True),
-    "optim.critic_warmup_min_delta": (0, _INF, True, True),
-    "threads": (1, _INF, True, True),
-    "checkpoint.every": (0, _INF, True, True),
-    "checkpoint.keep": (1, _INF, True, True),
-    "data.limit": (1, _INF, True, True),
-    "data.max_words": (1, _INF, True, True),
-    "data.max_prompt_length": (1, _INF, True, True),
-    "lora.r": (0, _INF, True, True),
-    "lora.alpha": (0, _INF, False, True),
-    "lora.dropout": (0, 1, True, False),
-    "reward.model_batch_size": (1, _INF, True, True),
-    "reward.missing_eos_penalty": (0, _INF, True, True),
-    "reward.score_clip": (0, _INF, False, True),
-    "reward.remote_timeout": (0, _INF, False, True),
-    "reward.remote_retries": (0, _INF, True, True),
-    "reward.remote_batch_size": (1, _INF, True, True),
-    "reward.remote_concurrency": (1, _INF, True, True),
-    "generation.max_new_tokens": (1, _INF, True, True),
-    "generation.temperature": (0, _INF, False, True),
-    "generation.top_k": (0, _INF, True, True),
-    "generation.top_p": (0, 1, False, True),
-    "generation.samples_per_prompt": (1, _INF, True, True),
-    "generation.on_policy_rows": (1, _INF, True, True),
-    "generation.on_policy_tolerance": (0, _INF, True, True),
-    "env.max_turns": (1, _INF, True, True),
-    "env.max_tokens": (1, _INF, True, True),
-    "env.tool_timeout": (0, _INF, False, True),
-    "env.python_memory_mb": (32, _INF, True, True),
-    "env.python_max_processes": (2, _INF, True, True),
-    "env.python_max_output_bytes": (1, _INF, True, True),
-    "env.python_scratch_mb": (1, _INF, True, True),
-    "collection.overlap": (0, _INF, True, True),
-    "collection.ray_workers": (0, _INF, True, True),
-    "collection.ray_cpus_per_worker": (0, _INF, True, True),
-    "collection.ray_gpus_per_worker": (0, _INF, True, True),
-    "collection.partial_rollout_tokens": (1, _INF, True, True),
-    "vllm.max_model_len": (1, _INF, True, True),
-    "vllm.gpu_memory_utilization": (0, 1, False, True),
-    "vllm.kv_cache_gb": (0, _INF, False, True),
-    "vllm.tensor_parallel_size": (1, _INF, True, True),
-    "ppo.num_iterations": (1, _INF, True, True),
-    "ppo.batch_size": (1, _INF, True, True),
-    "ppo.num_mini_batches": (1, _INF, True, True),
-    "ppo.gradient_accumulation_steps": (1, _INF, True, True),
-    "ppo.micro_batch_tokens": (1, _INF, True, True),
-    "ppo.num_ppo_epochs": (1, _INF, True, True),
-    "ppo.critic_epochs": (1, _INF, True, True),
-    "ppo.forward_batch_size": (1, _INF, True, True),
-    "ppo.kl_coef": (0, _INF, True, True),
-    "ppo.kl_target": (0, _INF, False, True),
-    "ppo.kl_horizon": (1, _INF, True, True),
-    "ppo.gamma": (0, 1, True, True),
-    "ppo.lmbda": (0, 1, True, True),
-    "ppo.lmbda_critic": (0, 1, True, True),
-    "ppo.lmbda_length_alpha": (0, _INF, False, True),
-    "ppo.clip_epsilon": (0, _INF, False, True),
-    "ppo.clip_epsilon_low": (0, 1, False, False),  # 1 - eps_low > 0
-    "ppo.clip_epsilon_high": (0, _INF, False, True),
-    "ppo.dual_clip": (1, _INF, False, True),
-    "ppo.loss_aggregation_constant": (0, _INF, False, True),
-    "ppo.clip_value": (0, _INF, False, True),
-    "ppo.vf_coef": (0, _INF, True, True),
-    "ppo.entropy_coef": (0, _INF, True, True),
-    "ppo.tis_cap": (0, _INF, False, True),
-    "ppo.off_policy_low": (0, _INF, False, True),
-    "ppo.kl_loss_coef": (0, _INF, True, True),
-    "ppo.positive_nll_coef": (0, _INF, True, True),
-    "optim.lr": (0, _INF, False, True),
-    "optim.critic_lr": (0, _INF, False, True),
-    "optim.value_head_lr": (0, _INF, False, True),
-    "optim.weight_decay": (0, _INF, True, True),
-    "optim.eps": (0, _INF, False, True),
-    "optim.max_grad_norm": (0, _INF, False, True),
-    "guards.kl_ceiling": (0, _INF, False, True),
-    "eval.every": (0, _INF, True, True),
-    "eval.num_prompts": (1, _INF, True, True),
-    "eval.temperature": (0, _INF, False, True),
-    "logging.num_samples": (0, _INF, True, True),
-    "logging.log_every": (1, _INF, True, True),
-}
-#: each ``data.sources`` entry's ranges (a finite weight: ``(0, inf)``)
-SOURCE_RANGES = {"weight": (0, _INF, False, False), "limit": (1, _INF, True, True)}
-
-
-def _describe(low, high, low_in, high_in) -> str:
-    if high == _INF:
-        return f"{'>=' if low_in else '>'} {low}"
-    return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
-
-
-def validate(cfg: DictConfig) -> None:
-    """Raise ``ValueError`` for the first setting outside its choices or range, naming the
-    setting, its value and what it may be.
-
-    Args:
-        cfg: the composed recipe config.
-    """
-    from omegaconf import OmegaConf
-
-    missing = OmegaConf.missing_keys(cfg)
-    if OmegaConf.select(cfg, "data.sources"):  # a mixture stands in for data.source
-        missing.discard("data.source")
-    if missing:
-        raise ConfigError(f"{', '.join(sorted(missing))} must be set: the task (task=...) sets it, "
-                         "or give it on the command line, e.g. data.source=prompts.jsonl.")
-    check_choices_and_ranges(cfg, CHOICES, RANGES)
-    for i, entry in enumerate(OmegaConf.select(cfg, "data.sources") or []):
-        for key, bounds in SOURCE_RANGES.items():
-            _check_range(f"data.sources[{i}].{key}", entry[key], bounds)
-
-
-def check_choices_and_ranges(cfg: DictConfig, choices: dict, ranges: dict) -> None:
-    """A ConfigError for the first setting of ``cfg`` outside its ``choices`` (setting -> allowed
-    values) or ``ranges`` (setting -> (low, high, low inclusive, high inclusive)), naming both.
-
-    Args:
-        cfg: a composed config.
-        choices: as :data:`CHOICES`.
-        ranges: as :data:`RANGES`.
-    """
-    from omegaconf import OmegaConf
-
-    for key, allowed in choices.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            shown = ", ".join("null" if a is None else str(a).lower() if isinstance(a, bool)
-                              else a for a in allowed)
-            raise ConfigError(f"{key}={value!r} is not one of the allowed values: {shown}.")
-    for key, bounds in ranges.items():
-        _check_range(key, OmegaConf.select(cfg, key), bounds)
-
-
-def _check_range(key: str, value, bounds) -> None:
-    """``key=value`` inside ``bounds`` (null passes), or a ConfigError naming both."""
-    if value is None:
-        return
-    low, high, low_in, high_in = bounds
-    inside = (low <= value if low_in else low < value) and (value <= high if high_in else value < high)
-    if not inside or (isinstance(value, float) and math.isnan(value)):
-        raise ConfigError(f"{key}={value} is out of range: it must be {_describe(*bounds)}.")

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from ..errors import ConfigError
 from ..reward_model import RewardModel
 from ..runtime import resolve_device
-from .checks import check_reward_model
+from .model_checks import check_reward_model
 from .reward_model_schema import validate_serve_reward_model
 
 

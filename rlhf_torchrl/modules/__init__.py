@@ -1,13 +1,7 @@
-"""Models: loading, token-level actor, critic."""
+"""Models: loading, the token-level actor and critic, and the old quantities they compute."""
 
-from .actor_critic import (
-    ResponseTokenDistribution,
-    TokenCritic,
-    TokenLevelActor,
-    evaluate_rollout,
-    make_critic,
-    model_inputs,
-)
+from .actor import ResponseTokenDistribution, TokenLevelActor
+from .critic import TokenCritic, make_critic
 from .models import (
     SMOLLM2,
     byte_tokenizer,
@@ -19,6 +13,8 @@ from .models import (
     match_vocab,
     resolve_model_path,
 )
+from .old_quantities import compute_old_quantities
+from .sequences import model_inputs
 
 __all__ = [
     "SMOLLM2",
@@ -27,7 +23,7 @@ __all__ = [
     "TokenLevelActor",
     "byte_tokenizer",
     "disable_dropout",
-    "evaluate_rollout",
+    "compute_old_quantities",
     "ensure_pad_token",
     "load_causal_lm",
     "load_sequence_classifier",

@@ -11,8 +11,9 @@ import copy
 
 import torch
 
-from .actor_critic import TokenLevelActor, make_critic
+from .actor import TokenLevelActor
 from .compiled import compile_layers
+from .critic import make_critic
 from .lora import add_lora
 from .models import load_causal_lm
 

@@ -218,7 +218,7 @@ def pack_rows(td: TensorDictBase, *, cost: SequenceCost, one_row: bool = False,
     Shapes: reads (B, P) prompt tokens/mask, left-padded, and (B, R) response tokens/masks,
     right-padded (observation tokens between turns attended).
     """
-    from .actor_critic import response_attention
+    from .sequences import response_attention
 
     prompt_mask, response_mask = td.get(K.PROMPT_MASK).bool(), td.get(K.RESPONSE_MASK).bool()
     n_prompt, n_response = prompt_mask.shape[1], response_mask.shape[1]
