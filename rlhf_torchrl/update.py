@@ -295,39 +295,14 @@ def ppo_update(
     (the gradients are dropped; earlier steps of this update stay applied).
     """
     from .distributed import DataParallel
-    from .loss_inputs import check_replay_buffer, loss_input_keys, use_rollout_keys
 
-    use_rollout_keys(loss_module)  # a plain ClipPPOLoss: the layout's keys and mask, or refused
-    K.require(rollout, *loss_input_keys(loss_module), what="ppo_update")
     parallel = parallel or DataParallel()
-    world = parallel.world_size
-    n = rollout.shape[0]
-    if n == 0:
-        raise ValueError("ppo_update got a rollout of 0 rows.")
-    critic_epochs = num_ppo_epochs if critic_epochs is None else critic_epochs
-    if critic_epochs < num_ppo_epochs:
-        raise ConfigError(f"critic_epochs={critic_epochs}: the critic trains in each of the "
-                          f"num_ppo_epochs={num_ppo_epochs} PPO epochs already; give at least that.")
-    if critic_epochs > num_ppo_epochs and getattr(loss_module, "critic_network", None) is None:
-        raise ConfigError(f"critic_epochs={critic_epochs} > num_ppo_epochs={num_ppo_epochs} adds "
-                          "critic-only passes, and this loss has no critic (a critic-free estimator).")
-    n_minibatches = min(num_mini_batches, n)
-    sizes = [len(part) for part in torch.arange(n).tensor_split(n_minibatches)]
-    if replay_buffer is None:
-        replay_buffer = make_minibatch_buffer(n)
-    else:  # kept as given, or refused: its sampler, its rows, its minibatch size
-        check_replay_buffer(replay_buffer, rows=n, sizes=sizes)
-    replay_buffer.empty()  # this rollout alone: nothing piles up across iterations
-    replay_buffer.extend(_tensors_only(rollout))
-    critic_coeff = getattr(loss_module, "critic_coeff", None)
-    vf_coef = 2 * float(critic_coeff) if critic_coeff is not None else 0.0
-    split = dict(rank=parallel.rank, world_size=world,
-                 gradient_accumulation_steps=gradient_accumulation_steps,
-                 micro_batch_tokens=micro_batch_tokens, max_parts=parallel.max_int,
-                 packed=getattr(loss_module.actor_network, "packing", False) is True
-                 if packed is None else packed,
-                 loss_aggregation=getattr(loss_module, "loss_aggregation", "token_mean"),
-                 loss_aggregation_constant=getattr(loss_module, "loss_aggregation_constant", None))
+    critic_epochs = _check_update(rollout, loss_module, num_ppo_epochs, critic_epochs)
+    n_minibatches = min(num_mini_batches, rollout.shape[0])
+    sizes = [len(part) for part in torch.arange(rollout.shape[0]).tensor_split(n_minibatches)]
+    replay_buffer = _serve(rollout, replay_buffer, sizes)
+    split = _split_settings(loss_module, parallel, gradient_accumulation_steps, micro_batch_tokens,
+                            packed)
     prepare = getattr(loss_module, "prepare_minibatch", None) or (lambda minibatch: minibatch)
     policy_params = list(loss_module.actor_network.parameters()) if critic_epochs > num_ppo_epochs else []
     ppo_steps, steps = num_ppo_epochs * n_minibatches, critic_epochs * n_minibatches
@@ -340,21 +315,9 @@ def ppo_update(
     for step in range(steps):
         critic_pass = step >= ppo_steps  # after the PPO epochs: the value loss alone
         minibatch = prepare(_draw(replay_buffer, sizes[step % n_minibatches]))
-        n_tokens = int(minibatch.get(K.RESPONSE_MASK).sum().clamp_min(1))  # the whole minibatch's
-        parts = micro_batches(minibatch, **split)
         optimizer.zero_grad(set_to_none=True)
-        for j, (micro_batch, weight) in enumerate(parts):
-            with parallel.accumulate(last=j == len(parts) - 1):
-                out = (critic_pass_loss(loss_module, micro_batch, parallel) if critic_pass
-                       else parallel.loss(loss_module, micro_batch))
-                # every loss_* is aggregated over this micro-batch: weight it by its share of the
-                # minibatch's loss; DDP/FSDP average over processes: scale back up to a sum
-                loss = sum(v for k, v in out.items() if k.startswith("loss_")) * (weight * world)
-                (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
-            if weight:
-                n_micro = int(micro_batch.get(K.RESPONSE_MASK).sum())
-                _record_diagnostics(sums[step], seen, out, micro_batch, n_micro / n_tokens, weight,
-                                    vf_coef, critic_pass)
+        _accumulate_gradients(loss_module, minibatch, split, parallel, grad_scaler, critic_pass,
+                              sums[step], seen)
         for p in policy_params if critic_pass else ():
             p.grad = None  # the critic's own parameters alone move (a shared trunk stays)
         grad_norms[step] = _optimizer_step(
@@ -365,6 +328,76 @@ def ppo_update(
             where=f"optimiser step {step + 1} of {steps}" + (" (a critic-only pass)" if critic_pass else ""))
     loss_module.eval()
     return _update_metrics(parallel.all_reduce(sums).cpu(), seen, grad_norms[:ppo_steps], ppo_steps)
+
+
+def _check_update(rollout: TensorDictBase, loss_module, num_ppo_epochs: int,
+                  critic_epochs: int | None) -> int:
+    """Refuse what :func:`ppo_update` cannot run (a missing entry, no rows, too few critic
+    epochs, critic passes without a critic); returns the critic epochs."""
+    from .loss_inputs import loss_input_keys, use_rollout_keys
+
+    use_rollout_keys(loss_module)  # a plain ClipPPOLoss: the layout's keys and mask, or refused
+    K.require(rollout, *loss_input_keys(loss_module), what="ppo_update")
+    if rollout.shape[0] == 0:
+        raise ValueError("ppo_update got a rollout of 0 rows.")
+    critic_epochs = num_ppo_epochs if critic_epochs is None else critic_epochs
+    if critic_epochs < num_ppo_epochs:
+        raise ConfigError(f"critic_epochs={critic_epochs}: the critic trains in each of the "
+                          f"num_ppo_epochs={num_ppo_epochs} PPO epochs already; give at least that.")
+    if critic_epochs > num_ppo_epochs and getattr(loss_module, "critic_network", None) is None:
+        raise ConfigError(f"critic_epochs={critic_epochs} > num_ppo_epochs={num_ppo_epochs} adds "
+                          "critic-only passes, and this loss has no critic (a critic-free estimator).")
+    return critic_epochs
+
+
+def _serve(rollout: TensorDictBase, replay_buffer, sizes: list[int]):
+    """The minibatch sampler, holding this rollout alone: ``replay_buffer`` (kept as given, or
+    refused: its sampler, its rows, its minibatch size) or a new one."""
+    from .loss_inputs import check_replay_buffer
+
+    if replay_buffer is None:
+        replay_buffer = make_minibatch_buffer(rollout.shape[0])
+    else:
+        check_replay_buffer(replay_buffer, rows=rollout.shape[0], sizes=sizes)
+    replay_buffer.empty()  # this rollout alone: nothing piles up across iterations
+    replay_buffer.extend(_tensors_only(rollout))
+    return replay_buffer
+
+
+def _split_settings(loss_module, parallel, gradient_accumulation_steps: int,
+                    micro_batch_tokens: int | None, packed: bool | None) -> dict:
+    """:func:`~rlhf_torchrl.micro_batches.micro_batches`' settings for this loss and process."""
+    return dict(rank=parallel.rank, world_size=parallel.world_size,
+                gradient_accumulation_steps=gradient_accumulation_steps,
+                micro_batch_tokens=micro_batch_tokens, max_parts=parallel.max_int,
+                packed=getattr(loss_module.actor_network, "packing", False) is True
+                if packed is None else packed,
+                loss_aggregation=getattr(loss_module, "loss_aggregation", "token_mean"),
+                loss_aggregation_constant=getattr(loss_module, "loss_aggregation_constant", None))
+
+
+def _accumulate_gradients(loss_module, minibatch: TensorDictBase, split: dict, parallel,
+                          grad_scaler, critic_pass: bool, totals: torch.Tensor,
+                          seen: torch.Tensor) -> None:
+    """One minibatch's gradients, summed over this process's micro-batches (each loss weighted by
+    its share of the minibatch's, :func:`~rlhf_torchrl.micro_batches.micro_batches`), its metrics
+    added to ``totals`` (:func:`_record_diagnostics`)."""
+    critic_coeff = getattr(loss_module, "critic_coeff", None)
+    vf_coef = 2 * float(critic_coeff) if critic_coeff is not None else 0.0
+    n_tokens = int(minibatch.get(K.RESPONSE_MASK).sum().clamp_min(1))  # the whole minibatch's
+    parts = micro_batches(minibatch, **split)
+    for j, (micro_batch, weight) in enumerate(parts):
+        with parallel.accumulate(last=j == len(parts) - 1):
+            out = (critic_pass_loss(loss_module, micro_batch, parallel) if critic_pass
+                   else parallel.loss(loss_module, micro_batch))
+            # every loss_* is aggregated over this micro-batch: weight it by its share of the
+            # minibatch's loss; DDP/FSDP average over processes: scale back up to a sum
+            loss = sum(v for k, v in out.items() if k.startswith("loss_")) * (weight * split["world_size"])
+            (grad_scaler.scale(loss) if grad_scaler is not None else loss).backward()
+        if weight:
+            n_micro = int(micro_batch.get(K.RESPONSE_MASK).sum())
+            _record_diagnostics(totals, seen, out, micro_batch, n_micro / n_tokens, weight, vf_coef,
+                                critic_pass)
 
 
 def _update_metrics(per_minibatch: torch.Tensor, seen: torch.Tensor, grad_norms: torch.Tensor,
