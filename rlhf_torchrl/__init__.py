@@ -9,10 +9,10 @@ from .advantages import (
     make_advantage,
 )
 from .collectors import RolloutCollector, make_generation_env, make_generation_policy
+from .kl_shaping import KLRewardShaper, make_kl_controller
 from .modules import TokenCritic, TokenLevelActor, compute_old_quantities, make_critic
 from .objectives import make_ppo_loss
 from .reward_model import RewardModel
-from .rewards import KLRewardShaper, make_kl_controller
 from .rollout import to_rollout
 from .scoring import Scorer, load_reward_function
 from .trainer import PPOTrainer

@@ -272,7 +272,7 @@ def group_scores(td: TensorDictBase) -> torch.Tensor:
     the KL part, summed over the response (the score whitened and clipped as the shaper was told,
     plus a multi-turn episode's turn rewards).
 
-    ``"shaped_score"`` where the shaper wrote it (:class:`~rlhf_torchrl.rewards.KLRewardShaper`);
+    ``"shaped_score"`` where the shaper wrote it (:class:`~rlhf_torchrl.kl_shaping.KLRewardShaper`);
     else ``sum_t (r_it - N_it)`` from ``("next", "reward")`` and ``("next", "non_score_reward")``
     (a shaper of your own; float rounding may then tell equal scores apart); a rollout not shaped
     yet: its ``"score"``.

@@ -60,7 +60,7 @@ class PPOTrainer(StagedLoop):
         critic (nn.Module | None): a :class:`~rlhf_torchrl.modules.TokenCritic`, or None with a
             critic-free estimator.
         shaper (nn.Module): per-token KL rewards; owns the KL coefficient
-            (:class:`~rlhf_torchrl.rewards.KLRewardShaper`).
+            (:class:`~rlhf_torchrl.kl_shaping.KLRewardShaper`).
         advantage (nn.Module): a TensorDict module writing ``"advantage"``, and ``"value_target"``
             for a critic (:mod:`~rlhf_torchrl.advantages`).
         loss_module (nn.Module): a TorchRL ``ClipPPOLoss``, given the rollout's keys and mask here

@@ -19,7 +19,7 @@ from rlhf_torchrl.advantages import (
     needs_critic,
 )
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
+from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
 
 
 def _batch(seed=0, groups=(5, 5, 2, 9, 2, 9, 5, 9, 2), width=6, with_kl=True):

@@ -10,6 +10,7 @@ from test_objectives import _rollout
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.advantages import ResponseGAE
+from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.modules import (
     TokenLevelActor,
     compute_old_quantities,
@@ -18,7 +19,6 @@ from rlhf_torchrl.modules import (
 )
 from rlhf_torchrl.modules.compiled import compile_layers, decoder_layers
 from rlhf_torchrl.objectives import make_ppo_loss
-from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="inductor on CPU needs a C++ compiler (g++)")

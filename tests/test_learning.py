@@ -11,6 +11,7 @@ import torch
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.modules import (
     TokenLevelActor,
     compute_old_quantities,
@@ -18,7 +19,6 @@ from rlhf_torchrl.modules import (
     make_critic,
 )
 from rlhf_torchrl.objectives import make_ppo_loss
-from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.scoring import Scorer
 from rlhf_torchrl.update import ppo_update
 

@@ -129,7 +129,7 @@ def _too_early(td):
         ResponseGAE,
         RLOOAdvantage,
     )
-    from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
+    from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
     from rlhf_torchrl.scoring import Scorer
 
     shaped = (K.KL, K.REWARD, K.NON_SCORE_REWARD, K.DONE, K.TERMINATED, K.SHAPED_SCORE)

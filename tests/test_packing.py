@@ -10,6 +10,7 @@ from test_objectives import _rollout
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.micro_batches import micro_batches, token_budget_split
 from rlhf_torchrl.modules import (
     TokenLevelActor,
@@ -19,7 +20,6 @@ from rlhf_torchrl.modules import (
 )
 from rlhf_torchrl.modules.packing import SequenceCost, pack_rows, plan_rows
 from rlhf_torchrl.objectives import make_ppo_loss
-from rlhf_torchrl.rewards import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.update import ppo_update
 
 MODELS = ["tiny_llama_dir", "tiny_gpt2_dir"]

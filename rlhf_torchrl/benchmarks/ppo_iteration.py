@@ -35,11 +35,11 @@ from ..advantages import ResponseGAE
 from ..collectors import RolloutCollector, make_generation_env, make_generation_policy
 from ..data import load_prompts
 from ..functional import log_probs_from_logits
+from ..kl_shaping import KLRewardShaper, make_kl_controller
 from ..modules import TokenLevelActor, compute_old_quantities, make_critic
 from ..modules.compiled import compile_layers
 from ..objectives import make_ppo_loss
 from ..reward_functions import vader_sentiment
-from ..rewards import KLRewardShaper, make_kl_controller
 from ..sampling import InverseCDFSampler
 from ..scoring import Scorer
 from ..update import make_minibatch_buffer, ppo_update

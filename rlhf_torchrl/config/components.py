@@ -15,10 +15,10 @@ from ..advantages import needs_critic
 from ..collectors.factory import CollectorSpec, VLLMSpec
 from ..distributed import DataParallel, init_data_parallel
 from ..errors import ConfigError
+from ..kl_shaping import KLRewardShaper, make_kl_controller
 from ..modules import load_tokenizer
 from ..objectives import make_ppo_loss
 from ..reward_model import RewardModel
-from ..rewards import KLRewardShaper, make_kl_controller
 from ..rollout import probe_rollout
 from ..runtime import ThreadTuner, resolve_device
 from ..sandbox import SandboxSpec
