@@ -314,7 +314,7 @@ class CriticWarmup:
         learning rate is set for the next step (:func:`refresh_lr`).
 
         Args:
-            batch (TensorDictBase): the iteration's batch, with its old values and value targets.
+            batch (tensordict.TensorDictBase): the iteration's batch, with its old values and value targets.
             stats: the update's statistics.
             iteration: the iteration, 0 first.
             scheduler (torch.optim.lr_scheduler.LambdaLR | None): :func:`make_optimizer`'s
