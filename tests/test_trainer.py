@@ -72,8 +72,19 @@ def test_trainer_from_components_with_a_hook(tiny_llama_dir):
     trainer.register_op("post_steps_log", lambda batch: {"my/rows": float(batch.shape[0])})
     trainer.register_op("log", rows.append)
     trainer.register_hook("on_policy_check", OnPolicyCheck())
+    # what a hook reads at each stage: the iteration running, and those done (the running one
+    # counts from its update on)
+    counters = []
+    for stage in ("pre_collect", "post_steps", "checkpoint", "log"):
+        trainer.register_op(stage, lambda *_, stage=stage: counters.append(
+            (stage, trainer.iteration, trainer.iterations_done)))
     before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
     trainer.fit()
+    assert counters[:8] == [("pre_collect", 0, 0), ("post_steps", 0, 1), ("checkpoint", 0, 1),
+                            ("log", 0, 1), ("pre_collect", 1, 1), ("post_steps", 1, 2),
+                            ("checkpoint", 1, 2), ("log", 1, 2)]
+    assert (trainer.iteration, trainer.iterations_done) == (3, 3)
+    assert trainer.scheduler.last_epoch == 3 * 2  # UpdateSettings(num_mini_batches=2): 2 steps each
     assert len(rows) == 3 and [r["episode"] for r in rows] == [4, 8, 12]
     for row in rows:
         assert row["my/rows"] == 4.0
