@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -204,7 +204,7 @@ class UpdateSettings:
 
     def kwargs(self) -> dict:
         """The settings as :func:`ppo_update`'s keyword arguments."""
-        return dict(self.__dict__)
+        return asdict(self)
 
 
 def ppo_update(
