@@ -245,7 +245,17 @@ def render_prompt(tokenizer, prompt: Prompt | str) -> str:
         tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
         prompt: a :class:`Prompt` or a plain user message.
     """
-    return tokenizer.apply_chat_template(to_prompt(prompt).messages, add_generation_prompt=True,
+    return render_conversations(tokenizer, [to_prompt(prompt).messages])[0]
+
+
+def render_conversations(tokenizer, conversations: Sequence[list[dict]]) -> list[str]:
+    """Each conversation as the policy reads it (:func:`render_prompt`), in one call.
+
+    Args:
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        conversations: lists of ``{"role", "content"}`` messages.
+    """
+    return tokenizer.apply_chat_template(list(conversations), add_generation_prompt=True,
                                          tokenize=False)
 
 

@@ -17,6 +17,7 @@ from rlhf_torchrl.data import (
     prompt_token_ids,
     templated_length,
 )
+from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.modules import load_causal_lm, load_tokenizer
 
 
@@ -266,7 +267,7 @@ def test_a_users_env_transform_still_sees_every_step(tiny_llama_dir, tokenizer):
             env = env.append_transform(extra)
         policy = make_generation_policy(model, tokenizer, max_new_tokens=3)
         collector = RolloutCollector(env, policy, tokenizer=tokenizer, batch_size=2, seed=0,
-                                     total_batches=2)
+                                     total_batches=2, dense=False)
         assert collector.collector.steps_env == (extra is not None)
         rollouts.append(list(collector))
         collector.shutdown()
@@ -274,6 +275,67 @@ def test_a_users_env_transform_still_sees_every_step(tiny_llama_dir, tokenizer):
     for a, b in zip(*rollouts):
         assert torch.equal(a[K.RESPONSE_TOKENS], b[K.RESPONSE_TOKENS])
         assert a.get(K.PROMPT_TEXT).tolist() == b.get(K.PROMPT_TEXT).tolist()
+
+
+@pytest.mark.parametrize("model_fixture, group, system_prompt, value_head", [
+    ("stopping_llama_dir", 1, None, False),  # SmolLM2's chat template, responses that stop
+    ("tiny_llama_dir", 2, "Be brief.", True),  # groups, a system message, values recorded
+    ("bos_llama_dir", 1, None, False),  # a template that writes BOS (nothing added on top)
+    ("tiny_gpt2_dir", 1, "Be kind.", False),  # learned positions
+])
+def test_the_dense_one_turn_path_collects_what_torchrls_env_collects(
+        request, model_fixture, group, system_prompt, value_head, tokenizer):
+    """RolloutCollector's dense path (make_generation_env's env and make_generation_policy's
+    policy: no env reset or wrapper objects per batch) yields the rollouts of TorchRL's
+    LLMCollector over the env, key for key, over batches that cross an epoch of the loader, with
+    groups, a system prompt, left padding, responses that stop early and recorded log-probs,
+    entropies and values; a user's env transform, or dense=False, takes TorchRL's path."""
+    from torchrl.envs import Transform
+
+    folder = request.getfixturevalue(model_fixture)
+    tok = tokenizer if model_fixture != "bos_llama_dir" else load_tokenizer(folder)
+    model = load_causal_lm(folder, tok).eval()
+    head = torch.nn.Linear(model.config.hidden_size, 1) if value_head else None
+    prompts = [Prompt([{"role": "user", "content": f"Prompt {i} " + "word " * (i % 4)}],
+                      {"answer": [i], "tag": f"t{i}"}) for i in range(6)]
+    prompts[3] = "a plain user message"
+    rollouts = {}
+    for dense in (None, False):
+        env = make_generation_env(prompts, tok, batch_size=4, seed=1, samples_per_prompt=group,
+                                  system_prompt=system_prompt)
+        policy = make_generation_policy(model, tok, max_new_tokens=5, temperature=1.3,
+                                        record_log_probs=True, record_entropy=True,
+                                        samples_per_prompt=group, value_head=head)
+        collector = RolloutCollector(env, policy, tokenizer=tok, seed=0, total_batches=4,
+                                     samples_per_prompt=group, dense=dense)
+        assert (collector.collector is None) == (dense is None)
+        rollouts[dense] = list(collector)
+        collector.shutdown()
+    assert len(rollouts[None]) == 4
+    stopped = 0
+    for a, b in zip(rollouts[None], rollouts[False], strict=True):
+        assert set(a.keys(True, True)) == set(b.keys(True, True))
+        for key in a.keys(True, True):
+            x, y = a.get(key), b.get(key)
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and torch.equal(x, y), key
+            else:
+                assert x.tolist() == y.tolist(), key
+        assert a.get(K.PROMPT_MASK).sum(-1).unique().numel() > 1  # left padding
+        stopped += int(a.get(K.HAS_STOP).sum())
+    assert stopped > 0 or model_fixture != "stopping_llama_dir"
+    if model_fixture == "tiny_gpt2_dir":
+        assert rollouts[None][0].get(K.PROMPT_TEXT).tolist()[0].count("Be kind.") == 1
+
+    class Mark(Transform):
+        def _reset(self, tensordict, tensordict_reset):
+            return tensordict_reset
+
+    env = make_generation_env(prompts, tok, batch_size=4).append_transform(Mark())
+    policy = make_generation_policy(model, tok, max_new_tokens=5)
+    assert RolloutCollector(env, policy, tokenizer=tok).collector is not None
+    with pytest.raises(ConfigError, match="dense=True"):
+        RolloutCollector(env, policy, tokenizer=tok, dense=True)
 
 
 def test_a_reward_that_edits_the_conversation_leaves_the_dataset_alone(tiny_llama_dir, tokenizer):

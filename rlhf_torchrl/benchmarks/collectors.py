@@ -1,8 +1,11 @@
 """Response tokens per second: our TorchRL collector vs a raw ``generate`` on the same prompts.
 
-For each batch size and response length, three are timed alternately on the very prompt tokens
-the collector produced: the collector (``ChatEnv`` + ``TransformersWrapper`` + ``LLMCollector`` +
-truncation into a dense rollout, sampling with ``InverseCDFSampler`` and recording log-probs), a
+For each batch size and response length, four are timed alternately on the very prompt tokens
+the collector produced: the collector as the recipe runs it (its dense one-turn path: the env's
+prompt batches rendered and sampled by the ``TransformersWrapper``'s ``generate``, laid out as a
+dense rollout), the same collector through TorchRL's loop (``dense=False``: ``ChatEnv`` reset +
+``TransformersWrapper`` + ``LLMCollector`` + truncation into a dense rollout), each sampling with
+``InverseCDFSampler`` and recording log-probs, a
 bare ``model.generate`` with the same sampler (the floor: what the collector adds is the rest), and
 a bare ``model.generate(do_sample=True)`` (HF's multinomial sampler). EOS is suppressed
 everywhere so that every response has exactly the requested length. Medians over ``--repeats``.
@@ -35,19 +38,29 @@ from .common import (
 )
 
 
-def measure(policy, tokenizer, prompts, batch_size, length, repeats, temperature):
+def _batches(policy, tokenizer, prompts, batch_size, length, temperature, dense):
     env = make_generation_env(prompts, tokenizer, batch_size=batch_size)
     gen = make_generation_policy(policy, tokenizer, max_new_tokens=length, temperature=temperature,
                                  record_log_probs=True)
     # no early stop on either side: exactly `length` tokens per response
     gen.generate_kwargs["min_new_tokens"] = length
-    collector = RolloutCollector(env, gen, tokenizer=tokenizer)  # the env's batch size
+    collector = RolloutCollector(env, gen, tokenizer=tokenizer, dense=dense)  # the env's batch size
     batches = iter(collector)
     next(batches)  # warm-up
+    return collector, batches
+
+
+def measure(policy, tokenizer, prompts, batch_size, length, repeats, temperature):
+    collector, batches = _batches(policy, tokenizer, prompts, batch_size, length, temperature, None)
+    through_env, env_batches = _batches(policy, tokenizer, prompts, batch_size, length,
+                                        temperature, False)
     common = {"max_new_tokens": length, "min_new_tokens": length,
               "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    times = {"collector": [], "generate": [], "hf_generate": []}
+    times = {"collector": [], "collector_env": [], "generate": [], "hf_generate": []}
     for _ in range(repeats):
+        start = time.perf_counter()
+        next(env_batches)
+        times["collector_env"].append(time.perf_counter() - start)
         start = time.perf_counter()
         rollout = next(batches)
         times["collector"].append(time.perf_counter() - start)
@@ -64,6 +77,7 @@ def measure(policy, tokenizer, prompts, batch_size, length, repeats, temperature
                             top_k=None, **common)
             times["hf_generate"].append(time.perf_counter() - start)
     collector.shutdown()
+    through_env.shutdown()
     tokens = batch_size * length
     return {name: tokens / statistics.median(t) for name, t in times.items()}
 
@@ -83,11 +97,12 @@ def main(argv=None) -> dict:
     apply_runtime_args(args)
     tokenizer, policy, _ = build_models(args.model, tokenizer=args.tokenizer)
     prompts = load_prompts("polarity", template="Continue this movie review: {prompt}", max_words=8)
-    print(f"Response tokens/s: the collector, a bare generate with the same sampler, and HF's "
-          f"multinomial generate; {args.model} (vocabulary {len(tokenizer)}), {args.threads} "
-          f"threads, median of {args.repeats}")
-    printer = RowPrinter(["batch", "length", "collector tok/s", "generate tok/s",
-                          "generate/collector", "HF multinomial tok/s", "collector/HF"])
+    print(f"Response tokens/s: the collector (its dense one-turn path, and TorchRL's env loop), "
+          f"a bare generate with the same sampler, and HF's multinomial generate; {args.model} "
+          f"(vocabulary {len(tokenizer)}), {args.threads} threads, median of {args.repeats}")
+    printer = RowPrinter(["batch", "length", "collector tok/s", "env loop tok/s",
+                          "generate tok/s", "generate/collector", "generate/env loop",
+                          "HF multinomial tok/s", "collector/HF"])
     results = []
     for batch_size in args.batch_sizes:
         for length in args.lengths:
@@ -95,9 +110,10 @@ def main(argv=None) -> dict:
                           args.temperature)
             results.append({"batch_size": batch_size, "length": length,
                             **{f"{name}_tokens_per_s": v for name, v in tps.items()}})
-            ours, raw, hf = tps["collector"], tps["generate"], tps["hf_generate"]
-            printer.row([batch_size, length, f"{ours:.0f}", f"{raw:.0f}", f"{raw / ours:.2f}x",
-                         f"{hf:.0f}", f"{ours / hf:.2f}x"])
+            ours, loop = tps["collector"], tps["collector_env"]
+            raw, hf = tps["generate"], tps["hf_generate"]
+            printer.row([batch_size, length, f"{ours:.0f}", f"{loop:.0f}", f"{raw:.0f}",
+                         f"{raw / ours:.2f}x", f"{raw / loop:.2f}x", f"{hf:.0f}", f"{ours / hf:.2f}x"])
     payload = {"args": vars(args), "machine": machine(), "vocabulary": len(tokenizer),
                "results": results}
     return finish(args, payload, "collectors")

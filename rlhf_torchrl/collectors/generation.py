@@ -189,6 +189,22 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
             if shadowed:
                 del self.model.generate
 
+    def sample_texts(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample a response to each rendered prompt exactly as :meth:`forward` does (the same
+        tokenisation, ``generate`` call, grouped prefill and recorders), without TorchRL's text,
+        token and mask objects around it: the dense one-turn path of
+        :class:`~rlhf_torchrl.collectors.RolloutCollector`. Returns the (B, P) left-padded prompt
+        tokens, their (B, P) attention mask and the (B, T) response tokens as generated
+        (right-padded with the pad token)."""
+        encoded = self.tokenizer(list(texts), **self.tokenizer_kwargs)
+        input_ids = encoded["input_ids"].to(self._device)
+        attention_mask = encoded["attention_mask"].to(self._device)
+        with self._sampling(grouped=True) as generate, torch.no_grad():
+            out = generate(input_ids=input_ids, attention_mask=attention_mask,
+                           **self.generate_kwargs)
+        sequences = out["sequences"] if isinstance(out, dict) else getattr(out, "sequences", out)
+        return input_ids, attention_mask, sequences[:, input_ids.shape[1]:]
+
     def generate_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         max_new_tokens: int) -> torch.Tensor:
         """Sample continuations of left-padded token rows as :meth:`forward` samples responses
