@@ -64,15 +64,20 @@ class _OneTurnCollector(LLMCollector):
 def _step_writes_nothing_kept(env) -> bool:
     """Whether ``env`` is :func:`make_generation_env`'s: a plain ``ChatEnv`` whose transforms act
     at reset only (serving prompts, ending the episode, marking its start)."""
-    from torchrl.envs import Compose, InitTracker, StepCounter, TransformedEnv
+    from torchrl.envs import InitTracker, StepCounter, TransformedEnv
     from torchrl.envs.llm import ChatEnv
     from torchrl.envs.llm.transforms import DataLoadingPrimer
 
     if not isinstance(env, TransformedEnv) or type(env.base_env) is not ChatEnv:
         return False
-    transform = env.transform
-    transforms = list(transform) if isinstance(transform, Compose) else [transform]
-    return all(type(t) in (DataLoadingPrimer, StepCounter, InitTracker) for t in transforms)
+    return all(type(t) in (DataLoadingPrimer, StepCounter, InitTracker) for t in _transforms(env))
+
+
+def _transforms(env) -> list:
+    """The transforms of a ``TransformedEnv``, in order."""
+    from torchrl.envs import Compose
+
+    return list(env.transform) if isinstance(env.transform, Compose) else [env.transform]
 
 
 def _dense_prompt_source(env, policy, tokenizer):
@@ -82,10 +87,12 @@ def _dense_prompt_source(env, policy, tokenizer):
     own chat template as :func:`~rlhf_torchrl.data.render_conversations` does, and the policy is
     :func:`~rlhf_torchrl.collectors.make_generation_policy`'s (or the vLLM backend's) wrapper
     itself, not a subclass. None otherwise."""
+    from torchrl.envs.llm.transforms import DataLoadingPrimer
+
     if not _step_writes_nothing_kept(env) or type(policy) is not _OnPolicyTransformersWrapper:
         return None
     chat = env.base_env
-    primers = [t for t in env.transform if type(t).__name__ == "DataLoadingPrimer"]
+    primers = [t for t in _transforms(env) if type(t) is DataLoadingPrimer]
     if (chat.input_mode != "text" or chat.system_prompt is not None or chat.data_key != "query"
             or chat.tokenizer is not tokenizer or tokenizer.chat_template is None
             or chat.template_kwargs != {"chat_template": tokenizer.chat_template}
