@@ -1,7 +1,8 @@
 """Seconds per PPO iteration by phase, next to the compute floor of the same shapes.
 
-Ours: the library's pieces exactly as the recipe runs them (TorchRL env + collector, scoring,
-old/ref log-probs and values, KL shaping + GAE, ClipPPOLoss update through the replay buffer).
+Ours: the library's pieces exactly as the recipe runs them (the collector over the TorchRL env,
+scoring, old/ref log-probs and values, KL shaping + GAE, ClipPPOLoss update through the replay
+buffer).
 Floor: the same shapes as bare model calls with nothing else (one ``generate`` with the same
 sampler; no-grad forwards of the reference with the sampled tokens' log-probs (the old log-probs
 and the shared trunk's values come off the sampling pass, as in the recipe), and with
