@@ -153,9 +153,9 @@ class RolloutCollector:
         dense: None (auto): with :func:`make_generation_env`'s env and
             :func:`make_generation_policy`'s policy, serve the env's prompts straight to the
             policy's ``generate`` and lay the rollout out densely (the same rollouts, without
-            TorchRL's per-batch env reset and wrapper objects: ~45 ms a batch of 64 on a tiny
-            model); otherwise, or with False, run TorchRL's ``LLMCollector`` over the env (a
-            user's env transforms see every step). True: the dense path, or an error saying why
+            TorchRL's per-batch env reset and wrapper objects: tens of milliseconds a batch of
+            64, which a tiny model's generation feels); otherwise, or with False, run TorchRL's
+            ``LLMCollector`` over the env (a user's env transforms see every step). True: the dense path, or an error saying why
             it cannot run.
 
     Example:
