@@ -155,8 +155,8 @@ class RolloutCollector:
             policy's ``generate`` and lay the rollout out densely (the same rollouts, without
             TorchRL's per-batch env reset and wrapper objects: tens of milliseconds a batch of
             64, which a tiny model's generation feels); otherwise, or with False, run TorchRL's
-            ``LLMCollector`` over the env (a user's env transforms see every step). True: the dense path, or an error saying why
-            it cannot run.
+            ``LLMCollector`` over the env (a user's env transforms see every step). True: the
+            dense path, or an error saying why it cannot run.
 
     Example:
         >>> collector = RolloutCollector(make_generation_env(prompts, tok, batch_size=16), policy,
@@ -197,7 +197,7 @@ class RolloutCollector:
         self.value_recorder = getattr(policy, "value_recorder", None)
         self.stop_token_ids = list(stop_token_ids or [tokenizer.eos_token_id])
         self.total_batches = total_batches
-        self.env, self.policy = env, policy
+        self.policy = policy
         self.prompt_source = None if dense is False else _dense_prompt_source(env, policy, tokenizer)
         if dense and self.prompt_source is None:
             raise ConfigError("RolloutCollector(dense=True) needs make_generation_env's env (no "
@@ -248,6 +248,8 @@ class RolloutCollector:
         serve (its loader's, in the same order), rendered, sampled and laid out directly."""
         served = 0
         while self.total_batches < 0 or served < self.total_batches:
+            # the primer's own step (private in TorchRL): one row per reset row, as a reset serves
+            # them; tests/test_data.py compares both paths, so a TorchRL change shows up there
             prompts = self.prompt_source._load_from_dataloader(
                 torch.ones(self.batch_size, dtype=torch.bool))
             messages = prompts.get("query").tolist()
