@@ -202,8 +202,7 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
         with self._sampling(grouped=True) as generate, torch.no_grad():
             out = generate(input_ids=input_ids, attention_mask=attention_mask,
                            **self.generate_kwargs)
-        sequences = out["sequences"] if isinstance(out, dict) else getattr(out, "sequences", out)
-        return input_ids, attention_mask, sequences[:, input_ids.shape[1]:]
+        return input_ids, attention_mask, _sequences(out)[:, input_ids.shape[1]:]
 
     def generate_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         max_new_tokens: int) -> torch.Tensor:
@@ -222,8 +221,13 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
         finally:
             if groups is not None:
                 self.model.samples_per_prompt = groups
-        sequences = out["sequences"] if isinstance(out, dict) else getattr(out, "sequences", out)
-        return sequences[:, input_ids.shape[1]:].cpu()
+        return _sequences(out)[:, input_ids.shape[1]:].cpu()
+
+
+def _sequences(out) -> torch.Tensor:
+    """The (B, P + T) token rows a ``generate`` returned: a dict's or an output object's
+    ``sequences`` (transformers, the vLLM generator), or the tensor itself."""
+    return out["sequences"] if isinstance(out, dict) else getattr(out, "sequences", out)
 
 
 def generate_in_groups(model, generate, group: int, *, input_ids: torch.Tensor,
