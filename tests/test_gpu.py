@@ -72,6 +72,34 @@ def test_cuda_sampling_is_on_policy_and_world_size_invariant(tiny_llama_dir, tok
         assert rollout.get(K.RESPONSE_TEXT).tolist() == texts
 
 
+def test_the_dense_path_collects_what_torchrls_env_collects_on_cuda(tiny_llama_dir, tokenizer):
+    """On CUDA too, the dense one-turn path (no env reset or wrapper objects per batch) yields
+    TorchRL's LLMCollector's rollouts key for key: groups, left padding, values and entropies."""
+    device = torch.device("cuda")
+    model = load_causal_lm(tiny_llama_dir, tokenizer).to(device).eval()
+    head = torch.nn.Linear(model.config.hidden_size, 1).to(device)
+    rollouts = {}
+    for dense in (None, False):
+        env = make_generation_env(PROMPTS, tokenizer, batch_size=8, seed=3, samples_per_prompt=2)
+        gen = make_generation_policy(model, tokenizer, max_new_tokens=8, temperature=0.7,
+                                     record_log_probs=True, record_entropy=True,
+                                     samples_per_prompt=2, value_head=head, device=device)
+        collector = RolloutCollector(env, gen, tokenizer=tokenizer, seed=7, samples_per_prompt=2,
+                                     total_batches=3, device=device, dense=dense)
+        assert (collector.collector is None) == (dense is None)
+        rollouts[dense] = list(collector)
+        collector.shutdown()
+    for a, b in zip(rollouts[None], rollouts[False], strict=True):
+        assert a.get(K.RESPONSE_TOKENS).device.type == "cuda"
+        assert set(a.keys(True, True)) == set(b.keys(True, True))
+        for key in a.keys(True, True):
+            x, y = a.get(key), b.get(key)
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and torch.equal(x, y), key
+            else:
+                assert x.tolist() == y.tolist(), key
+
+
 VARIANTS = {
     "fp32": [],
     "bf16": ["model.autocast=bfloat16"],
