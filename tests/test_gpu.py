@@ -2,7 +2,7 @@
 
 Skipped, with the reason, where no GPU is visible. What runs: sampling on CUDA with per-row
 streams, groups and values read off the sampling pass, on-policy against the training forward and
-world-size invariant; the recipe with the transformers backend (fp32, bf16 autocast, LoRA, groups,
+world-size invariant; the dense one-turn collection path equal to TorchRL's env path; the recipe with the transformers backend (fp32, bf16 autocast, LoRA, groups,
 asynchronous overlap) and with vLLM (sleep mode, overlap); vLLM's sleep mode freeing GPU memory;
 torchrun DDP and FSDP2 over NCCL with 2 GPUs against 1. ``rlhf-torchrl bench gpu_suite`` times
 them.
