@@ -28,6 +28,18 @@ def tokenizer(smollm2_dir):
     return load_tokenizer(smollm2_dir)
 
 
+def assert_same_rollouts(a, b) -> None:
+    """``a`` and ``b`` hold the same keys, and equal values under each: tensors of one dtype and
+    equal to the bit, non-tensor entries equal as lists."""
+    assert set(a.keys(True, True)) == set(b.keys(True, True))
+    for key in a.keys(True, True):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), key
+        else:
+            assert x.tolist() == y.tolist(), key
+
+
 def _save_tiny(path, model, tokenizer) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import assert_same_rollouts
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
@@ -314,13 +315,7 @@ def test_the_dense_one_turn_path_collects_what_torchrls_env_collects(
     assert len(rollouts[None]) == 4
     stopped = 0
     for a, b in zip(rollouts[None], rollouts[False], strict=True):
-        assert set(a.keys(True, True)) == set(b.keys(True, True))
-        for key in a.keys(True, True):
-            x, y = a.get(key), b.get(key)
-            if isinstance(x, torch.Tensor):
-                assert x.dtype == y.dtype and torch.equal(x, y), key
-            else:
-                assert x.tolist() == y.tolist(), key
+        assert_same_rollouts(a, b)
         assert a.get(K.PROMPT_MASK).sum(-1).unique().numel() > 1  # left padding
         stopped += int(a.get(K.HAS_STOP).sum())
     assert stopped > 0 or model_fixture != "stopping_llama_dir"

@@ -2,9 +2,10 @@
 
 Skipped, with the reason, where no GPU is visible. What runs: sampling on CUDA with per-row
 streams, groups and values read off the sampling pass, on-policy against the training forward and
-world-size invariant; the dense one-turn collection path equal to TorchRL's env path; the recipe with the transformers backend (fp32, bf16 autocast, LoRA, groups,
-asynchronous overlap) and with vLLM (sleep mode, overlap); vLLM's sleep mode freeing GPU memory;
-torchrun DDP and FSDP2 over NCCL with 2 GPUs against 1. ``rlhf-torchrl bench gpu_suite`` times
+world-size invariant; the dense one-turn collection path equal to TorchRL's env path; the recipe
+with the transformers backend (fp32, bf16 autocast, LoRA, groups, asynchronous overlap) and with
+vLLM (sleep mode, overlap); vLLM's sleep mode freeing GPU memory; torchrun DDP and FSDP2 over NCCL
+with 2 GPUs against 1. ``rlhf-torchrl bench gpu_suite`` times
 them.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_rollouts
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
@@ -91,13 +93,7 @@ def test_the_dense_path_collects_what_torchrls_env_collects_on_cuda(tiny_llama_d
         collector.shutdown()
     for a, b in zip(rollouts[None], rollouts[False], strict=True):
         assert a.get(K.RESPONSE_TOKENS).device.type == "cuda"
-        assert set(a.keys(True, True)) == set(b.keys(True, True))
-        for key in a.keys(True, True):
-            x, y = a.get(key), b.get(key)
-            if isinstance(x, torch.Tensor):
-                assert x.dtype == y.dtype and torch.equal(x, y), key
-            else:
-                assert x.tolist() == y.tolist(), key
+        assert_same_rollouts(a, b)
 
 
 VARIANTS = {
