@@ -143,7 +143,8 @@ def test_vs_trl_gives_the_ours_overrides_to_this_side(tmp_path):
     vs_trl.main(["--worker", "ours", "--fixture", str(tmp_path), "--worker-out", str(out),
                  "--batch-size", "4", "--epochs", "1", "--iterations", "1", "--warmup", "0",
                  "--response-length", "4", "--ours", "model.packing=true"])
-    assert len(json.loads(out.read_text())["seconds"]) == 1
+    result = json.loads(out.read_text())
+    assert len(result["seconds"]) == 1 and result["phases"]["update_floor"] > 0
     (report,) = tmp_path.glob("*/report.json")
     assert json.loads(report.read_text())["config"]["model"]["packing"] is True
 

@@ -119,6 +119,55 @@ def test_dropout_is_disabled(tiny_gpt2_dir, tokenizer):
     assert all(m.p == 0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
 
 
+def test_fused_gelu_computes_gpt2s_gelu_new(tiny_gpt2_dir, tokenizer, tmp_path):
+    """Every loader gives GPT-2 torch's one-kernel tanh GELU in place of transformers' gelu_new:
+    the same logits, values and gradients to fp32 rounding, and a saved model keeps gelu_new."""
+    from transformers import AutoModelForCausalLM, activations
+
+    from rlhf_torchrl.modules import fuse_activations, load_sequence_classifier
+
+    def gelus(model):
+        return [type(m).__name__ for m in model.modules() if "GELU" in type(m).__name__]
+
+    own = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)
+    assert gelus(own) == ["NewGELUActivation"] * 2  # as transformers builds it
+    fused = load_causal_lm(tiny_gpt2_dir, tokenizer)
+    assert gelus(fused) == ["GELU"] * 2
+    assert all(m.approximate == "tanh" for m in fused.modules() if isinstance(m, torch.nn.GELU))
+    ids = torch.randint(0, len(tokenizer), (3, 17))
+    # the pre-activations reach |x| > 3, where both tails of GELU matter
+    x = torch.linspace(-6, 6, 1001, requires_grad=True)
+    y = torch.linspace(-6, 6, 1001, requires_grad=True)
+    activations.NewGELUActivation()(x).sum().backward()
+    torch.nn.GELU(approximate="tanh")(y).sum().backward()
+    torch.testing.assert_close(y.grad, x.grad, rtol=1e-5, atol=1e-5)
+    for m in (own, fused):
+        m.zero_grad()
+        m(ids).logits.logsumexp(-1).sum().backward()
+    torch.testing.assert_close(fused(ids).logits, own(ids).logits, rtol=1e-5, atol=1e-5)
+    for (name, a), b in zip(own.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    fused.save_pretrained(tmp_path / "saved")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "saved").config.activation_function == "gelu_new"
+    # the reward model, a separate critic and a model of the user's own
+    own.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    reward_model, _ = load_sequence_classifier(str(tmp_path / "rm"))
+    critic = make_critic(policy=fused, tokenizer=tokenizer, init="reward_model",
+                         name_or_path=str(tmp_path / "rm"))
+    assert gelus(reward_model) == gelus(critic) == gelus(fuse_activations(own)) == ["GELU"] * 2
+
+
+def test_fuse_activations_leaves_other_activations(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_torchrl.modules import fuse_activations
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    before = [type(m) for m in model.modules()]
+    assert [type(m) for m in fuse_activations(model).modules()] == before
+
+
 @pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_gpt2_dir"])
 def test_shared_trunk_hands_over_hidden_states(model_dir, tokenizer, request):
     """One forward serves actor and shared critic; values equal the critic's own forward; nothing

@@ -110,13 +110,14 @@ def load_policy(name: str, tokenizer: str = "auto", seed: int = 0):
     local directory or a hub id (``load_tokenizer`` / ``load_causal_lm``)."""
     from transformers import AutoModelForCausalLM
 
-    from ..modules import disable_dropout, load_causal_lm, load_tokenizer
+    from ..modules import disable_dropout, fuse_activations, load_causal_lm, load_tokenizer
     from ..modules.models import SMOLLM2
 
-    if name in BUILT:
+    if name in BUILT:  # as load_causal_lm would give it
         tok = _tokenizer(name, tokenizer)
         torch.manual_seed(seed)
-        return tok, disable_dropout(AutoModelForCausalLM.from_config(_built_config(name, tok)))
+        model = AutoModelForCausalLM.from_config(_built_config(name, tok))
+        return tok, fuse_activations(disable_dropout(model))
     if tokenizer != "auto":
         raise ConfigError(f"--tokenizer {tokenizer} is for the built presets ({', '.join(BUILT)}); "
                           f"--model {name} comes with its own tokenizer.")
@@ -132,10 +133,10 @@ def load_policy(name: str, tokenizer: str = "auto", seed: int = 0):
 
 def build_models(name: str, seed: int = 0, tokenizer: str = "auto"):
     """(tokenizer, policy, reference) of ``--model``, both in eval mode, the reference frozen."""
-    from ..modules import disable_dropout
+    from ..modules import disable_dropout, fuse_activations
 
     tok, policy = load_policy(name, tokenizer, seed)
-    reference = type(policy)(policy.config)
+    reference = fuse_activations(type(policy)(policy.config))
     reference.load_state_dict(policy.state_dict())
     return tok, policy.eval(), disable_dropout(reference).eval().requires_grad_(False)
 

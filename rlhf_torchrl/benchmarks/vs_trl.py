@@ -176,8 +176,54 @@ def worker_ours(a, fixture: Path) -> dict:
     rows = [json.loads(x) for x in open(Path(cfg.output_dir) / "metrics.jsonl")]
     phases = {k.split("/")[1]: statistics.median(r[k] for r in rows[a.warmup:])
               for k in rows[0] if k.startswith("time/")}
+    phases["update_floor"] = update_floor(a, fixture)
     return {"seconds": [r["time/total"] for r in rows], "scores": [r["objective/scores"] for r in rows],
             "phases": phases}
+
+
+def update_floor(a, fixture: Path, repeats: int = 5) -> float:
+    """Median seconds of the update's compute floor: per minibatch, one forward and backward of
+    the policy (LM head on the response positions) and of the critic (trunk and value head), and
+    one fused AdamW step over both, as loaded here (the same kernels as the run), on rows of the
+    prompt set's own lengths plus the full response length, with no framework around them."""
+    import random
+
+    import torch
+
+    from ..modules import load_causal_lm, load_tokenizer
+    from ..modules.critic import make_critic
+
+    tok = load_tokenizer(str(fixture / "policy"))
+    policy = load_causal_lm(str(fixture / "policy"), tok).train()
+    critic = make_critic(policy=policy, tokenizer=tok, init="reward_model",
+                         name_or_path=str(fixture / "rm")).train()
+    params = [*policy.parameters(), *critic.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=0.0, fused=True)  # the cost of a step, no change
+    lengths = [len(tok(json.loads(x)["prompt"], add_special_tokens=False)["input_ids"])
+               for x in open(fixture / "prompts.jsonl")]
+    rng, R, rows = random.Random(a.seed), a.response_length, a.batch_size // a.minibatches
+    backbone, head = critic.backbone, critic.head
+
+    def update():
+        for _ in range(a.epochs * a.minibatches):
+            P = max(rng.sample(lengths, rows))
+            ids = torch.randint(0, len(tok), (rows, P + R))
+            optimizer.zero_grad(set_to_none=True)
+            hidden = policy.base_model(ids).last_hidden_state[:, P - 1:-1]
+            logits = policy.get_output_embeddings()(hidden).float()
+            log_probs = logits.log_softmax(-1).gather(-1, ids[:, P:, None])
+            values = head(backbone(ids).last_hidden_state[:, P - 1:-1])
+            (log_probs.sum() + values.sum()).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+
+    update()  # warm-up
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        update()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,7 +295,11 @@ def main(argv=None) -> dict | None:
     print(f"  ours / TRL = {med['ours'] / med['trl']:.2f}  (TRL is {med['trl'] / med['ours']:.2f}x our time)")
     phases = runs["ours"][-1]["phases"]
     print("  our phases (s, median, last run): " + ", ".join(
-        f"{k} {v:.3f}" for k, v in phases.items() if k != "tokens_per_second"))
+        f"{k} {v:.3f}" for k, v in phases.items() if k not in ("tokens_per_second", "update_floor")))
+    floor = statistics.median(res["phases"]["update_floor"] for res in runs["ours"])
+    print(f"  the update's compute floor (bare forwards, backwards and fused AdamW steps of the "
+          f"policy and critic, same shapes): {floor:.3f} s; ours {phases['update'] / floor:.2f}x it. "
+          f"{med['trl'] / 2:.3f} s an iteration would be 2x TRL")
     for side in ("trl", "ours"):
         curve = [round(x, 3) for x in runs[side][0]["scores"]]
         print(f"  reward curve ({side}, run 0): {curve}")

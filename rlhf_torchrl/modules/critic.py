@@ -127,7 +127,13 @@ def make_critic(
         packing: packed forwards (:class:`TokenCritic`).
     """
     from .lora import add_lora, trunk
-    from .models import disable_dropout, match_vocab, pretrained_kwargs, resolve_model_path
+    from .models import (
+        disable_dropout,
+        fuse_activations,
+        match_vocab,
+        pretrained_kwargs,
+        resolve_model_path,
+    )
 
     if init == "shared":
         return TokenCritic(trunk(policy), shared_trunk=True, autocast_dtype=autocast_dtype,
@@ -161,7 +167,7 @@ def make_critic(
         path, num_labels=1, **pretrained_kwargs(dtype, attn_implementation)
     )
     match_vocab(model, tokenizer)
-    disable_dropout(model)
+    fuse_activations(disable_dropout(model))
     head = None
     score = getattr(model, "score", None)
     if init != "policy" and isinstance(score, nn.Linear) and score.out_features == 1:
