@@ -177,18 +177,21 @@ def worker_ours(a, fixture: Path) -> dict:
     phases = {k.split("/")[1]: statistics.median(r[k] for r in rows[a.warmup:])
               for k in rows[0] if k.startswith("time/")}
     phases["update_floor"] = update_floor(a, fixture)
+    phases["update_floor_unfused"] = update_floor(a, fixture, fused=False)
     return {"seconds": [r["time/total"] for r in rows], "scores": [r["objective/scores"] for r in rows],
             "phases": phases}
 
 
-def update_floor(a, fixture: Path, repeats: int = 5) -> float:
+def update_floor(a, fixture: Path, repeats: int = 5, fused: bool = True) -> float:
     """Median seconds of the update's compute floor: per minibatch, one forward and backward of
     the policy (LM head on the response positions) and of the critic (trunk and value head), and
     one fused AdamW step over both, as loaded here (the same kernels as the run), on rows of the
-    prompt set's own lengths plus the full response length, with no framework around them."""
+    prompt set's own lengths plus the full response length, with no framework around them.
+    ``fused=False``: the models' own activation modules (GPT-2's ``gelu_new``, as TRL runs it)."""
     import random
 
     import torch
+    from transformers.activations import NewGELUActivation
 
     from ..modules import load_causal_lm, load_tokenizer
     from ..modules.critic import make_critic
@@ -197,6 +200,10 @@ def update_floor(a, fixture: Path, repeats: int = 5) -> float:
     policy = load_causal_lm(str(fixture / "policy"), tok).train()
     critic = make_critic(policy=policy, tokenizer=tok, init="reward_model",
                          name_or_path=str(fixture / "rm")).train()
+    for model in () if fused else (policy, critic):
+        for module in model.modules():
+            if getattr(module, "act", None).__class__ is torch.nn.GELU:
+                module.act = NewGELUActivation()  # as transformers builds GPT-2
     params = [*policy.parameters(), *critic.parameters()]
     optimizer = torch.optim.AdamW(params, lr=0.0, fused=True)  # the cost of a step, no change
     lengths = [len(tok(json.loads(x)["prompt"], add_special_tokens=False)["input_ids"])
@@ -295,11 +302,14 @@ def main(argv=None) -> dict | None:
     print(f"  ours / TRL = {med['ours'] / med['trl']:.2f}  (TRL is {med['trl'] / med['ours']:.2f}x our time)")
     phases = runs["ours"][-1]["phases"]
     print("  our phases (s, median, last run): " + ", ".join(
-        f"{k} {v:.3f}" for k, v in phases.items() if k not in ("tokens_per_second", "update_floor")))
-    floor = statistics.median(res["phases"]["update_floor"] for res in runs["ours"])
+        f"{k} {v:.3f}" for k, v in phases.items()
+        if k not in ("tokens_per_second", "update_floor", "update_floor_unfused")))
+    floor, unfused = (statistics.median(res["phases"][k] for res in runs["ours"])
+                      for k in ("update_floor", "update_floor_unfused"))
     print(f"  the update's compute floor (bare forwards, backwards and fused AdamW steps of the "
-          f"policy and critic, same shapes): {floor:.3f} s; ours {phases['update'] / floor:.2f}x it. "
-          f"{med['trl'] / 2:.3f} s an iteration would be 2x TRL")
+          f"policy and critic, same shapes): {floor:.3f} s, our update {phases['update'] / floor:.2f}x "
+          f"it; {unfused:.3f} s with the models' own activations (as TRL runs them). 2x TRL would "
+          f"be {med['trl'] / 2:.3f} s an iteration")
     for side in ("trl", "ours"):
         curve = [round(x, 3) for x in runs[side][0]["scores"]]
         print(f"  reward curve ({side}, run 0): {curve}")
