@@ -243,7 +243,8 @@ def test_arithmetic_preset_runs_offline(tmp_path, tiny_llama_dir):
                         "data.limit=16", "generation.max_new_tokens=8")
     assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in rows)
     assert report["samples_after"][0]["prompt"].count("Calculate ") == 1
-    assert report["config"]["model"]["packing"] is True  # ragged answers: the preset packs
+    saved = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert saved["config"]["model"]["packing"] is True  # ragged answers: the preset packs
 
 
 def test_gsm8k_preset_on_a_reasoning_gym_task(tmp_path, tiny_llama_dir):
