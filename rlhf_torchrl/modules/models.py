@@ -144,9 +144,10 @@ def fuse_activations(model: nn.Module) -> nn.Module:
     GPT-2's ``gelu_new`` is eight kernels forward and more backward, each a pass over the MLP's
     widest activations; on a 2-layer, 128-wide GPT-2 the swap takes 14% off the bare PPO update
     of policy and critic on CPU (benchmarks/README.md, "vs_trl"). The loaders here apply it (the
-    policy, reference, critic and reward model); call it on a model of your own. Only the modules change: the config
-    keeps its ``activation_function``, so a saved model loads as it was. Other activations (SiLU,
-    exact GELU) are one kernel already and stay. Returns ``model``, changed in place.
+    policy, reference, critic and reward model); call it on a model of your own. Only the modules
+    change: the config keeps its ``activation_function``, so a saved model loads as it was. Other
+    activations (SiLU, exact GELU) are one kernel already and stay. Returns ``model``, changed in
+    place.
 
     Args:
         model: any ``nn.Module``.
