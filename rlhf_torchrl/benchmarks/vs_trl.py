@@ -200,10 +200,9 @@ def update_floor(a, fixture: Path, repeats: int = 5, fused: bool = True) -> floa
     policy = load_causal_lm(str(fixture / "policy"), tok).train()
     critic = make_critic(policy=policy, tokenizer=tok, init="reward_model",
                          name_or_path=str(fixture / "rm")).train()
-    for model in () if fused else (policy, critic):
-        for module in model.modules():
-            if getattr(module, "act", None).__class__ is torch.nn.GELU:
-                module.act = NewGELUActivation()  # as transformers builds GPT-2
+    for module in [] if fused else [*policy.modules(), *critic.modules()]:
+        if isinstance(getattr(module, "act", None), torch.nn.GELU):  # GPT-2's MLP, fused back
+            module.act = NewGELUActivation()  # as transformers builds it
     params = [*policy.parameters(), *critic.parameters()]
     optimizer = torch.optim.AdamW(params, lr=0.0, fused=True)  # the cost of a step, no change
     lengths = [len(tok(json.loads(x)["prompt"], add_special_tokens=False)["input_ids"])
