@@ -107,7 +107,8 @@ def low_precision(*, autocast: str | None = None, dtype: str = "float32") -> boo
 
 def log_probs_from_sampling(*, backend: str = "transformers", autocast: str | None = None,
                             dtype: str = "float32", overlap: int | None = None,
-                            setting: bool | None = None, partial_rollout: bool = False) -> bool:
+                            setting: bool | None = None, partial_rollout: bool = False,
+                            compiled: bool = False) -> bool:
     """Whether PPO's old log-probs can be those recorded while sampling (``setting`` decides when
     given). By default yes for the transformers backend in fp32, sampling with the weights being
     trained: its sampling forward is the training forward, so they are equal. No for vLLM or
@@ -124,11 +125,13 @@ def log_probs_from_sampling(*, backend: str = "transformers", autocast: str | No
         overlap: the sampler's updates ahead (None: synchronous).
         setting: the user's choice (None: decide as above).
         partial_rollout: responses are sampled in segments by successive weights.
+        compiled: the decode step is compiled (``generation.compile``): other kernels than the
+            training forward's.
     """
     if setting is not None:
         return bool(setting)
     return (not low_precision(autocast=autocast, dtype=dtype) and backend == "transformers"
-            and not overlap and not partial_rollout)
+            and not overlap and not partial_rollout and not compiled)
 
 
 def on_policy_tolerance(*, autocast: str | None = None, dtype: str = "float32",

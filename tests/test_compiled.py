@@ -1,5 +1,6 @@
 """The compiled step (model.compile): decoder layers under torch.compile (inductor), equal to the
-eager forward and backward, one graph per grad mode whatever the shapes."""
+eager forward and backward, one graph per grad mode whatever the shapes; and the compiled decode
+step (generation.compile): a static KV cache, the eager tokens, one graph for every batch."""
 
 import copy
 import shutil
@@ -10,6 +11,7 @@ from test_objectives import _rollout
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.advantages import ResponseGAE
+from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
 from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.modules import (
     TokenLevelActor,
@@ -83,16 +85,18 @@ def test_compiled_step_equals_eager_and_other_lengths_do_not_recompile(tiny_llam
 @pytest.mark.slow
 @needs_compiler
 def test_recipe_packed_and_compiled(tmp_path, tiny_llama_dir):
-    """model.packing=true and model.compile=true through the recipe's builders: the on-policy
-    check (recorded log-probs against the packed, compiled training forward) passes, token-budget
-    micro-batches of real tokens train, the metrics are finite and the weights move."""
+    """model.packing=true, model.compile=true and generation.compile=true through the recipe's
+    builders: the on-policy check (log-probs recorded by the compiled decode step against the
+    packed, compiled training forward) passes, token-budget micro-batches of real tokens train,
+    the metrics are finite and the weights move."""
     import json
     import math
 
     from test_recipe import _cfg, ppo
 
     ppo.train(_cfg(tmp_path, tiny_llama_dir, "model.packing=true", "model.compile=true",
-                   "ppo.micro_batch_tokens=64", "value_model.init=policy"))
+                   "generation.compile=true", "ppo.micro_batch_tokens=64",
+                   "value_model.init=policy"))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     assert all(math.isfinite(r["loss/policy_avg"]) and math.isfinite(r["loss/value_avg"])
@@ -103,3 +107,42 @@ def test_recipe_packed_and_compiled(tmp_path, tiny_llama_dir):
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").state_dict()
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def _sample(model, tokenizer, prompts, static_cache_len):
+    env = make_generation_env(prompts, tokenizer, batch_size=4, seed=3)
+    gen = make_generation_policy(model, tokenizer, max_new_tokens=6, temperature=0.7,
+                                 record_log_probs=True, static_cache_len=static_cache_len)
+    collector = RolloutCollector(env, gen, tokenizer=tokenizer, batch_size=4, seed=7,
+                                 total_batches=2)
+    rollouts = list(collector)
+    collector.shutdown()
+    return rollouts
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_compiled_decode_draws_eager_tokens_and_compiles_once(tiny_llama_dir, tokenizer):
+    """generation.compile: a static KV cache and transformers' compiled decode step draw the
+    eager dynamic-cache decoding's tokens from the same row streams, with its log-probs to fp32
+    rounding, and wider prompts compile nothing more: the cache's shape is fixed by
+    ``static_cache_len``."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = load_causal_lm(tiny_llama_dir, tokenizer)
+    short = [f"Prompt {i}" for i in range(8)]
+    long = [f"A longer prompt {i} " + "word " * 12 for i in range(8)]
+    eager = _sample(model, tokenizer, short, None) + _sample(model, tokenizer, long, None)
+    widths = [r.get(K.PROMPT_TOKENS).shape[1] for r in eager]
+    assert widths[0] < widths[-1]  # the long prompts' batches are wider
+    assert counters["stats"]["unique_graphs"] == 0
+    compiled = _sample(model, tokenizer, short, 96)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1  # it did compile
+    compiled += _sample(model, tokenizer, long, 96)
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e.get(K.RESPONSE_TOKENS), c.get(K.RESPONSE_TOKENS))
+        torch.testing.assert_close(c.get(K.LOG_PROB), e.get(K.LOG_PROB), atol=1e-5, rtol=0)

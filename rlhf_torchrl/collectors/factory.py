@@ -103,6 +103,9 @@ class CollectorSpec:
             round and continued later
             (:class:`~rlhf_torchrl.collectors.partial.PartialRolloutCollector`); None: whole
             responses.
+        static_cache_len: the transformers backend decodes with a static KV cache of this many
+            positions and a compiled decode step (``generation.compile``; None: eager, a dynamic
+            cache).
     """
 
     batch_size: int
@@ -132,6 +135,7 @@ class CollectorSpec:
     tool_timeout: float = 10.0
     python_sandbox: SandboxSpec | None = None
     partial_rollout_tokens: int | None = None
+    static_cache_len: int | None = None
 
 
 def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=None,
@@ -215,6 +219,7 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
             autocast_dtype=torch_dtype(spec.autocast_dtype) if spec.autocast_dtype else None,
             samples_per_prompt=spec.samples_per_prompt,
             value_head=value_head if sampling_model is policy else None,
+            static_cache_len=spec.static_cache_len,
         )
         gen_policy.generate_kwargs.update(parallel.generate_kwargs())
     local = spec.batch_size // world

@@ -30,6 +30,7 @@ def make_generation_policy(
     autocast_dtype: torch.dtype | None = None,
     samples_per_prompt: int = 1,
     value_head: torch.nn.Module | None = None,
+    static_cache_len: int | None = None,
 ):
     """TorchRL's ``TransformersWrapper`` set up to sample responses on-policy.
 
@@ -68,6 +69,13 @@ def make_generation_policy(
             a :class:`~rlhf_torchrl.sampling.ValueRecorder` then reads each response token's value
             off the sampling forwards, and :class:`RolloutCollector` writes them as
             ``"state_value"`` (the old values need no trunk forward of their own). None: no values.
+        static_cache_len: ``N``: decode with a static KV cache of ``N`` positions (the longest
+            prompt plus the response budget) and the decode step compiled by transformers
+            (``torch.compile``, CUDA graphs on CUDA): one graph serves every batch of the same
+            size, since the cache's shape never changes (:func:`static_cache_settings`). The
+            prefill stays eager; a group's prompt is then prefilled once per row (the grouped
+            prefill continues a dynamic cache), and ``value_head`` must be None (the value hook
+            would split the compiled step). None: transformers' dynamic cache, eager.
     """
     from transformers import LogitsProcessorList
 
@@ -94,11 +102,41 @@ def make_generation_policy(
     policy.generation_config = sampling_generation_config(model)
     policy.autocast_dtype = autocast_dtype
     policy.samples_per_prompt = samples_per_prompt
+    if static_cache_len is not None:
+        if value_head is not None:
+            raise ValueError("Values are not read off a compiled decode step: pass value_head=None "
+                             "(the critic computes them) or static_cache_len=None.")
+        for name, value in static_cache_settings(static_cache_len).items():
+            setattr(policy.generation_config, name, value)
+        policy.samples_per_prompt = 1  # the grouped prefill continues a dynamic cache
     policy.value_recorder = ValueRecorder(trunk(model), value_head) if value_head is not None else None
     # TransformersWrapper drops generate_kwargs it does not know, logits_processor among them
     # (tests/test_torchrl_upstream.py): set it on the built wrapper
     policy.generate_kwargs["logits_processor"] = LogitsProcessorList([sampler])
     return policy
+
+
+def static_cache_settings(max_cache_len: int) -> dict:
+    """The ``GenerationConfig`` settings of a compiled decode step over a static KV cache of
+    ``max_cache_len`` positions.
+
+    transformers compiles the model's forward for the decode steps (``compile_config``; its
+    default mode, ``reduce-overhead``, replays CUDA graphs on CUDA) when the cache is static. The
+    cache is sized for the longest prompt plus the response budget on every call
+    (``max_cache_len``), so a batch with a shorter prompt reuses the same graph instead of
+    recompiling. ``dynamic=False``: the shapes are fixed by construction. ``_compile_all_devices``
+    lets it compile on a CPU too (transformers compiles on accelerators only by default), where
+    the tests check its tokens against eager decoding.
+
+    Args:
+        max_cache_len: the cache's positions: the longest prompt plus ``max_new_tokens``.
+    """
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=False, dynamic=False)
+    config._compile_all_devices = True  # transformers' own switch (CPU included)
+    return {"cache_implementation": "static", "max_cache_len": int(max_cache_len),
+            "compile_config": config}
 
 
 def on_policy_wrapper(model, tokenizer, *, max_new_tokens: int,

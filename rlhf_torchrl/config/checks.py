@@ -171,6 +171,7 @@ def check_config(cfg: DictConfig) -> Sizes:
                          "generation.log_probs_from_sampling=false (or drop ppo.tis_cap).")
     check_off_policy_correction(cfg)
     check_partial_rollout(cfg, world)
+    check_compiled_generation(cfg)
     check_logger(cfg.logging.logger)  # its package installed
     if not cfg.reward.model and not cfg.reward.remote_url and not cfg.reward.functions:
         raise ConfigError(
@@ -241,6 +242,26 @@ def check_warm_start(cfg: DictConfig) -> None:
             f"{init_then}) and this one's (value_model.init={cfg.value_model.init}) are "
             "not of the same kind: a shared trunk's head reads the policy's features, a separate "
             "critic's its own trunk. Use the checkpoint's value_model.init.")
+
+
+def check_compiled_generation(cfg: DictConfig) -> None:
+    """``generation.compile`` (a static KV cache sized for ``data.max_prompt_length`` plus the
+    response budget) where that cache holds every episode: the transformers backend, one turn.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    g = cfg.generation
+    if not g.compile:
+        return
+    if g.backend != "transformers":
+        raise ConfigError(f"generation.compile=true compiles transformers' decode step; "
+                          f"generation.backend={g.backend} samples with its own engine (vLLM: "
+                          "vllm.enforce_eager=false captures CUDA graphs): drop generation.compile.")
+    if cfg.env.max_turns > 1:
+        raise ConfigError(f"generation.compile=true with env.max_turns={cfg.env.max_turns}: the "
+                          "static cache is sized for one prompt and one response; tool turns "
+                          "grow an episode past it. Use generation.compile=false for tools.")
 
 
 def check_partial_rollout(cfg: DictConfig, world: int) -> None:

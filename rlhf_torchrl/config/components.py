@@ -185,6 +185,7 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
         max_turns=cfg.env.max_turns, tools=tuple(cfg.env.tools), max_tokens=cfg.env.max_tokens,
         tool_timeout=cfg.env.tool_timeout, python_sandbox=python_sandbox(cfg),
         partial_rollout_tokens=partial_rollout_tokens(cfg),
+        static_cache_len=(cfg.data.max_prompt_length + g.max_new_tokens) if g.compile else None,
         vllm=VLLMSpec(
             max_model_len=v.max_model_len or cfg.data.max_prompt_length + g.max_new_tokens,
             dtype=v.dtype or cfg.model.dtype, gpu_memory_utilization=v.gpu_memory_utilization,

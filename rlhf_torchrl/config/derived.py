@@ -77,7 +77,8 @@ def log_probs_from_sampling(cfg: DictConfig, *, autocast: str | None | bool = Fa
     return from_sampling(backend=cfg.generation.backend, autocast=cfg.model.autocast if autocast is False else autocast,
                          dtype=cfg.model.dtype, overlap=cfg.collection.overlap,
                          setting=cfg.generation.log_probs_from_sampling,
-                         partial_rollout=cfg.collection.partial_rollout)
+                         partial_rollout=cfg.collection.partial_rollout,
+                         compiled=cfg.generation.compile)
 
 
 def tis_cap(cfg: DictConfig) -> float | None:

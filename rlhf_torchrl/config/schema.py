@@ -179,6 +179,7 @@ class Generation:
     top_k: int = MISSING
     top_p: float = MISSING
     samples_per_prompt: int = MISSING
+    compile: bool = MISSING
     stop_token: str | None = MISSING
     log_probs_from_sampling: bool | None = MISSING
     check_on_policy: bool = MISSING
