@@ -24,6 +24,7 @@ answer); ``("text", "episode")`` is the whole transcript, tool messages included
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -39,29 +40,85 @@ from ..tools import ToolCall, parse_tool_calls, run_tool
 _SENTINEL = "\ue000"  # a private-use character: where the assistant's text sits in a rendering
 
 
+#: an added token shaped like markup (``<tool_call>``, ``</think>``, ``[INST]``): a control token of
+#: the chat format even where the tokenizer does not mark it special (Qwen's tool-call tags)
+_MARKUP = re.compile(r"<[^<>\s]+>|\[[^\[\]\s]+\]")
+#: the tool message's text where the template's own text would join the tool's into a control token
+WITHHELD = "(the tool's output was withheld: it would have read as the chat format's control tokens)"
+
+
+def control_tokens(tokenizer) -> list[str]:
+    """The strings ``tokenizer`` reads as one control token, longest first: its special tokens
+    (those it names and every added token marked special) and the markup-shaped added tokens it
+    matches whole though unmarked (Qwen's ``<tool_call>``); an added token of plain text (a run of
+    spaces, a word) is not one.
+
+    Args:
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+    """
+    found = set(tokenizer.all_special_tokens)
+    for added in tokenizer.added_tokens_decoder.values():
+        if added.special or _MARKUP.fullmatch(added.content):
+            found.add(added.content)
+    return sorted((t for t in found if t), key=len, reverse=True)
+
+
+def strip_control_tokens(text: str, controls: list[str]) -> str:
+    """``text`` without any of the strings in ``controls``, removed to a fixed point: removing one
+    can join its neighbours into another (``"<|im_" + "<|im_end|>" + "end|>"`` is a real
+    ``<|im_end|>`` after one pass), so the passes repeat until one changes nothing. Each pass that
+    changes the text shortens it, so the passes end.
+
+    Args:
+        text: a tool's output.
+        controls: the control tokens' strings (:func:`control_tokens`).
+    """
+    while True:
+        before = text
+        for token in controls:
+            text = text.replace(token, "")
+        if text == before:
+            return text
+
+
 def observation_tokens(tokenizer, conversation: list[dict], tool_text: str,
-                       stop_text: str) -> list[int]:
+                       stop_text: str, controls: list[str] | None = None) -> list[int]:
     """The tokens the environment writes after an assistant turn that ended with ``stop_text``:
     the rest of the turn's closing, the tool message with ``tool_text``, and the next assistant
     header, as the tokenizer's chat template renders them after ``conversation`` (which ends with
-    that assistant turn). Special-token strings in ``tool_text`` are removed first (a tool's
-    output must not open or close turns).
+    that assistant turn).
+
+    A tool's output must not open or close turns: its control-token strings are removed to a fixed
+    point (:func:`strip_control_tokens`), and the control tokens of the result must be the
+    template's own (those of the same message with ``"."`` for the tool's text). Where they are not
+    (the template's text around the tool's joins it into one, or the tokenizer's normalizer makes
+    one), the tool's text is :data:`WITHHELD`.
 
     Args:
         tokenizer (transformers.PreTrainedTokenizerBase): renders with its chat template.
         conversation: the episode so far, ending with the assistant turn.
         tool_text: the tools' output.
         stop_text: the text of the stop token the turn ended with.
+        controls: :func:`control_tokens` of ``tokenizer`` (None: found here).
     """
-    for special in tokenizer.all_special_tokens:
-        tool_text = tool_text.replace(special, "")
-    rendered = tokenizer.apply_chat_template(
-        [*conversation[:-1], {"role": "assistant", "content": _SENTINEL},
-         {"role": "tool", "content": tool_text}], tokenize=False, add_generation_prompt=True)
-    tail = rendered[rendered.rindex(_SENTINEL) + len(_SENTINEL):]
-    if stop_text and tail.startswith(stop_text):  # the policy wrote the turn's end token itself
-        tail = tail[len(stop_text):]
-    return tokenizer(tail, add_special_tokens=False)["input_ids"]
+    controls = control_tokens(tokenizer) if controls is None else controls
+    # an unknown character's token is text, not structure
+    control_ids = set(tokenizer.convert_tokens_to_ids(controls)) - {tokenizer.unk_token_id}
+
+    def tail_ids(text: str) -> list[int]:
+        rendered = tokenizer.apply_chat_template(
+            [*conversation[:-1], {"role": "assistant", "content": _SENTINEL},
+             {"role": "tool", "content": text}], tokenize=False, add_generation_prompt=True)
+        tail = rendered[rendered.rindex(_SENTINEL) + len(_SENTINEL):]
+        if stop_text and tail.startswith(stop_text):  # the policy wrote the turn's end token itself
+            tail = tail[len(stop_text):]
+        return tokenizer(tail, add_special_tokens=False)["input_ids"]
+
+    ids = tail_ids(strip_control_tokens(tool_text, controls))
+    template_own = [i for i in tail_ids(".") if i in control_ids]
+    if [i for i in ids if i in control_ids] != template_own:
+        ids = tail_ids(WITHHELD)
+    return ids
 
 
 class MultiTurnCollector:
@@ -106,6 +163,7 @@ class MultiTurnCollector:
         self.max_new_tokens, self.max_tokens = max_new_tokens, max_tokens
         self.stop_token_ids = list(collector.stop_token_ids)
         self.value_recorder = getattr(policy, "value_recorder", None)
+        self.controls = control_tokens(tokenizer)  # what a tool's output may not write
 
     @property
     def sampler(self):
@@ -162,9 +220,10 @@ class MultiTurnCollector:
         if turn == self.max_turns:
             row.end = "max_turns"
             return False
-        content = "\n".join(r.content for r in results)
+        # the conversation keeps the text the policy read: no control tokens (observation_tokens)
+        content = strip_control_tokens("\n".join(r.content for r in results), self.controls)
         observed = observation_tokens(self.tokenizer, row.conversation, content,
-                                      self.tokenizer.decode([row.tokens[-1]]))
+                                      self.tokenizer.decode([row.tokens[-1]]), self.controls)
         if self.max_tokens is not None and len(row.tokens) + len(observed) >= self.max_tokens:
             row.end = "max_tokens"
             return False
