@@ -13,6 +13,7 @@ BENCHMARKS = {
     "scaling": "the recipe under bf16, LoRA, a token budget, torchrun, vLLM, overlap, Ray ...",
     "vs_trl": "side by side with TRL's PPOTrainer at identical settings (installs TRL in a venv)",
     "gpu_suite": "every CUDA path in one table (needs a CUDA GPU)",
+    "real_sizes": "Qwen2.5-0.5B/1.5B shapes at verl's quickstart settings, their floor and verl's step (a CUDA GPU)",
     "estimators": "PPO (GAE) against GRPO, RLOO and REINFORCE++ on a task, seeds x estimators full runs, then their table",
     "estimators_table": "the table of the estimators runs (held-out result, KL, distinct-2, s/iteration, peak RSS)",
     "data_loading": "start-up time and peak memory of a prompt set by form and size (10k-1M rows)",

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The prepared GPU run (issue 47), about 8 minutes on one H100/H200, no network needed:
+#   1. rlhf-torchrl bench real_sizes: a device profile, then for Qwen2.5-0.5B's and 1.5B's
+#      shapes (random inits of rlhf_torchrl/benchmarks/model_configs/*.json) the floor of the
+#      run's shapes and the PPO recipe at verl's quickstart settings, eager and compiled
+#      generation, in bf16: seconds per phase, tokens/s, MFU, peak GPU memory -> $OUT/real_sizes.json
+#   2. the GPU tests (python -m pytest -m gpu), log -> $OUT/gpu_tests.log
+# Each step has a deadline and writes what it measured as it goes: a run cut short keeps it.
+#
+#   bash benchmarks/gpu.sh OUTDIR
+#
+# On a machine without this project's dependencies (the lent GPU has torch and transformers
+# only), wheels in .whl/ are installed to /tmp/site first (python3.12 manylinux wheels of torchrl,
+# tensordict, hydra-core, omegaconf, antlr4-python3-runtime, orjson, pyvers, hoptorch,
+# importlib_metadata, lazy-importer), and SmolLM2's tokenizer is read from .gpucache/ when it is
+# there (RLHF_TORCHRL_CACHE: a copy of ~/.cache/rlhf_torchrl/SmolLM2-135M-Instruct without its
+# weights; the tests and the benchmark need only its tokenizer).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-outputs/gpu}
+mkdir -p "$OUT"
+if [ -d .whl ] && ! python3 -c "import torchrl" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+[ -d .gpucache ] && export RLHF_TORCHRL_CACHE="$PWD/.gpucache"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+start=$(date +%s)
+timeout "${REAL_SIZES_TIMEOUT:-400}" python3 -m rlhf_torchrl.cli bench real_sizes \
+    --out "$OUT/real_sizes.json" ${REAL_SIZES_ARGS:-} 2>&1 | tee "$OUT/real_sizes.log"
+echo "real_sizes: $(( $(date +%s) - start )) s"
+
+start=$(date +%s)
+timeout "${GPU_TESTS_TIMEOUT:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
+    2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15
+echo "GPU tests: $(( $(date +%s) - start )) s"

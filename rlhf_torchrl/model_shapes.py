@@ -1,0 +1,115 @@
+"""A causal LM's shape from its ``config.json`` alone, and the FLOPs of its forward passes: what
+``rlhf-torchrl plan`` and the benchmarks' MFU count. No weight is loaded.
+
+The counts are the matmuls' multiply-adds, 2 FLOPs each (embedding look-ups, norms and
+activations are left out: under 1% at these sizes). Attention's two matmuls are counted over the
+causal half of the score matrix, the work a causal kernel does. A backward pass is counted as
+twice its forward (the gradients of the inputs and of the weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory and FLOPs of a decoder-only transformer depend on.
+
+    Args:
+        layers: decoder layers.
+        hidden: the residual stream's width.
+        heads: query heads.
+        kv_heads: key/value heads (grouped-query attention: fewer than ``heads``).
+        head_dim: each head's width.
+        intermediate: the MLP's inner width.
+        vocab: the vocabulary (the embedding's and LM head's rows).
+        tied: the LM head shares the embedding's weights.
+        gated_mlp: a gated MLP (SwiGLU: 3 matrices) rather than 2.
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    gated_mlp: bool = True
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        """The shape of a transformers config (Llama, Qwen2/3, Mistral, GPT-2, ...).
+
+        Args:
+            config (transformers.PretrainedConfig): the model's config.
+        """
+        get = lambda *names, default=None: next(  # noqa: E731
+            (getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
+        hidden = get("hidden_size", "n_embd", "d_model")
+        heads = get("num_attention_heads", "n_head")
+        head_dim = get("head_dim", default=hidden // heads)
+        gpt2 = getattr(config, "model_type", "") == "gpt2"
+        return cls(layers=get("num_hidden_layers", "n_layer"), hidden=hidden, heads=heads,
+                   kv_heads=get("num_key_value_heads", default=heads), head_dim=head_dim,
+                   intermediate=get("intermediate_size", "n_inner", default=4 * hidden),
+                   vocab=config.vocab_size,
+                   tied=bool(getattr(config, "tie_word_embeddings", True)),
+                   gated_mlp=not gpt2)
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's matmuls: q, k, v, o and the MLP's."""
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return attention + (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+
+    @property
+    def trunk_params(self) -> int:
+        """Parameters of the trunk: the layers (with their norms) and the embedding."""
+        norms = self.layers * 2 * self.hidden + self.hidden
+        return self.layers * self.layer_matmul_params + norms + self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """Parameters of the causal LM: the trunk, and the LM head unless tied."""
+        return self.trunk_params + (0 if self.tied else self.vocab * self.hidden)
+
+    def forward_flops(self, rows: int, length: int, head_positions: int) -> float:
+        """FLOPs of one forward over ``rows`` sequences of ``length`` tokens, the LM head (or a
+        value head, ``vocab`` 1) applied at ``head_positions`` positions of each row.
+
+        Args:
+            rows: sequences.
+            length: tokens per sequence (padded positions count: they are computed).
+            head_positions: positions per row the output head runs on.
+        """
+        linear = 2 * self.layers * self.layer_matmul_params * length
+        attention = 2 * self.layers * self.heads * self.head_dim * length * length  # causal half
+        return rows * (linear + attention + 2 * self.hidden * self.vocab * head_positions)
+
+    def decode_flops(self, rows: int, prompt: int, new: int) -> float:
+        """FLOPs of sampling ``new`` tokens after ``prompt`` with a KV cache: the prefill, then one
+        token per step attending to all before it.
+
+        Args:
+            rows: sequences.
+            prompt: prompt tokens per row.
+            new: tokens sampled per row.
+        """
+        prefill = self.forward_flops(rows, prompt, 1)
+        per_token = 2 * self.layers * self.layer_matmul_params + 2 * self.hidden * self.vocab
+        context = 4 * self.layers * self.heads * self.head_dim * (new * prompt + new * new / 2)
+        return prefill + rows * (new * per_token + context)
+
+
+def training_flops(shape: ModelShape, rows: int, length: int, head_positions: int) -> float:
+    """FLOPs of a forward and backward (3x the forward) over ``rows`` x ``length`` tokens.
+
+    Args:
+        shape: the model's shape.
+        rows: sequences.
+        length: tokens per sequence.
+        head_positions: positions per row the output head runs on.
+    """
+    return 3 * shape.forward_flops(rows, length, head_positions)
