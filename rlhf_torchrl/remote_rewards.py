@@ -91,7 +91,9 @@ class RemoteReward:
     reward function for :class:`~rlhf_torchrl.scoring.Scorer`.
 
     The scores come back in the rows' order. A refused connection, a timeout or a 429/5xx answer is
-    tried again, with one warning when it first fails. A service that stays down,
+    tried again, with one warning when it first fails. Each request has ``timeout`` seconds of
+    wall-clock time in all (a service that trickles its answer is cut off), and a redirect is an
+    error, never followed: the token goes to ``url`` alone (:mod:`~rlhf_torchrl.http_client`). A service that stays down,
     an error answer (400, 401, 413, ...) or an answer other than one number per response raises
     :class:`~rlhf_torchrl.scoring.RewardError`, one line naming the URL and what came back: the
     run stops before its update, its last checkpoint intact. No score is ever made up.
@@ -100,7 +102,7 @@ class RemoteReward:
         url: the scoring endpoint.
         name: the reward's name in errors and metrics.
         token_env: the environment variable holding a bearer token (None: no token).
-        timeout: seconds each request may take.
+        timeout: seconds of wall-clock time each request may take, connect to last byte.
         retries: tries after the first, for a refused connection, a timeout or a 429/5xx answer.
         batch_size: responses per request.
         concurrency: requests in flight at once.
@@ -217,6 +219,10 @@ class RemoteReward:
                    "it wants a bearer token: set reward.remote_token_env to the environment "
                    "variable that holds it")
             return f"{where} refused the request: {error.failure}{said}; {fix}."
+        if error.status is not None and 300 <= error.status < 400:
+            return (f"{where} answered {error.failure}: a redirect is never followed, so the "
+                    "request and its token go to the configured URL alone; set reward.remote_url "
+                    "to the URL that scores.")
         if error.status == 413:
             return (f"{where} refused a request of {n} responses ({size} bytes) as too large: "
                     f"{error.failure}{said}; lower reward.remote_batch_size.")

@@ -24,16 +24,20 @@ from . import Execution, SandboxSpec
 
 log = logging.getLogger(__name__)
 
-#: seconds past the run's own limit the service may take to answer (queueing, start-up, network)
-ANSWER_SLACK = 1.0
+#: seconds past the run's own limit the service may take to answer (queueing, start-up, network):
+#: less than :data:`~rlhf_torchrl.tools.ANSWER_GRACE`, so a call made by ``run_tool`` has ended its
+#: request, socket closed, before ``run_tool`` stops waiting for it: no thread outlives the call
+ANSWER_SLACK = 0.5
 
 
 class RemoteSandbox:
     """Runs Python code on a SandboxFusion-compatible service at ``spec.url``.
 
-    A call's HTTP request gets the run's limit plus :data:`ANSWER_SLACK`; a refused connection,
-    a dropped one or an answer in :data:`~rlhf_torchrl.http_client.RETRY_STATUSES` is tried
-    again, as long as the run's time allows (:func:`~rlhf_torchrl.http_client.post_json`). A
+    A call's HTTP requests get the run's limit plus :data:`ANSWER_SLACK`, in wall-clock time for
+    them all: a service that trickles its answer is cut off then; a refused connection, a dropped
+    one or an answer in :data:`~rlhf_torchrl.http_client.RETRY_STATUSES` is tried again, as long
+    as the run's time allows (:func:`~rlhf_torchrl.http_client.post_json`). A redirect is an
+    error, never followed. A
     service that stays down gives an :class:`~.Execution` ending in ``"error"`` whose message says
     so (and a warning in the log, once until it answers again).
 
@@ -84,6 +88,9 @@ class RemoteSandbox:
         except ServiceError as e:
             message = (f"the sandbox service at {self.spec.url} did not answer ({e.attempts} "
                        f"attempt{'s' * (e.attempts != 1)}; last: {e.failure})")
+            if e.status is not None and 300 <= e.status < 400:
+                message = (f"the sandbox service at {self.spec.url} answered {e.failure}: set "
+                           "env.sandbox_url to the run_code endpoint itself")
             if not self._down:
                 log.warning("The python tool's %s: its calls fail until it answers.", message)
             self._down = True
