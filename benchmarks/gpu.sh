@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
 start=$(date +%s)
-timeout "${REAL_SIZES_TIMEOUT:-400}" python3 -m rlhf_torchrl.cli bench real_sizes \
+timeout "${REAL_SIZES_TIMEOUT:-420}" python3 -m rlhf_torchrl.cli bench real_sizes \
     --out "$OUT/real_sizes.json" ${REAL_SIZES_ARGS:-} 2>&1 | tee "$OUT/real_sizes.log"
 echo "real_sizes: $(( $(date +%s) - start )) s"
 

@@ -63,6 +63,7 @@ class DataParallel:
         self.device = device or torch.device("cpu")
         self._ddp = None
         self._sharded: list[nn.Module] = []
+        self._one_process_group = False  # torchrun with one process and FSDP2
 
     @property
     def enabled(self) -> bool:
@@ -74,7 +75,9 @@ class DataParallel:
 
     @property
     def fsdp(self) -> bool:
-        return self.enabled and self.strategy == "fsdp2"
+        """FSDP2 shards the models: under torchrun with ``strategy="fsdp2"``, one process
+        included (a mesh of one: the same engine, its casts and hooks, on a single GPU)."""
+        return self.strategy == "fsdp2" and (self.enabled or self._one_process_group)
 
     # ---- collectives -----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -292,7 +295,8 @@ def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None
     """
     world = int(os.environ.get("WORLD_SIZE", 1))
     device = device or torch.device("cpu")
-    if world <= 1:
+    # one process runs FSDP2 only when torchrun started it (a group of one to shard over)
+    if world <= 1 and not (strategy == "fsdp2" and "RANK" in os.environ):
         return DataParallel(strategy=strategy, device=device)
     import torch.distributed as dist
 
@@ -303,5 +307,7 @@ def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None
         dist.init_process_group(backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
                                 device_id=device if device.type == "cuda" else None)
     log.info("Process %d of %d (%s, %s)", rank, world, strategy, device)
-    return DataParallel(rank=rank, world_size=world, local_rank=local_rank, strategy=strategy,
-                        device=device)
+    parallel = DataParallel(rank=rank, world_size=world, local_rank=local_rank, strategy=strategy,
+                            device=device)
+    parallel._one_process_group = world == 1
+    return parallel

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 
+import torch
 from tensordict import TensorDictBase
 
 #: the stages hooks register at, in the order an iteration reaches them (TorchRL's names where the
@@ -86,11 +87,17 @@ class StagedLoop:
 
     @contextmanager
     def timed(self, name: str):
-        """Time the block as ``time/<name>`` in this iteration's metrics.
+        """Time the block as ``time/<name>`` in this iteration's metrics; on CUDA, its peak GPU
+        memory too, as ``memory/<name>_gpu_gb`` (the most its tensors held, in GiB).
 
         Args:
             name: the metric's name after ``time/``.
         """
+        cuda = torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         yield
         self.metrics[f"time/{name}"] = time.perf_counter() - start
+        if cuda:
+            self.metrics[f"memory/{name}_gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30

@@ -344,9 +344,9 @@ class PPOTrainer(StagedLoop):
         if K.SAMPLING_SECONDS in batch.keys():
             sampling = metrics["time/sampling"] = float(batch.get(K.SAMPLING_SECONDS).max())
         metrics["time/tokens_per_second"] = n_tokens / max(sampling, 1e-9)
-        device = module_device(self.actor.model)
-        if device.type == "cuda":  # the run's peak so far: what the memory plan is checked against
-            metrics["memory/gpu_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        phases = [v for k, v in metrics.items() if k.startswith("memory/") and k.endswith("_gpu_gb")]
+        if phases:  # CUDA: the iteration's peak, what the memory plan is checked against
+            metrics["memory/gpu_peak_gb"] = max(phases)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["episode"] = self.iterations_done * batch.shape[0]
         self.run_stage("post_steps_log", batch)  # evaluation, the KL ceiling, the report's samples

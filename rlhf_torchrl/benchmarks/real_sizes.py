@@ -22,7 +22,8 @@ Per model, each in its own process (the GPU's memory freed between them):
    with the compiled decode step (tokens/s), the old quantities' forwards, and the update's
    forwards, backwards and fused AdamW steps of the policy and the critic (its MFU).
 2. the recipe (``rlhf-torchrl ppo``) per variant: ``eager`` and ``compiled`` generation
-   (``generation.compile=true``), seconds per phase (medians after the first iteration), tokens/s,
+   (``generation.compile=true``), and ``fsdp2`` (torchrun with one process, the models sharded by
+   FSDP2 over a mesh of one: its engine's cost on one GPU), seconds per phase (medians after the first iteration), tokens/s,
    the peak GPU memory (``memory/gpu_peak_gb``).
 
 A device profile first (peak bf16 matmul FLOP/s and copy bandwidth), for MFU and for
@@ -66,7 +67,9 @@ VERL = {"settings": {"model": "Qwen2.5-0.5B-Instruct", "train_batch_size": 256,
                     "update_critic": 15.66, "update_actor": 20.31}}
 VERL["seconds"]["old_quantities"] = VERL["seconds"]["reference"] + VERL["seconds"]["values"]
 VERL["seconds"]["update"] = VERL["seconds"]["update_critic"] + VERL["seconds"]["update_actor"]
-VARIANTS = {"eager": [], "compiled": ["generation.compile=true"]}
+VARIANTS = {"eager": [], "compiled": ["generation.compile=true"],
+            # torchrun with one process: FSDP2's engine (bf16 all-gathers, fp32 reductions) on one GPU
+            "fsdp2": ["distributed.strategy=fsdp2"]}
 PHASES = ("generation", "scoring", "old_quantities", "advantages", "update", "total")
 _FILLER = ("apples", "trains", "school", "money", "hours", "friends", "baker", "cookies", "miles",
            "price", "weeks", "garden", "books", "toys", "water", "store", "dollars", "minutes")
@@ -310,7 +313,10 @@ def recipe(name: str, variant: str, path: Path, prompts: Path, out_dir: Path, ar
         f"ppo.forward_batch_size={args.forward_batch_size}",
         f"generation.max_new_tokens={args.response_length}", "data.max_prompt_length=512",
         "optim.critic_warmup=0", *VARIANTS[variant], *args.overrides]
-    cmd = [sys.executable, "-m", "rlhf_torchrl.cli", "ppo", *overrides]
+    launcher = [sys.executable]
+    if variant == "fsdp2":
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    cmd = [*launcher, "-m", "rlhf_torchrl.cli", "ppo", *overrides]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.recipe_timeout)
