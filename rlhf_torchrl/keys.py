@@ -127,6 +127,9 @@ def written_by(key) -> str:
         LOG_PROB: "the sampler (make_generation_policy(record_log_probs=True)) or "
                   "compute_old_quantities(actor=...)",
         REF_LOG_PROB: "the reference pass (compute_old_quantities(reference=...))",
+        BEHAVIOUR_LOG_PROB: "the trainer, which keeps the sampler's log-probs there before "
+                            "recomputing the old ones (PPOTrainer(keep_sampler_log_probs=True)); "
+                            "a loss with tis_cap weighs each token by their ratio",
         VALUE: "the critic's pass (compute_old_quantities(critic=...))",
         SCORE: "the scorer (Scorer)",
         KL: shaper, REWARD: shaper, NON_SCORE_REWARD: shaper, DONE: shaper, TERMINATED: shaper,

@@ -93,7 +93,8 @@ def loss_input_keys(loss_module) -> list:
     """The rollout entries a PPO loss reads: the actor's prompt and response, the old log-probs,
     the advantages; with a critic the value targets (and the old values with ``clip_value``);
     :class:`~rlhf_torchrl.objectives.TokenPPOLoss`'s KL term the reference log-probs, its
-    positive-example term the scores.
+    positive-example term the scores, its off-policy correction (``tis_cap``) the sampler's
+    log-probs.
 
     Args:
         loss_module (torch.nn.Module): a TorchRL PPO loss, set up for the rollout.
@@ -111,6 +112,8 @@ def loss_input_keys(loss_module) -> list:
         needs.append(K.REF_LOG_PROB)
     if getattr(loss_module, "positive_nll_coef", 0):
         needs.append(K.SCORE)
+    if getattr(loss_module, "tis_cap", None) is not None:
+        needs.append(K.BEHAVIOUR_LOG_PROB)  # the correction's ratio pi_old / pi_sampler
     return needs
 
 

@@ -4,18 +4,74 @@ estimators: :mod:`rlhf_torchrl.advantages`).
 - :class:`TokenPPOLoss` / :func:`make_ppo_loss`: TorchRL's ``ClipPPOLoss`` on the token-level
   actor and critic (or no critic), averaged over valid response tokens (``loss_mask_key``) as
   ``loss_aggregation`` says, with TRL's diagnostics added, an optional KL-to-reference term (GRPO's
-  k3), clip-higher (an asymmetric ``clip_epsilon``), dual-clip PPO and VAPO's positive-example NLL.
+  k3, clamped as verl's: its gradient is that of KL(pi_ref || pi)), clip-higher (an asymmetric
+  ``clip_epsilon``), dual-clip PPO and VAPO's positive-example NLL.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torchrl.objectives import ClipPPOLoss
 
 from . import functional as F
 from . import keys as K
-from .errors import ConfigError
+from .errors import ConfigError, MissingDependencyError
 from .loss_inputs import loss_input_keys
+
+#: the torchrl release TokenPPOLoss is tested against (pyproject.toml pins it)
+TESTED_TORCHRL = "0.14.1"
+
+
+def _log_weight_arities(loss_cls: type) -> tuple[set[int], set[int]]:
+    """The tuple lengths ``loss_cls._log_weight`` returns and ``loss_cls.forward`` unpacks from
+    it, read from their source (nothing is called)."""
+    import ast
+    import inspect
+    import textwrap
+
+    def nodes(fn):
+        return ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+
+    returned = {len(n.value.elts) if isinstance(n.value, ast.Tuple) else 1
+                for n in nodes(loss_cls._log_weight) if isinstance(n, ast.Return) and n.value}
+    unpacked = {len(n.targets[0].elts) for n in nodes(loss_cls.forward)
+                if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Tuple)
+                and isinstance(n.value, ast.Call)
+                and getattr(n.value.func, "attr", None) == "_log_weight"}
+    return returned, unpacked
+
+
+def check_torchrl_contract(loss_cls: type = ClipPPOLoss) -> None:
+    """Refuse a torchrl whose ``ClipPPOLoss._log_weight`` is not the one :class:`TokenPPOLoss`
+    extends: one line naming the installed version and the tested one.
+
+    :meth:`TokenPPOLoss._log_weight` overrides a private method: it takes and returns
+    ``(log_weight, dist, kl_approx, log_is_weight)``, four values in torchrl 0.14.1, and three on
+    TorchRL's main branch, where the override would fail inside the first update or hand the
+    surrogate the wrong values. Checked when this module is imported, from the source of
+    ``_log_weight`` and of ``forward`` (what each returns and unpacks); where the source cannot be
+    read, the version must be :data:`TESTED_TORCHRL`.
+
+    Args:
+        loss_cls: the class whose ``_log_weight`` is overridden (``ClipPPOLoss``).
+    """
+    import torchrl
+
+    try:
+        returned, unpacked = _log_weight_arities(loss_cls)
+    except (OSError, TypeError):  # no source (a frozen install): only the tested release passes
+        returned = unpacked = {4} if torchrl.__version__ == TESTED_TORCHRL else set()
+    if returned != {4} or unpacked != {4}:
+        shape = ", ".join(str(n) for n in sorted(returned | unpacked)) or "an unknown number of"
+        raise MissingDependencyError(
+            f"rlhf_torchrl needs torchrl {TESTED_TORCHRL} (pip install 'torchrl=={TESTED_TORCHRL}'): "
+            f"TokenPPOLoss extends ClipPPOLoss._log_weight, a private method that gives 4 values "
+            f"there and {shape} in the installed torchrl {torchrl.__version__}.")
+
+
+check_torchrl_contract()
 
 
 class TokenPPOLoss(ClipPPOLoss):
@@ -35,14 +91,18 @@ class TokenPPOLoss(ClipPPOLoss):
       positive_nll`` over the responses whose ``"score"`` is at least ``positive_nll_threshold``
       (:func:`~rlhf_torchrl.functional.positive_nll`), normalised by the positive tokens of the
       whole minibatch however it is split (:meth:`prepare_minibatch`).
-    - ``off_policy_correction``: with ``tis_cap`` and the sampler's log-probs, the weight on each
-      token's surrogate (:func:`~rlhf_torchrl.functional.off_policy_log_weight`: ``tis``, ``mis``,
-      ``icepop``, ``seq_mask_tis``), passed to ``ClipPPOLoss`` as its ``log_is_weight``.
+    - ``off_policy_correction``: with ``tis_cap``, the weight on each token's surrogate from the
+      sampler's log-probs ``("log_probs", "behaviour")``, which the rollout must then hold (a loss
+      asked to correct never runs uncorrected; :func:`~rlhf_torchrl.functional.off_policy_log_weight`:
+      ``tis``, ``mis``, ``icepop``, ``seq_mask_tis``), passed to ``ClipPPOLoss`` as its
+      ``log_is_weight``.
 
     Args:
         *args: ``ClipPPOLoss``'s positional arguments (the actor, the critic).
-        tis_cap: the upper bound on the off-policy weight (None: no correction).
-        kl_loss_coef: the weight of the KL term in the loss (0: off).
+        tis_cap: the upper bound on the off-policy weight (None: no correction; set: the rollout
+            must hold the sampler's log-probs).
+        kl_loss_coef: the weight of the k3 term in the loss (0: off;
+            :func:`~rlhf_torchrl.functional.clamped_k3`).
         dual_clip: the dual-clip cap ``c > 1`` (None: off).
         loss_aggregation: one of :data:`~rlhf_torchrl.functional.LOSS_AGGREGATIONS`.
         loss_aggregation_constant: ``seq_mean_token_sum_norm``'s ``C``, in tokens.
@@ -73,8 +133,9 @@ class TokenPPOLoss(ClipPPOLoss):
     - ``positive_nll`` (this part's share of the term before its coefficient) and
       ``positive_token_frac`` (the share of valid tokens in positive responses), with
       ``positive_nll_coef``
-    - ``tis_weight`` (the mean correction weight) and ``tis_capped`` (the share at the cap,
-      ``tis``) or ``is_masked`` (the share the correction dropped, the masking corrections)
+    - ``tis_weight`` (the mean correction weight) and ``tis_capped`` (the share whose ratio
+      reaches the cap, ``pi_old / pi_behaviour >= tis_cap``, ``tis``; counted in log space before
+      the clamp) or ``is_masked`` (the share the correction dropped, the masking corrections)
 
     The per-token log-ratio and new values are taken where ``ClipPPOLoss`` computes them
     (``_log_weight`` and ``loss_critic``), so no forward pass is added.
@@ -150,12 +211,14 @@ class TokenPPOLoss(ClipPPOLoss):
         return out
 
     def _kl_to_reference(self, td, log_weight) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per token ``kl_loss_coef * k3(pi, pi_ref)`` (B, R), with the gradient of the new
-        log-probs (``old + log_weight``), and its token-mean over valid tokens (a diagnostic);
-        k3 = ``(r - 1) - log r``, ``r = pi_ref / pi``, as GRPO puts it in the loss."""
+        """Per token ``kl_loss_coef * min(k3, 10)`` (B, R), k3 = ``(r - 1) - log r``, ``r = pi_ref
+        / pi``, as GRPO puts it in the loss and verl clamps it
+        (:func:`~rlhf_torchrl.functional.clamped_k3`), with the gradient of the new log-probs
+        (``old + log_weight``): in expectation that of KL(pi_ref || pi), though its value estimates
+        KL(pi || pi_ref). Also its token-mean over valid tokens (a diagnostic, clamped too)."""
         mask = td.get(K.RESPONSE_MASK)
         new = td.get(self.tensor_keys.sample_log_prob) + log_weight.reshape(mask.shape)
-        kl = F.kl_estimate(new, td.get(K.REF_LOG_PROB), "k3")
+        kl = F.clamped_k3(new, td.get(K.REF_LOG_PROB))
         return self.kl_loss_coef * kl, F.masked_mean(kl.detach(), mask)
 
     def _positive_nll(self, td, log_weight) -> dict[str, torch.Tensor]:
@@ -182,7 +245,7 @@ class TokenPPOLoss(ClipPPOLoss):
         if self.kl_loss_coef or self.positive_nll_coef:
             self._seen["log_weight"] = log_weight  # with its gradient: the new log-probs of the
             # KL and NLL terms
-        if self.tis_cap is not None and K.BEHAVIOUR_LOG_PROB in tensordict.keys(True):
+        if self.tis_cap is not None:  # the sampler's log-probs: required (loss_input_keys)
             # the sampled tokens came from the behaviour policy, the ratio is taken against the
             # recomputed old policy; ClipPPOLoss weights both surrogate terms by exp(log_is_weight),
             # no gradient: tis's min(pi_old / pi_behaviour, cap), or a masking correction's weight
@@ -194,6 +257,10 @@ class TokenPPOLoss(ClipPPOLoss):
             self._seen["tis_weight"] = tis.exp()
             if self.off_policy_correction != "tis":
                 self._seen["is_masked"] = ~keep
+            else:  # counted before the clamp, in log space: exp(log C) rounds below C in fp32 for
+                # many caps (1.32, 1.57, 1.99, 2.15), and the clamped weight would never reach it
+                self._seen["tis_capped"] = (old - tensordict.get(K.BEHAVIOUR_LOG_PROB)
+                                            >= math.log(self.tis_cap))
             tis = tis.view_as(log_weight)
             log_is_weight = tis if log_is_weight is None else log_is_weight + tis
         if log_is_weight is not None:  # the surrogate's weight: the dual clip's cap scales with it
@@ -229,7 +296,7 @@ class TokenPPOLoss(ClipPPOLoss):
             if "is_masked" in seen:
                 out["is_masked"] = F.masked_mean(seen["is_masked"].to(ratio.dtype), mask)
             else:
-                out["tis_capped"] = F.masked_mean((seen["tis_weight"] >= self.tis_cap).float(), mask)
+                out["tis_capped"] = F.masked_mean(seen["tis_capped"].to(ratio.dtype), mask)
         if "value" in seen and self.clip_value is not None:
             new = seen["value"]
             old = td.get(self.tensor_keys.value).squeeze(-1)
@@ -265,9 +332,12 @@ def make_ppo_loss(
     ``loss_critic = vf_coef * mean_t 0.5 * max((V - R)^2, (clip(V, V_old +- clip_value) - R)^2)``
     (TorchRL's ``l2`` distance has no 1/2, so ``critic_coeff = vf_coef / 2``);
     ``loss_entropy = -entropy_coef * mean_t H_t`` when ``entropy_coef > 0``;
-    ``loss_kl = kl_loss_coef * mean_t k3(pi, pi_ref)`` when ``kl_loss_coef > 0`` (the KL penalty in
-    the loss, as GRPO has it, rather than, or beside, the per-token reward's; reads
-    ``("ref_log_probs", "response")``). ``mean_t`` is over valid response tokens
+    ``loss_kl = kl_loss_coef * mean_t min(k3_t, 10)`` when ``kl_loss_coef > 0``, ``k3_t = (r_t - 1)
+    - log r_t`` with ``r_t = pi_ref / pi`` (the KL penalty in the loss, as GRPO has it, rather
+    than, or beside, the per-token reward's; reads ``("ref_log_probs", "response")``). Its value
+    estimates KL(pi || pi_ref), but its gradient is in expectation that of the reverse KL,
+    KL(pi_ref || pi); each token is clamped at 10 as verl clamps it
+    (:func:`~rlhf_torchrl.functional.clamped_k3`). ``mean_t`` is over valid response tokens
     (``loss_mask_key = ("masks", "response")``) as ``loss_aggregation`` says.
     :func:`ppo_update` keeps that average exact over a whole minibatch, however it is split into
     micro-batches and processes.
@@ -286,7 +356,7 @@ def make_ppo_loss(
             correction). Used where the old log-probs were recomputed by the trainer and the
             sampler's are kept as ``("log_probs", "behaviour")``: tokens sampled by a stale policy
             (asynchronous collection) or other kernels (verl's and OpenRLHF's TIS).
-        kl_loss_coef: the weight of the KL term in the loss (0: off).
+        kl_loss_coef: the weight of the k3 term in the loss (0: off).
         clip_epsilon_low: DAPO's clip-higher lower bound (None: ``clip_epsilon``), passed to
             ``ClipPPOLoss`` as its asymmetric ``clip_epsilon=(low, high)``.
         clip_epsilon_high: the upper bound (None: ``clip_epsilon``; DAPO uses 0.2 / 0.28).

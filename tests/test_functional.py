@@ -58,6 +58,45 @@ def test_kl_estimators_are_unbiased_on_samples():
         )
 
 
+def test_clamped_k3_is_k3_bounded_per_token_as_verl():
+    """Below the bound, k3 as a plain formula; past it (k3 > 10 at log r > 2.61 or < -11.0),
+    10 and no gradient; a huge log-ratio stays finite (verl clamps log r to [-20, 20] first)."""
+    lp = torch.tensor([-1.0, -2.0, -0.1, -5.0, 0.0, -200.0], requires_grad=True)
+    ref = torch.tensor([-1.5, -1.0, -0.1, -2.0, -12.0, 0.0])
+    log_r = (ref - lp).tolist()  # [-0.5, 1.0, 0.0, 3.0, -12.0, 200.0]
+    plain = [math.exp(v) - 1 - v for v in log_r]  # [0.107, 0.718, 0, 16.1, 11.0, inf]
+    k = F.clamped_k3(lp, ref)
+    torch.testing.assert_close(k, torch.tensor([*plain[:3], 10.0, 10.0, 10.0]))
+    assert F.K3_LOSS_BOUND == 10.0
+    (grad,) = torch.autograd.grad(k.sum(), lp)
+    # d k3 / d log pi = 1 - r inside the bound, 0 past it
+    expected = [1 - math.exp(v) for v in log_r[:3]] + [0.0, 0.0, 0.0]
+    torch.testing.assert_close(grad, torch.tensor(expected))
+    torch.testing.assert_close(F.clamped_k3(lp, ref, bound=20.0)[3], torch.tensor(plain[3]))
+
+
+def test_k3_in_the_loss_descends_the_reverse_kl():
+    """The gradient of k3 as a loss term, averaged exactly over y ~ pi (a 6-token vocabulary,
+    every token weighted by pi(y), pi held fixed in the weights as the sampled tokens are), is the
+    gradient of KL(pi_ref || pi), not of KL(pi || pi_ref) (the label it had); its value is
+    KL(pi || pi_ref)."""
+    torch.manual_seed(0)
+    theta = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(6, dtype=torch.float64).log_softmax(-1)
+    log_pi = theta.log_softmax(-1)
+    pi = log_pi.exp().detach()
+    value = (pi * F.clamped_k3(log_pi, ref)).sum()
+    (k3_grad,) = torch.autograd.grad(value, theta, retain_graph=True)
+    p, q = log_pi.exp(), ref.exp()
+    reverse = (q * (ref - log_pi)).sum()  # KL(pi_ref || pi)
+    forward = (p * (log_pi - ref)).sum()  # KL(pi || pi_ref)
+    (reverse_grad,) = torch.autograd.grad(reverse, theta, retain_graph=True)
+    (forward_grad,) = torch.autograd.grad(forward, theta, retain_graph=True)
+    torch.testing.assert_close(k3_grad, reverse_grad)
+    assert (k3_grad - forward_grad).abs().max() > 0.05  # a different direction
+    torch.testing.assert_close(value, forward.detach())  # k3's value: KL(pi || pi_ref)
+
+
 def test_per_token_rewards_against_loop():
     torch.manual_seed(0)
     B, R = 4, 6

@@ -522,7 +522,8 @@ def test_config_keys_reach_the_loss(tmp_path, tiny_llama_dir):
     from rlhf_torchrl.config import checks, components, compose, validation
     from rlhf_torchrl.errors import ConfigError
 
-    base = [f"output_dir={tmp_path}", f"model.policy={tiny_llama_dir}", "generation.max_new_tokens=6"]
+    base = [f"output_dir={tmp_path}", f"model.policy={tiny_llama_dir}", "generation.max_new_tokens=6",
+            "model.autocast=null"]  # fp32: the preset's auto is bf16, with TIS, on some CPUs
     actor = TokenLevelActor(load_causal_lm(tiny_llama_dir), temperature=0.7)
     default = components.make_loss(compose(base), actor, None)
     assert float(default.clip_epsilon) == pytest.approx(0.2) and default.dual_clip is None
@@ -676,3 +677,96 @@ def test_off_policy_corrections_stay_exact_over_micro_batches(tiny_llama_dir, to
         out = loss(td)
         assert stats["rows=1"]["loss/policy_avg"] == pytest.approx(
             float(out["loss_objective"].detach()), rel=1e-9)
+
+
+@pytest.mark.parametrize("cap", [1.32, 1.57, 1.99, 2.15, 2.0])
+def test_tis_capped_counts_every_token_past_the_cap(cap, tiny_llama_dir, tokenizer):
+    """Every token's pi_old / pi_sampler is 3 > cap: the share at the cap is 1, for caps whose
+    exp(log C) rounds below C in fp32 (it read 0 for 1.32, 1.57, 1.99 and 2.15)."""
+    actor, td, _ = _known_ratios(tiny_llama_dir, tokenizer)
+    td.set(K.BEHAVIOUR_LOG_PROB, td[K.LOG_PROB] - math.log(3.0))
+    out = make_ppo_loss(actor, clip_epsilon=0.2, tis_cap=cap)(td)
+    assert float(out["tis_capped"]) == 1.0
+    assert float(out["tis_weight"]) == pytest.approx(cap, rel=1e-6)
+    td.set(K.BEHAVIOUR_LOG_PROB, td[K.LOG_PROB] - math.log(cap / 1.01))  # each just below
+    assert float(make_ppo_loss(actor, clip_epsilon=0.2, tis_cap=cap)(td)["tis_capped"]) == 0.0
+
+
+def test_a_loss_with_tis_cap_requires_the_samplers_log_probs(tiny_llama_dir, tokenizer):
+    """A loss built with tis_cap never runs uncorrected: a rollout without ("log_probs",
+    "behaviour") is refused by the loss and by ppo_update before any work, naming the key."""
+    from rlhf_torchrl.errors import ConfigError
+
+    actor, td, _ = _known_ratios(tiny_llama_dir, tokenizer)
+    loss = make_ppo_loss(actor, clip_epsilon=0.2, tis_cap=2.0)
+    match = r"reads \('log_probs', 'behaviour'\), which this rollout does not have: .*tis_cap"
+    with pytest.raises(ConfigError, match=match):
+        loss(td)
+    opt = torch.optim.SGD([p for p in loss.parameters() if p.requires_grad], lr=0.0)
+    with pytest.raises(ConfigError, match=match):
+        ppo_update(td, loss, opt, num_ppo_epochs=1, num_mini_batches=1)
+    assert "tis_weight" not in make_ppo_loss(actor, clip_epsilon=0.2)(td).keys()  # no cap: none
+
+
+def test_kl_loss_term_is_clamped_per_token(tiny_llama_dir, tokenizer):
+    """Tokens whose reference log-prob is far below or above the policy's add k3's bound, 10,
+    and no gradient; the others their k3 (verl's low_var_kl clamp)."""
+    policy, actor, loss, td = _grpo_batch(tiny_llama_dir, tokenizer, kl_loss_coef=0.5)
+    mask = td.get(K.RESPONSE_MASK)
+    far = torch.zeros_like(mask)
+    far[:, 0], far[:, 1] = True, True  # (B, R): the first two tokens of every row
+    with torch.no_grad():
+        new = actor.get_dist(td).log_prob(td.get(K.RESPONSE_TOKENS))
+    shift = torch.zeros_like(new)
+    shift[:, 0], shift[:, 1] = -15.0, 5.0  # log r = -15 (k3 ~ 14) and +5 (k3 ~ 142)
+    td.set(K.REF_LOG_PROB, td.get(K.REF_LOG_PROB) + shift)
+    out = loss(td)
+    log_r = td.get(K.REF_LOG_PROB) - new
+    k3 = (log_r.exp() - 1) - log_r
+    assert bool((k3[far & mask] > 10).all())
+    expected = torch.where(far, torch.full_like(k3, 10.0), k3)[mask].mean()
+    torch.testing.assert_close(out["kl_to_ref"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["loss_kl"], 0.5 * expected, atol=1e-5, rtol=1e-5)
+    # the gradient: the unclamped tokens' alone
+    params = [p for p in policy.parameters() if p.requires_grad]
+    got = torch.autograd.grad(out["loss_kl"], params)
+    new = actor.get_dist(td).log_prob(td.get(K.RESPONSE_TOKENS))
+    log_r = td.get(K.REF_LOG_PROB) - new
+    plain = torch.where(far, torch.zeros_like(log_r), (log_r.exp() - 1) - log_r)
+    want = torch.autograd.grad(0.5 * plain[mask].sum() / mask.sum(), params)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-4)
+
+
+def test_an_incompatible_torchrl_is_refused_in_one_line():
+    """TokenPPOLoss overrides ClipPPOLoss._log_weight, a private method: the installed torchrl
+    (0.14.1: 4 values) passes; one whose _log_weight gives 3 values (TorchRL's main branch) is
+    refused in one line naming both versions; pyproject.toml pins the tested release."""
+    import re
+    from pathlib import Path
+
+    import torchrl
+    from torchrl.objectives import ClipPPOLoss
+
+    from rlhf_torchrl import objectives
+    from rlhf_torchrl.errors import MissingDependencyError
+
+    objectives.check_torchrl_contract(ClipPPOLoss)
+    assert torchrl.__version__ == objectives.TESTED_TORCHRL
+
+    class ThreeValues(ClipPPOLoss):  # the shape of TorchRL's main branch
+        def _log_weight(self, tensordict, adv_shape):
+            return tensordict, None, adv_shape
+
+        def forward(self, tensordict):
+            log_weight, dist, kl_approx = self._log_weight(tensordict, None)
+            return log_weight
+
+    with pytest.raises(MissingDependencyError) as info:
+        objectives.check_torchrl_contract(ThreeValues)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(
+        "rlhf_torchrl needs torchrl 0.14.1 (pip install 'torchrl==0.14.1')")
+    assert f"gives 4 values there and 3 in the installed torchrl {torchrl.__version__}" in message
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^\s*"torchrl==0\.14\.1",', pyproject, re.M), "pin the tested torchrl"

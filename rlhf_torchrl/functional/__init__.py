@@ -15,8 +15,10 @@ from .advantages import (
     returns_to_go,
 )
 from .kl import (
+    K3_LOSS_BOUND,
     KL_ESTIMATORS,
     check_kl_estimator,
+    clamped_k3,
     kl_estimate,
     per_token_rewards,
 )
@@ -53,6 +55,7 @@ from .off_policy import (
 )
 
 __all__ = [
+    "K3_LOSS_BOUND",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "OFF_POLICY_CORRECTIONS",
@@ -61,6 +64,7 @@ __all__ = [
     "check_kl_estimator",
     "check_loss_aggregation",
     "check_off_policy_correction",
+    "clamped_k3",
     "clip_binds",
     "dual_clip",
     "entropy_from_logits",

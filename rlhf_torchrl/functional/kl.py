@@ -9,6 +9,12 @@ from ..errors import ConfigError
 from .masks import last_token_index
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
+#: the per-token bound on the k3 term of the loss (verl's ``kl_penalty="low_var_kl"`` clamps it to
+#: [-10, 10]; k3 >= 0, so the bound is 10 from above)
+K3_LOSS_BOUND = 10.0
+#: the log-ratio's bound before ``exp`` (verl's, for numerical stability: k3 passes
+#: :data:`K3_LOSS_BOUND` well inside it, so it changes no value and no gradient)
+_K3_LOG_RATIO_BOUND = 20.0
 
 
 def check_kl_estimator(estimator: str) -> str:
@@ -37,6 +43,9 @@ def kl_estimate(
     - ``k2 = (log r)^2 / 2``        (biased, low variance, >= 0)
     - ``k3 = (r - 1) - log r``      (unbiased, low variance, >= 0)
 
+    These are values (the reward's penalty); a loss that takes k3's gradient descends another KL
+    (:func:`clamped_k3`).
+
     Args:
         log_prob: ``log pi`` of the sampled tokens.
         ref_log_prob: ``log pi_ref`` of the same tokens.
@@ -55,6 +64,40 @@ def kl_estimate(
     if estimator == "k2":
         return 0.5 * log_r**2
     return torch.expm1(log_r) - log_r
+
+
+def clamped_k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+               bound: float = K3_LOSS_BOUND) -> torch.Tensor:
+    """The k3 term of a KL penalty in the loss (GRPO's), clamped per token as verl clamps its
+    ``low_var_kl``.
+
+    With ``log r = clamp(log pi_ref - log pi, -20, 20)`` and ``r = exp(log r)``:
+    ``k = min((r - 1) - log r, bound)``, in ``[0, bound]``.
+
+    What it is: its value is k3 (:func:`kl_estimate`), on tokens sampled from pi an unbiased
+    estimate of KL(pi || pi_ref). Its gradient, taken through ``log pi`` as a loss takes it, is
+    ``(1 - r) grad log pi``, whose mean over ``y ~ pi`` is ``-E_{y ~ pi_ref}[grad log pi] =
+    grad KL(pi_ref || pi)``: as a loss term it descends the reverse KL, KL(pi_ref || pi), not
+    KL(pi || pi_ref) (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation
+    for RL"). The two agree to second order near pi = pi_ref.
+
+    The bound: k3 reaches 10 at ``log r = 2.61`` (pi_ref / pi = 13.6) and ``log r = -11.0``; a
+    token past it adds 10 and no gradient (verl ``kl_penalty``, ``torch.clamp(kld, -10, 10)``), so
+    one token the reference finds very unlikely cannot dominate the loss.
+
+    Args:
+        log_prob: ``log pi`` of the sampled tokens (with its gradient).
+        ref_log_prob: ``log pi_ref`` of the same tokens.
+        bound: the per-token upper bound (verl's 10).
+
+    Shapes: any; elementwise.
+
+    Example:
+        >>> clamped_k3(torch.tensor([0.0, -1.0, -5.0]), torch.tensor([0.0, 0.0, 0.0]))
+        tensor([ 0.0000,  0.7183, 10.0000])
+    """
+    log_r = (ref_log_prob - log_prob).clamp(-_K3_LOG_RATIO_BOUND, _K3_LOG_RATIO_BOUND)
+    return (torch.expm1(log_r) - log_r).clamp_max(bound)
 
 
 def per_token_rewards(
