@@ -7,14 +7,21 @@ A checkpoint is the directory ``<output_dir>/checkpoints/iter_<N>`` (N: iteratio
   tensors are written once). Frozen weights (a LoRA base model, the reference) are not saved: a
   resumed run loads them from where the first run did;
 - ``trainer.pt``: the rest of the trainer's state (scheduler, KL coefficient, RNG states, data
-  position, hooks' state, ...): plain containers, tensors and numbers, read back with
-  ``torch.load(weights_only=True)``, so a checkpoint directory cannot run code when resumed;
+  position, hooks' state, ...): plain containers, tensors and numbers;
 - ``rollouts/rank_<k>/<i>/``: the rollouts process ``k`` had sampled ahead (asynchronous
   collection), in TensorDict's own format (memory-mapped tensors, JSON for the texts);
 - ``rng/rank_<k>.pt``: process ``k``'s random states (each process draws its own numbers);
 - ``lineage.json``: the runs whose iterations the checkpoint continues (see below);
 - ``config.yaml``: the run's resolved config;
 - ``manifest.json``: every file's size, so that a file a bad disk tore is found before it is read.
+
+A checkpoint is data: reading one runs none of its code. The pickles (``.pt`` files, the weights'
+``.metadata`` and their non-tensor entries) are read by :mod:`rlhf_torchrl.safe_loading`'s
+restricted readers, the rollouts with ``allow_pickle=False``, the rest as JSON and YAML. A file
+that names code is refused with one line naming it
+(:class:`~rlhf_torchrl.safe_loading.UnsafeFileError`); :func:`verify_checkpoint` reads the
+trainer state, the random states and the weights' metadata, so a resume refuses a planted one
+before any model loads.
 
 It is written as ``checkpoints/.tmp-iter_<N>``, every file flushed to disk (``fsync``), then renamed:
 the rename is atomic, so a directory named ``iter_<N>`` is complete, and a crash mid-write leaves the
@@ -45,6 +52,13 @@ import torch
 from torch import nn
 
 from .errors import ConfigError, MissingFileError
+from .safe_loading import (
+    UnsafeFileError,
+    load_dcp,
+    load_torch_data,
+    read_dcp_metadata,
+    refuse_tensordict_pickles,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +143,8 @@ def is_checkpoint(path: str) -> bool:
 def latest_checkpoint(output_dir: str, verify: bool = False) -> str | None:
     """The newest complete checkpoint of ``output_dir`` (None: none). With ``verify``, the newest
     that :func:`verify_checkpoint` accepts: a torn one is named in a warning and skipped; when
-    none can be read, :class:`CheckpointError` (a run never starts over silently).
+    none can be read, :class:`CheckpointError` (a run never starts over silently). One holding
+    code is not skipped: :class:`~rlhf_torchrl.safe_loading.UnsafeFileError` stops the run.
 
     Args:
         output_dir: the run's directory.
@@ -153,7 +168,10 @@ def latest_checkpoint(output_dir: str, verify: bool = False) -> str | None:
 
 def verify_checkpoint(path: str) -> None:
     """Raise :class:`CheckpointError` naming the first file of checkpoint ``path`` that is missing,
-    of another size than when it was written, or unreadable (``config.yaml``, ``trainer.pt``).
+    of another size than when it was written, or unreadable (``config.yaml``, ``trainer.pt``, the
+    weights' metadata, the random states), and
+    :class:`~rlhf_torchrl.safe_loading.UnsafeFileError` naming one that would run code (read
+    through the restricted readers, so nothing in it runs).
 
     Args:
         path: the checkpoint directory.
@@ -176,7 +194,12 @@ def verify_checkpoint(path: str) -> None:
         if os.path.exists(config):
             OmegaConf.load(config)
         load_trainer_state(path)
-    except CheckpointError:
+        read_dcp_metadata(os.path.join(path, WEIGHTS))
+        rng = os.path.join(path, _RNG)
+        for name in sorted(os.listdir(rng)) if os.path.isdir(rng) else ():
+            load_torch_data(os.path.join(rng, name))
+        refuse_tensordict_pickles(os.path.join(path, _ROLLOUTS))
+    except (CheckpointError, UnsafeFileError):
         raise
     except Exception as e:  # noqa: BLE001 - whatever a torn file makes the readers raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -189,7 +212,7 @@ def load_trainer_state(path: str) -> dict:
     Args:
         path: the checkpoint directory.
     """
-    return torch.load(os.path.join(path, _TRAINER), weights_only=True)
+    return load_torch_data(os.path.join(path, _TRAINER))
 
 
 def _state_dicts(modules: Mapping[str, nn.Module], optimizer):
@@ -359,7 +382,7 @@ def load_rng_state(path: str, rank: int = 0) -> dict | None:
         rank: the process whose states to read.
     """
     file = os.path.join(path, _RNG, f"rank_{rank}.pt")
-    return torch.load(file, weights_only=True) if os.path.isfile(file) else None
+    return load_torch_data(file) if os.path.isfile(file) else None
 
 
 def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -> dict:
@@ -371,7 +394,7 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
         modules: the trained modules by name, as saved.
         optimizer (torch.optim.Optimizer): over exactly their parameters.
     """
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     if not is_checkpoint(path):
@@ -382,8 +405,11 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
     state = {"model": model_state, "optim": optim_state}
     try:
         with single_process_quiet():
-            dcp.load(state, checkpoint_id=os.path.join(path, WEIGHTS))
-    except Exception as e:  # noqa: BLE001 - a torn weights file, whatever the reader raises
+            load_dcp(state, os.path.join(path, WEIGHTS))
+    except UnsafeFileError:
+        raise
+    # (DCP gathers each process's error in a CheckpointException, a BaseException)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a torn weights file
         raise CheckpointError(f"Checkpoint {path} is unreadable: its weights could not be loaded "
                               f"({type(e).__name__}). Resume from an earlier one "
                               f"(resume=<output_dir>/{CHECKPOINTS}/iter_<N>).") from e
@@ -405,6 +431,7 @@ def load_rollouts(path: str, rank: int = 0, device=None) -> list:
     folder = os.path.join(path, _ROLLOUTS, f"rank_{rank}")
     if not os.path.isdir(folder):
         return []
+    refuse_tensordict_pickles(folder)  # (to name the file: allow_pickle=False refuses it too)
     # clone(): plain tensors, not memory maps of the checkpoint's files
     # allow_pickle=False: no code runs, whatever the folder holds
     return [TensorDict.load(os.path.join(folder, name), allow_pickle=False).clone().to(device or "cpu")

@@ -10,6 +10,7 @@ from torch import nn
 
 from .checkpoint import CHECKPOINTS, WEIGHTS, is_checkpoint, latest_checkpoint, single_process_quiet
 from .errors import ConfigError
+from .safe_loading import UnsafeFileError, load_dcp, read_dcp_metadata
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,7 @@ def saved_weight_names(path: str) -> set[str]:
     Args:
         path: the checkpoint directory.
     """
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(os.path.join(path, WEIGHTS)).read_metadata()
+    metadata = read_dcp_metadata(os.path.join(path, WEIGHTS))  # (data only: no code runs)
     return {name.removeprefix("model.") for name in metadata.state_dict_metadata
             if name.startswith("model.")}
 
@@ -60,7 +59,7 @@ def load_critic(path: str, critic) -> str:
             :func:`critic_checkpoint`).
         critic (rlhf_torchrl.modules.TokenCritic): the critic, loaded in place.
     """
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -91,8 +90,10 @@ def load_critic(path: str, critic) -> str:
                           "trained on another model (or LoRA setting) than this run's critic.")
     try:
         with single_process_quiet():
-            dcp.load({"model": state}, checkpoint_id=os.path.join(path, WEIGHTS))
-    except Exception as e:  # noqa: BLE001 - another model's shapes, a torn file
+            load_dcp({"model": state}, os.path.join(path, WEIGHTS))
+    except UnsafeFileError:
+        raise
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - another model's shapes, a torn file
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"value_model.warm_start={path}: its critic does not load into this "
                           f"run's ({type(e).__name__}: {first[:200]}).") from e

@@ -342,9 +342,9 @@ def test_a_checkpoint_cannot_run_code_when_resumed(tmp_path, tiny_llama_dir):
     (Path(path) / "manifest.json").unlink()  # (the size check would catch it first)
     if os.path.exists("/tmp/rlhf_torchrl_pwned"):
         os.remove("/tmp/rlhf_torchrl_pwned")
-    from rlhf_torchrl.checkpoint import CheckpointError
+    from rlhf_torchrl.safe_loading import UnsafeFileError
 
-    with pytest.raises(CheckpointError, match="unreadable.*UnpicklingError"):
+    with pytest.raises(UnsafeFileError, match="trainer.pt is not plain data.*posix.system"):
         resume.resume_path(_cfg(tmp_path, tiny_llama_dir, *EXACT, f"resume={path}"))
     assert not os.path.exists("/tmp/rlhf_torchrl_pwned")
 

@@ -11,6 +11,7 @@ from torch import nn
 from .. import keys as K
 from ..errors import ConfigError
 from ..runtime import autocast
+from ..safe_loading import refusing_code
 from .actor import HiddenStateHandoff
 from .compiled import compiled_region
 from .packing import packed_hidden, packing_for, rows_for, to_rows
@@ -163,9 +164,10 @@ def make_critic(
             "critic must be a causal (decoder-only) model that reads the policy's tokens."
         )
     _check_same_vocab(path, tokenizer, name_or_path)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, **pretrained_kwargs(dtype, attn_implementation)
-    )
+    with refusing_code(path):  # a pickled .bin naming code: one line naming it
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, **pretrained_kwargs(dtype, attn_implementation)
+        )
     match_vocab(model, tokenizer)
     fuse_activations(disable_dropout(model))
     head = None

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, MissingDependencyError
+from ..safe_loading import refusing_code
 
 log = logging.getLogger(__name__)
 
@@ -353,9 +354,11 @@ def load_causal_lm(
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(name_or_path), **pretrained_kwargs(dtype, attn_implementation)
-    )
+    path = resolve_model_path(name_or_path)
+    with refusing_code(path):  # a pickled .bin naming code: one line naming it
+        model = AutoModelForCausalLM.from_pretrained(
+            path, **pretrained_kwargs(dtype, attn_implementation)
+        )
     if tokenizer is not None:
         match_vocab(model, tokenizer)
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -382,9 +385,10 @@ def load_sequence_classifier(name_or_path: str, dtype: str = "float32"):
     tokenizer.padding_side = "right"
     if tokenizer.pad_token is None:
         ensure_pad_token(tokenizer)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=torch_dtype(dtype)
-    )
+    with refusing_code(path):  # a pickled .bin naming code: one line naming it
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch_dtype(dtype)
+        )
     match_vocab(model, tokenizer)
     model.config.pad_token_id = tokenizer.pad_token_id
     return fuse_activations(disable_dropout(model)).eval(), tokenizer
