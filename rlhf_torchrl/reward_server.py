@@ -14,7 +14,9 @@ Endpoints:
   as the in-process :class:`~rlhf_torchrl.reward_model.RewardModel` does, so the scores are the same.
   OpenRLHF's ``{"query": [text, ...]}`` alone is scored as given. Answer: ``{"rewards": [...],
   "scores": [...]}`` (the same numbers under both of OpenRLHF's names).
-- ``GET /health``: ``{"status": "ok", "requests": ..., "rounds": ..., "queued": ...}``.
+- ``GET /health``: ``{"status": "ok"}`` to anyone (a load balancer's probe needs no secret);
+  with the token (or on a server without one) also the counters ``requests``, ``rounds``,
+  ``texts`` and ``queued``, which say how busy the server is.
 
 Batching: requests wait in one queue; a round takes every request waiting, up to ``max_batch``
 texts (a request is never split), after waiting ``max_wait`` seconds for others to join the
@@ -23,9 +25,19 @@ own, so the server keeps answering while the model runs.
 
 Who gets in: the server binds ``127.0.0.1`` unless told otherwise; with a token, every ``POST``
 needs ``Authorization: Bearer <token>`` (compared with :func:`hmac.compare_digest`, in constant
-time), else 401. A body over ``max_request_bytes`` gets 413 (413 also for more than
-``max_request_responses`` responses), malformed JSON or fields 400; such a request is answered
-before it reaches the queue, so the other callers' requests are never dropped.
+time), else 401, answered from the headers: an unknown caller's body is never read into memory (a
+small one is dropped as it arrives, so the caller reads its 401; a larger one, over
+:data:`SMALL_BODY` bytes or of unknown length, has its connection closed).
+
+Bounds, each answered before the request reaches the queue, so the other callers' requests are
+never dropped: a body must arrive within ``body_timeout`` seconds (else 408) and hold at most
+``max_request_bytes`` (else 413) and ``max_request_responses`` responses (else 413); JSON that is
+malformed or nested too deeply for the parser, or fields of the wrong type, get 400; a text of
+more than ``max_text_tokens`` tokens as the reward model reads it gets 400 (it is refused, not
+cut: a cut text would get another text's score; under the bound the model cuts a text to its own
+``max_length`` from the left, as in-process). A text of more than
+``max_text_tokens * MAX_CHARS_PER_TOKEN`` characters is refused before it is tokenized, so
+counting its tokens cannot hold the server.
 """
 
 from __future__ import annotations
@@ -51,6 +63,16 @@ log = logging.getLogger(__name__)
 #: (a server that closes a connection with unread data makes the client's kernel discard the
 #: answer: the client would see a reset, not the 413), as a multiple of the limit
 DRAIN_FACTOR = 8
+#: the largest body of an unknown caller dropped as it arrives (its 401 then reaches it); a larger
+#: one has its connection closed after the 401 (what a socket's buffers hold anyway)
+SMALL_BODY = 64 << 10
+#: characters per token no text averages (English runs near 4, code near 3): a longer text is over
+#: ``max_text_tokens`` without counting
+MAX_CHARS_PER_TOKEN = 16
+
+
+#: the header that has the server close the connection after its answer (a body left unread)
+CLOSE = {"Connection": "close"}
 
 
 class RequestError(Exception):
@@ -93,6 +115,11 @@ class Batcher:
     async def stop(self) -> None:
         self._task.cancel()
         self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, fn, *args):
+        """``fn(*args)`` on the scoring thread, between rounds: a tokenizer is not shared across
+        threads (a fast tokenizer's settings change under a call in another)."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     @property
     def queued(self) -> int:
@@ -200,7 +227,8 @@ def request_texts(request, reward_model, max_responses: int) -> list[str]:
 
 
 def make_app(reward_model, *, token: str | None = None, max_request_bytes: int = 16 << 20,
-             max_request_responses: int = 1024, max_batch: int = 256, max_wait: float = 0.005):
+             max_request_responses: int = 1024, max_text_tokens: int = 16384,
+             body_timeout: float = 30.0, max_batch: int = 256, max_wait: float = 0.005):
     """The Starlette app serving ``reward_model``: the module docstring's endpoints, batching and
     limits.
 
@@ -209,6 +237,8 @@ def make_app(reward_model, *, token: str | None = None, max_request_bytes: int =
         token: the bearer token every ``POST`` needs (None: none).
         max_request_bytes: a larger body gets 413.
         max_request_responses: a request with more responses gets 413.
+        max_text_tokens: a text with more tokens, as the reward model reads it, gets 400.
+        body_timeout: seconds a request's body may take to arrive (longer: 408).
         max_batch: the most texts a scoring round takes (:class:`Batcher`).
         max_wait: seconds a round waits for other requests to join the first.
     """
@@ -223,6 +253,9 @@ def make_app(reward_model, *, token: str | None = None, max_request_bytes: int =
     batcher = Batcher(lambda texts: reward_model.score_texts(texts).tolist(), max_batch=max_batch,
                       max_wait=max_wait)
     secret = token.encode("utf-8") if token else None
+
+    tokenizer = reward_model.tokenizer
+    add_special_tokens = not reward_model.has_chat_template  # as RewardModel.encode reads them
 
     def refuse(request, status: int, message: str, **headers) -> JSONResponse:
         client = request.client.host if request.client else "?"
@@ -252,23 +285,48 @@ def make_app(reward_model, *, token: str | None = None, max_request_bytes: int =
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8"),
                                                                   secret)
 
+    def too_many_characters(texts: list[str]) -> str | None:
+        """The first text too long to count (see MAX_CHARS_PER_TOKEN); None where none is."""
+        for i, text in enumerate(texts):
+            if len(text) > max_text_tokens * MAX_CHARS_PER_TOKEN:
+                return f"text {i} has {len(text)} characters, more than {max_text_tokens} tokens hold"
+        return None
+
+    def too_many_tokens(texts: list[str]) -> str | None:
+        """The first text over ``max_text_tokens``, counted as the reward model reads it."""
+        for i, text in enumerate(texts):
+            count = len(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+            if count > max_text_tokens:
+                return f"text {i} has {count} tokens"
+        return None
+
     async def score(request):
-        allowed = authorized(request)
+        if not authorized(request):
+            # from the headers alone: the body is never read (see SMALL_BODY)
+            declared = request.headers.get("content-length", "")
+            small = declared.isdigit() and int(declared) <= SMALL_BODY
+            return refuse(request, 401, "missing or wrong bearer token",
+                          **{"WWW-Authenticate": "Bearer", **({} if small else CLOSE)})
         try:
-            # read (or drop) the body before any answer, a 401 too: see DRAIN_FACTOR
-            body = await read_body(request)
-            if not allowed:
-                raise RequestError(401, "missing or wrong bearer token")
+            try:
+                body = await asyncio.wait_for(read_body(request), body_timeout)
+            except asyncio.TimeoutError:
+                raise RequestError(408, f"the body did not arrive within {body_timeout:g} s") from None
             try:
                 parsed = json.loads(body)
+            except RecursionError:
+                raise RequestError(400, "JSON nested too deeply") from None
             except ValueError as error:
                 raise RequestError(400, f"malformed JSON: {error}") from None
             texts = request_texts(parsed, reward_model, max_request_responses)
+            over = too_many_characters(texts) or (await batcher.run(too_many_tokens, texts)
+                                                  if texts else None)
+            if over is not None:
+                raise RequestError(400, f"{over}: at most {max_text_tokens} tokens a text "
+                                        "(the server's max_text_tokens)")
         except RequestError as error:
-            if not allowed:  # nothing about the request itself for an unknown caller
-                return refuse(request, 401, "missing or wrong bearer token",
-                              **{"WWW-Authenticate": "Bearer"})
-            return refuse(request, error.status, error.message)
+            return refuse(request, error.status, error.message,
+                          **(CLOSE if error.status == 408 else {}))
         if not texts:
             return JSONResponse({"rewards": [], "scores": []})
         try:
@@ -279,6 +337,8 @@ def make_app(reward_model, *, token: str | None = None, max_request_bytes: int =
         return JSONResponse({"rewards": scores, "scores": scores})
 
     async def health(request):
+        if not authorized(request):  # alive or not, and nothing of the load it carries
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", **batcher.stats, "queued": batcher.queued})
 
     @asynccontextmanager

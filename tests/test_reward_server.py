@@ -184,6 +184,99 @@ def test_bad_requests_get_4xx_and_the_other_callers_their_scores(reward_model, m
         assert words in str(error.value) and "\n" not in str(error.value)
 
 
+def _raw(url: str, head: str, body: bytes = b"", wait: float = 5.0) -> bytes:
+    """Send a request's head and the start of its body on a socket of its own; what the server
+    answers within ``wait`` seconds (b"" for nothing), the connection left open meanwhile."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as sock:
+        sock.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+        try:
+            return sock.recv(65536)
+        except TimeoutError:
+            return b""
+
+
+def test_an_unknown_caller_is_refused_from_its_headers(reward_model):
+    """A caller without the token (or a wrong one) announcing a 16 MiB body and sending 4 KiB of
+    it is answered 401 at once: its body is never read, so no number of such callers holds the
+    server's memory (before, each body was read whole first)."""
+    with ServerThread(make_app(reward_model, token="s3cret")) as server:
+        for auth in ("", "Authorization: Bearer wrong\n"):
+            head = (f"POST /score HTTP/1.1\nHost: x\nContent-Type: application/json\n{auth}"
+                    f"Content-Length: {(16 << 20) - 1}\n")
+            start = time.monotonic()
+            answer = _raw(server.url, head, b'{"responses": ["' + b"x" * 4096)
+            assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+            assert b"www-authenticate: Bearer" in answer.lower().replace(b"bearer", b"Bearer")
+            assert time.monotonic() - start < 2.0
+        assert _post(f"{server.url}/score", b'{"query": ["hi"]}',
+                     {"Authorization": "Bearer s3cret"})[0] == 200  # still serving
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408(reward_model):
+    """A caller with the token that sends 10 bytes of a 1000-byte body and stalls gets 408 at
+    body_timeout; the server serves the others meanwhile."""
+    app = make_app(reward_model, token="s3cret", body_timeout=0.5)
+    with ServerThread(app) as server:
+        head = ("POST /score HTTP/1.1\nHost: x\nContent-Type: application/json\n"
+                "Authorization: Bearer s3cret\nContent-Length: 1000\n")
+        start = time.monotonic()
+        answer = _raw(server.url, head, b'{"query": ')
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"did not arrive within 0.5 s" in answer and time.monotonic() - start < 3.0
+        assert _post(f"{server.url}/score", b'{"query": ["hi"]}',
+                     {"Authorization": "Bearer s3cret"})[0] == 200
+
+
+def test_deeply_nested_json_is_a_400_not_a_traceback(reward_model, caplog):
+    with ServerThread(make_app(reward_model)) as server, caplog.at_level(logging.WARNING):
+        for body in (b"[" * 100_000 + b"]" * 100_000,
+                     b'{"query": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"):
+            status, answer = _post(f"{server.url}/score", body)
+            assert (status, answer["error"]) == (400, "JSON nested too deeply"), (status, answer)
+    assert "RecursionError" not in caplog.text and "Traceback" not in caplog.text
+
+
+def test_a_text_over_max_text_tokens_is_refused(reward_model):
+    """A text of more tokens than max_text_tokens, as the reward model reads it, is refused with a
+    400 naming the bound, never scored; one far over it (1 MB at the default 16384) is refused
+    before it is tokenized, at once."""
+    with ServerThread(make_app(reward_model)) as server:
+        start = time.monotonic()
+        status, answer = _post(f"{server.url}/score", json.dumps(
+            {"query": ["short", "word " * 200_000]}).encode())
+        assert status == 400 and answer["error"] == (
+            "text 1 has 1000000 characters, more than 16384 tokens hold: at most 16384 tokens a "
+            "text (the server's max_text_tokens)"), answer
+        assert time.monotonic() - start < 5.0
+    with ServerThread(make_app(reward_model, max_text_tokens=20)) as server:
+        status, answer = _post(f"{server.url}/score", json.dumps(
+            {"query": ["hello there", "hello " * 21]}).encode())
+        assert status == 400 and answer["error"].startswith("text 1 has 21 tokens: at most 20"), answer
+        td = _rollout(2)  # rendered in the reward model's template: its tokens are counted
+        status, answer = _post(f"{server.url}/score", json.dumps(
+            {"prompts": _texts(td)[0], "responses": ["ok", "fine " * 15],
+             "messages": td.get(K.PROMPT_MESSAGES).tolist()}).encode())
+        assert status == 400 and "text 1 has 2" in answer["error"], answer
+        status, answer = _post(f"{server.url}/score", json.dumps(
+            {"query": ["hello there", "hello " * 20]}).encode())
+        assert status == 200 and len(answer["rewards"]) == 2
+
+
+def test_health_shows_the_counters_only_to_the_token(reward_model):
+    """GET /health: {"status": "ok"} to anyone, the load counters with the token alone."""
+    def health(headers: dict) -> dict:
+        request = urllib.request.Request(f"{server.url}/health", headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return json.loads(answer.read())
+
+    with ServerThread(make_app(reward_model, token="s3cret")) as server:
+        assert health({}) == {"status": "ok"}
+        assert health({"Authorization": "Bearer wrong"}) == {"status": "ok"}
+        shown = health({"Authorization": "Bearer s3cret"})
+        assert shown["status"] == "ok" and {"requests", "rounds", "queued"} <= set(shown)
+
+
 # ---- the remote rewards against endpoints that misbehave --------------------------------------
 
 class Endpoint(BaseHTTPRequestHandler):

@@ -76,6 +76,8 @@ class ServeRewardModelConfig:
     token_env: str | None = MISSING
     max_request_mb: float = MISSING
     max_request_responses: int = MISSING
+    max_text_tokens: int = MISSING
+    body_timeout_s: float = MISSING
     max_batch: int = MISSING
     max_wait_ms: float = MISSING
 
@@ -106,6 +108,8 @@ SERVE_RANGES = {
     "port": (0, 65535, True, True),
     "max_request_mb": (0, _INF, False, True),
     "max_request_responses": (1, _INF, True, True),
+    "max_text_tokens": (1, _INF, True, True),
+    "body_timeout_s": (0, _INF, False, True),
     "max_batch": (1, _INF, True, True),
     "max_wait_ms": (0, _INF, True, True),
 }

@@ -38,5 +38,6 @@ def serve_reward_model(cfg: DictConfig) -> None:
                                                device=resolve_device(cfg.device))
     serve(reward_model, name=cfg.model, host=cfg.host, port=cfg.port, token=token,
           max_request_bytes=int(cfg.max_request_mb * (1 << 20)),
-          max_request_responses=cfg.max_request_responses, max_batch=cfg.max_batch,
+          max_request_responses=cfg.max_request_responses, max_text_tokens=cfg.max_text_tokens,
+          body_timeout=cfg.body_timeout_s, max_batch=cfg.max_batch,
           max_wait=cfg.max_wait_ms / 1000)
