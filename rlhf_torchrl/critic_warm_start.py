@@ -1,5 +1,6 @@
-"""A critic warm-started from the critic another run saved (``value_model.warm_start``): its
-value head and, for a critic with a trunk of its own, that trunk; weights only."""
+"""A critic warm-started from the critic another run saved (``value_model.warm_start``): a
+separate critic's value head and trunk, weights only. A shared trunk's head is refused
+(:func:`shared_trunk_refusal`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,22 @@ from .errors import ConfigError
 from .safe_loading import UnsafeFileError, load_dcp, read_dcp_metadata
 
 log = logging.getLogger(__name__)
+
+
+def shared_trunk_refusal(path: str) -> str:
+    """Why a shared-trunk critic is not warm-started (one line, for the ConfigError): its value
+    head was fitted to the features of that run's trained policy, and this run's trunk is its own
+    policy as it starts; the head would read features it was never fitted to. A separate critic
+    saves its trunk with its head, so it loads whole.
+
+    Args:
+        path: the warm start's checkpoint (or run directory), as the user named it.
+    """
+    return (f"value_model.warm_start={path} with value_model.init=shared: a shared trunk is the "
+            "policy's, so the saved value head was fitted to that run's trained policy while this "
+            "run's trunk is model.policy as it starts, and the head would read features it was "
+            "never fitted to. Warm-start a separate critic, saved with its own trunk: "
+            "value_model.init=policy in both runs (or resume that run).")
 
 
 def critic_checkpoint(path: str) -> str:
@@ -48,11 +65,13 @@ def load_critic(path: str, critic) -> str:
     """Warm-start ``critic`` (a :class:`~rlhf_torchrl.modules.TokenCritic`) from the critic a
     checkpoint saved: weights only.
 
-    A saved critic is a checkpoint of this library of a run with a critic of the same kind. Loaded:
-    its value head (``value_head``) and, for a critic with a trunk of its own, that trunk
-    (``critic_trunk``; a shared trunk is the policy's, which stays this run's). Not the policy, the
-    optimiser's moments or the trainer's state: the run starts its own optimiser, as NeMo-RL's
-    critic warm start does. Call it before the first update. Returns the checkpoint's path.
+    A saved critic is a checkpoint of this library of a run with a separate critic
+    (``value_model.init=policy``, ``reward_model`` or ``model``). Loaded: its value head
+    (``value_head``) and its trunk (``critic_trunk``). A shared-trunk critic (``critic`` or the
+    checkpoint's) is refused: the saved head was fitted to that run's trained policy, not to this
+    run's (:func:`shared_trunk_refusal`). Not the policy, the optimiser's moments or the trainer's
+    state: the run starts its own optimiser, as NeMo-RL's critic warm start does. Call it before
+    the first update. Returns the checkpoint's path.
 
     Args:
         path: ``<run>/checkpoints/iter_<N>``, or the run's output directory (its newest,
@@ -72,13 +91,13 @@ def load_critic(path: str, critic) -> str:
     if not any(name.startswith("value_head.") for name in saved):
         raise ConfigError(f"value_model.warm_start={path}: the checkpoint holds no critic (a "
                           "critic-free run's): give a checkpoint of a run with advantage.estimator=gae.")
-    if own_trunk == critic.shares_trunk:
-        then, now = ("its own trunk", "the policy's") if own_trunk else ("the policy's", "its own")
-        raise ConfigError(f"value_model.warm_start={path}: the checkpoint's critic has {then} trunk "
-                          f"and this run's has {now} (value_model.init): warm-start from a run of the "
-                          "same kind (shared, or policy/reward_model/model).")
-    modules = nn.ModuleDict({"value_head": critic.head} if critic.shares_trunk
-                            else {"value_head": critic.head, "critic_trunk": critic.backbone})
+    if critic.shares_trunk:
+        raise ConfigError(shared_trunk_refusal(path))
+    if not own_trunk:
+        raise ConfigError(f"value_model.warm_start={path}: the checkpoint's critic has the "
+                          "policy's trunk (value_model.init=shared) and this run's its own: "
+                          "warm-start from a run with a separate critic (value_model.init=policy).")
+    modules = nn.ModuleDict({"value_head": critic.head, "critic_trunk": critic.backbone})
     trainable = {name for name, p in modules.named_parameters(remove_duplicate=False)
                  if p.requires_grad}
     state = {k: v for k, v in get_model_state_dict(

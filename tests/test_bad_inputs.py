@@ -82,6 +82,14 @@ CASES = {
     "autocast-bf16-weights": (["model.autocast=bfloat16", "model.dtype=bfloat16"], r"master weights"),
     "critic-from-missing-rm": (["value_model.init=reward_model"], r"needs reward.model"),
     "tis-with-sampled-log-probs": (["ppo.tis_cap=2"], r"generation.log_probs_from_sampling=false"),
+    # two splits of a minibatch: the token budget would override the row count silently
+    "token-budget-and-accumulation": (["ppo.micro_batch_tokens=64", "ppo.gradient_accumulation_steps=2"],
+                                      r"ppo.micro_batch_tokens=64 splits each minibatch by tokens, and "
+                                      r"ppo.gradient_accumulation_steps=2 by rows: .*Set "
+                                      r"ppo.gradient_accumulation_steps=1"),
+    # dropout on in the update, off while sampling: PPO's first ratio is not 1
+    "lora-dropout": (["lora.r=4", "lora.dropout=0.05"],
+                     r"lora.dropout=0.05: .*first ratio is not 1.*set lora.dropout=0\.$"),
     # truncated sampling is off-policy for PPO's ratio: refused (docs/concepts.md)
     "top-k-in-training": (["generation.top_k=50"], r"generation.top_k=50 .*full distribution.*generation.top_k=0"),
     "top-p-in-training": (["generation.top_p=0.9"], r"generation.top_p=0.9: .*off-policy.*generation.top_p=1.0"),
@@ -164,6 +172,25 @@ def test_bad_input_fails_before_work(tmp_path, tiny_llama_dir, files, overrides,
     with pytest.raises(USER_ERRORS, match=match):
         ppo.train(_cfg(run, tiny_llama_dir, *overrides))
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_kl_in_the_loss_beside_the_presets_reward_kl_is_warned(tmp_path, tiny_llama_dir, caplog):
+    """ppo.kl_loss_coef > 0 with the preset's reward KL (ppo.kl_coef > 0) runs both, which some
+    setups want: one warning naming the fix for GRPO's loss-only KL; none when either is 0."""
+    from rlhf_torchrl.config import checks
+
+    def warnings(*overrides):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="rlhf_torchrl"):
+            checks.check_config(_cfg(tmp_path, tiny_llama_dir, *overrides))
+        return [r.getMessage() for r in caplog.records if "kl_loss_coef" in r.getMessage()]
+
+    (line,) = warnings("ppo.kl_loss_coef=0.01")  # the sentiment preset's kl_coef=0.1
+    assert line == ("ppo.kl_loss_coef=0.01 puts the KL in the loss, and ppo.kl_coef=0.1 (the task "
+                    "preset's, unless set) keeps the KL penalty in the reward too: both apply. For "
+                    "GRPO's loss-only KL set ppo.kl_coef=0.")
+    assert warnings("ppo.kl_loss_coef=0.01", "ppo.kl_coef=0") == []
+    assert warnings() == []
 
 
 def test_a_finished_run_without_checkpoints_is_not_overwritten(tmp_path, tiny_llama_dir):

@@ -197,14 +197,52 @@ def test_recipe_precision_and_memory_settings(tmp_path, tiny_llama_dir, dtype):
         assert ran["model"]["autocast"] == ("bfloat16" if native else None)
         assert ran["ppo"]["tis_cap"] == (derived.AUTO_TIS_CAP if native else None)
         assert ("policy/behaviour_approxkl" in rows[0]) == native  # recomputed old log-probs
-    else:
-        assert ran["model"]["autocast"] == dtype and ran["ppo"]["tis_cap"] is None
+    else:  # bf16/fp16 however spelled: the old log-probs recomputed, TIS on
+        assert ran["model"]["autocast"] == dtype and ran["ppo"]["tis_cap"] == derived.AUTO_TIS_CAP
+        assert "policy/behaviour_approxkl" in rows[0] and "policy/tis_capped_frac" in rows[0]
     from transformers import AutoModelForCausalLM
 
     before = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).state_dict()
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype="auto").state_dict()
     assert all(v.dtype == torch.float32 for v in after.values())
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "emulated-bf16"])
+def test_tis_is_on_wherever_the_sampler_differs(monkeypatch, native):
+    """One rule, from what happens: with ppo.tis_cap null, TIS (cap 2) is on where the old
+    log-probs are recomputed and the sampler computed its own another way (bf16/fp16 by any
+    spelling, vLLM, older weights, a compiled decode step), off where nothing differs; the
+    resolution is written into the config once, and a set cap is kept."""
+    monkeypatch.setattr(derived, "native_bf16", lambda device: native)
+    on, off = derived.AUTO_TIS_CAP, None
+    cases = {
+        # bf16 however it is spelled (it was 2 for auto, none for bfloat16)
+        ("model.autocast=auto",): on if native else off,  # auto: fp32 without native bf16
+        ("model.autocast=bfloat16",): on,
+        ("model.autocast=float16",): on,
+        ("model.autocast=null", "model.dtype=bfloat16"): on,
+        ("model.autocast=auto", "model.dtype=bfloat16"): on,  # (auto adds nothing to bf16)
+        # another engine or older weights with an fp32 trainer (vLLM had none)
+        ("model.autocast=null", "generation.backend=vllm"): on,
+        ("model.autocast=null", "collection.overlap=1"): on,
+        ("model.autocast=null", "collection.partial_rollout=true"): on,
+        ("model.autocast=null", "generation.compile=true"): on,
+        # nothing to correct: the sampler is the training forward, or its log-probs are kept
+        ("model.autocast=null",): off,
+        ("model.autocast=null", "generation.log_probs_from_sampling=false"): off,
+        ("model.autocast=bfloat16", "generation.log_probs_from_sampling=true"): off,
+        ("model.autocast=null", "generation.backend=vllm", "generation.log_probs_from_sampling=true"): off,
+        # set: kept
+        ("model.autocast=bfloat16", "ppo.tis_cap=1.5"): 1.5,
+    }
+    for overrides, cap in cases.items():
+        cfg = compose(list(overrides))
+        assert derived.tis_cap(cfg) == cap, overrides  # before the resolution too
+        builders.resolve_precision(cfg)
+        assert cfg.ppo.tis_cap == cap, overrides
+        builders.resolve_precision(cfg)  # idempotent
+        assert derived.tis_cap(cfg) == cap and cfg.ppo.tis_cap == cap, overrides
 
 
 @pytest.mark.gpu

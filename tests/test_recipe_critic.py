@@ -83,25 +83,42 @@ def test_critic_warmup_until_its_fit_stops_improving(tmp_path, tiny_llama_dir):
                                    "ppo.critic_epochs=1"))
 
 
-def test_critic_warm_started_from_a_saved_critic(tmp_path, tiny_llama_dir):
-    """value_model.warm_start=<a run's output_dir>: the new run's value head is the saved one (its
-    newest checkpoint's), its policy and optimiser start fresh; a critic of another kind, or a
-    path without a checkpoint, is refused before any model loads."""
-    first = builders.build_trainer(_cfg(tmp_path / "first", tiny_llama_dir, "checkpoint.every=1",
-                                        "ppo.num_iterations=1", "eval.every=0"))
+def test_critic_warm_started_from_a_saved_critic(tmp_path, tiny_llama_dir, tokenizer):
+    """value_model.warm_start=<a run's output_dir>: the new run's separate critic is the saved one
+    (its newest checkpoint's value head and trunk), its policy and optimiser start fresh. A shared
+    trunk is refused before any model loads, and by load_critic: the saved head was fitted to
+    that run's trained policy, not to this run's fresh one. A path without a checkpoint too."""
+    from rlhf_torchrl.critic_warm_start import load_critic
+    from rlhf_torchrl.modules import load_causal_lm, make_critic
+
+    separate = "value_model.init=policy"
+    first = builders.build_trainer(_cfg(tmp_path / "first", tiny_llama_dir, separate,
+                                        "checkpoint.every=1", "ppo.num_iterations=1", "eval.every=0"))
     fresh_policy = {k: v.clone() for k, v in first.actor.model.state_dict().items()}
     first.fit()
     saved_head = first.critic.head.weight.detach().clone()
+    saved_trunk = {k: v.detach().clone() for k, v in first.critic.backbone.state_dict().items()}
     assert saved_head.abs().sum() > 0  # (a fresh head is 0)
-    second = builders.build_trainer(_cfg(tmp_path / "second", tiny_llama_dir, "eval.every=0",
+    assert any(not torch.equal(v, fresh_policy[f"model.{k}"]) for k, v in saved_trunk.items()
+               if f"model.{k}" in fresh_policy)  # the saved critic's trunk trained
+    second = builders.build_trainer(_cfg(tmp_path / "second", tiny_llama_dir, separate, "eval.every=0",
                                          f"value_model.warm_start={tmp_path / 'first'}"))
     assert torch.equal(second.critic.head.weight, saved_head)
+    trunk = second.critic.backbone.state_dict()
+    assert all(torch.equal(trunk[k], v) for k, v in saved_trunk.items())
     policy = second.actor.model.state_dict()
     assert all(torch.equal(policy[k], v) for k, v in fresh_policy.items())
     assert not second.optimizer.state  # no moments: a fresh optimiser
-    with pytest.raises(ConfigError, match="value_model.init=shared.*value_model.init=policy"):
-        builders.build_trainer(_cfg(tmp_path / "third", tiny_llama_dir, "value_model.init=policy",
-                                    f"value_model.warm_start={tmp_path / 'first'}"))
+    refusal = (r"value_model.init=shared: a shared trunk is the policy's, so the saved value head "
+               r"was fitted to that run's trained policy .*value_model.init=policy in both runs")
+    with pytest.raises(ConfigError, match=refusal):
+        checks.check_config(_cfg(tmp_path / "third", tiny_llama_dir, "value_model.init=shared",
+                                 f"value_model.warm_start={tmp_path / 'first'}"))
+    shared = make_critic(policy=load_causal_lm(tiny_llama_dir, tokenizer), tokenizer=tokenizer,
+                         init="shared")
+    with pytest.raises(ConfigError, match=refusal):
+        load_critic(str(tmp_path / "first"), shared)
+    assert shared.head.weight.abs().sum() == 0  # nothing loaded
     with pytest.raises(ConfigError, match="neither a checkpoint"):
-        checks.check_config(_cfg(tmp_path / "third", tiny_llama_dir,
-                                   f"value_model.warm_start={tmp_path / 'nowhere'}"))
+        checks.check_config(_cfg(tmp_path / "third", tiny_llama_dir, separate,
+                                 f"value_model.warm_start={tmp_path / 'nowhere'}"))

@@ -134,8 +134,9 @@ def test_autocast_auto_resolves_into_the_config(monkeypatch, native):
 
     assert resolved() == (("bfloat16", derived.AUTO_TIS_CAP) if native else (None, None))
     assert resolved("ppo.tis_cap=1.5") == ("bfloat16" if native else None, 1.5)
-    assert resolved("model.dtype=bfloat16") == (None, None)  # already low precision: no autocast
+    # already low precision: no autocast, and the old log-probs recomputed: TIS (derived.tis_cap)
+    assert resolved("model.dtype=bfloat16") == (None, derived.AUTO_TIS_CAP)
     # log-probs recorded while sampling, as asked: nothing to correct, no TIS
     assert resolved("generation.log_probs_from_sampling=true") == ("bfloat16" if native else None, None)
     assert resolved("model.autocast=null") == (None, None)
-    assert resolved("model.autocast=float16") == ("float16", None)
+    assert resolved("model.autocast=float16") == ("float16", derived.AUTO_TIS_CAP)  # fp16: TIS too

@@ -58,9 +58,9 @@ log = logging.getLogger(__name__)
 
 def resolve_precision(cfg: DictConfig) -> None:
     """Write :func:`~rlhf_torchrl.config.derived.precision` into ``cfg`` (``model.autocast=auto``
-    resolved, and ``ppo.tis_cap`` with it), so the run's config and report say what ran; the one
-    step that writes into the config, before its checks. An explicit ``model.autocast`` is left
-    as it is.
+    resolved, and a null ``ppo.tis_cap`` by :func:`~rlhf_torchrl.config.derived.tis_cap`'s rule),
+    so the run's config and report say what ran; the one step that writes into the config, before
+    its checks. An explicit ``model.autocast`` and ``ppo.tis_cap`` are left as they are.
 
     Args:
         cfg: the composed PPO config.

@@ -78,6 +78,11 @@ def check_config(cfg: DictConfig) -> Sizes:
                      "ppo.batch_size must split into ppo.num_mini_batches equal minibatches")
     local = exact_div(mini, world, f"the minibatch size ({mini} = batch_size / num_mini_batches) "
                       f"must split over the {world} processes")
+    if p.micro_batch_tokens is not None and p.gradient_accumulation_steps != 1:
+        raise ConfigError(f"ppo.micro_batch_tokens={p.micro_batch_tokens} splits each minibatch by "
+                          f"tokens, and ppo.gradient_accumulation_steps="
+                          f"{p.gradient_accumulation_steps} by rows: only one split is used. Set "
+                          "ppo.gradient_accumulation_steps=1 (or ppo.micro_batch_tokens=null).")
     micro = exact_div(local, p.gradient_accumulation_steps,
                       f"each process's share of a minibatch ({local} = batch_size / "
                       "num_mini_batches / processes) must split into "
@@ -122,6 +127,11 @@ def check_config(cfg: DictConfig) -> Sizes:
     if lora.r and fsdp:
         raise ConfigError("lora.r > 0 with distributed.strategy=fsdp2 is not supported yet: use "
                          "distributed.strategy=ddp (adapters are small; the frozen base is shared).")
+    if lora.dropout:
+        raise ConfigError(f"lora.dropout={lora.dropout}: dropout is on in the update's forwards and "
+                          "off while sampling and computing the old log-probs, so PPO's first "
+                          "ratio is not 1 and its clip acts on dropout noise (every model here "
+                          "loads with dropout off, Ziegler et al. 2019): set lora.dropout=0.")
     if (lora.critic or lora.save_merged) and not lora.r:
         raise ConfigError("lora.critic / lora.save_merged need LoRA on the policy: set lora.r > 0.")
     if lora.critic and critic_free(cfg):
@@ -136,6 +146,12 @@ def check_config(cfg: DictConfig) -> Sizes:
         raise ConfigError(f"model.autocast={m.autocast} keeps fp32 master weights: set model.dtype="
                          f"float32 (now {m.dtype}), or drop autocast to train in {m.dtype}.")
     F.check_kl_estimator(p.kl_estimator)
+    if p.kl_loss_coef and p.kl_coef:
+        # both together is a choice some make (the PPO-RLHF reward KL and GRPO's loss KL), so not
+        # refused; but a preset's reward KL left on under kl_loss_coef is rarely what was meant
+        log.warning("ppo.kl_loss_coef=%g puts the KL in the loss, and ppo.kl_coef=%g (the task "
+                    "preset's, unless set) keeps the KL penalty in the reward too: both apply. For "
+                    "GRPO's loss-only KL set ppo.kl_coef=0.", p.kl_loss_coef, p.kl_coef)
     if cfg.optim.critic_warmup and critic_free(cfg):
         log.warning("optim.critic_warmup=%d is ignored: advantage.estimator=%s has no critic.",
                     cfg.optim.critic_warmup, a.estimator)
@@ -223,14 +239,18 @@ def check_critic_settings(cfg: DictConfig) -> None:
 
 
 def check_warm_start(cfg: DictConfig) -> None:
-    """``value_model.warm_start`` names a checkpoint whose run had a critic of this run's kind
-    (its config, read before any weights; :func:`rlhf_torchrl.critic_warm_start.load_critic` loads it).
+    """``value_model.warm_start`` with a separate critic, naming a checkpoint whose run had one
+    too (its config, read before any weights; :func:`rlhf_torchrl.critic_warm_start.load_critic`
+    loads it). A shared trunk is refused: the saved head was fitted to that run's trained policy,
+    not to this run's (:func:`~rlhf_torchrl.critic_warm_start.shared_trunk_refusal`).
 
     Args:
         cfg: the composed PPO config.
     """
-    from ..critic_warm_start import critic_checkpoint
+    from ..critic_warm_start import critic_checkpoint, shared_trunk_refusal
 
+    if cfg.value_model.init == "shared":
+        raise ConfigError(shared_trunk_refusal(cfg.value_model.warm_start))
     path = critic_checkpoint(cfg.value_model.warm_start)
     then = OmegaConf.load(os.path.join(path, "config.yaml"))
     estimator = OmegaConf.select(then, "advantage.estimator", default="gae")
@@ -238,12 +258,12 @@ def check_warm_start(cfg: DictConfig) -> None:
         raise ConfigError(f"value_model.warm_start={path}: that run (advantage.estimator="
                           f"{estimator}) has no critic; give a checkpoint of a run with a critic.")
     init_then = OmegaConf.select(then, "value_model.init", default="shared")
-    if (init_then == "shared") != (cfg.value_model.init == "shared"):
+    if init_then == "shared":
         raise ConfigError(
-            f"value_model.warm_start={path}: that run's critic (value_model.init="
-            f"{init_then}) and this one's (value_model.init={cfg.value_model.init}) are "
-            "not of the same kind: a shared trunk's head reads the policy's features, a separate "
-            "critic's its own trunk. Use the checkpoint's value_model.init.")
+            f"value_model.warm_start={path}: that run's critic (value_model.init=shared) has no "
+            f"trunk of its own, and this one's (value_model.init={cfg.value_model.init}) does: a "
+            "shared trunk's head reads the policy's features. Warm-start from a run with a "
+            "separate critic (value_model.init=policy).")
 
 
 def check_compiled_generation(cfg: DictConfig) -> None:

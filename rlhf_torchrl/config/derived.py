@@ -1,6 +1,7 @@
 """Settings the PPO config implies: each computed from the config in one place, never written
 back into it (:func:`rlhf_torchrl.config.builders.resolve_precision` is the one step that writes
-``model.autocast=auto``'s resolution, so a run's saved config says what ran).
+``model.autocast=auto``'s resolution and a null ``ppo.tis_cap``'s, so a run's saved config says
+what ran).
 """
 
 from __future__ import annotations
@@ -12,29 +13,35 @@ from ..distributed import DataParallel
 from ..modules.models import torch_dtype
 from ..runtime import native_bf16, resolve_device
 
-#: ``ppo.tis_cap`` that ``model.autocast=auto`` sets with bf16 (the setting the 3-seed comparison
-#: of bf16 against fp32 used: docs/experiments.md, "bf16 autocast against fp32")
+#: ``ppo.tis_cap`` when null and the old log-probs are recomputed with other kernels or newer
+#: weights than the sampler's (:func:`tis_cap`); verl's default threshold, and the setting the
+#: 3-seed comparison of bf16 against fp32 used (docs/experiments.md, "bf16 autocast against fp32")
 AUTO_TIS_CAP = 2.0
 
 
 def precision(cfg: DictConfig) -> tuple[str | None, float | None]:
-    """``(model.autocast, ppo.tis_cap)`` as the run uses them. ``model.autocast=auto`` is
-    ``bfloat16`` where the device computes bf16 natively (:func:`~rlhf_torchrl.runtime.native_bf16`)
-    and the weights are fp32, else null (fp32). With bf16 the old log-probs are recomputed by the
-    training forward, and ``ppo.tis_cap``, when null, becomes :data:`AUTO_TIS_CAP` (each token's
-    surrogate weighted by the truncated ratio of the trainer's and the sampler's probabilities).
-    An explicit ``model.autocast`` gives both as they are.
+    """``(model.autocast, ppo.tis_cap)`` as the run uses them: ``model.autocast`` resolved
+    (:func:`resolved_autocast`), and ``ppo.tis_cap`` by :func:`tis_cap`'s rule with that autocast.
 
     Args:
         cfg: the composed PPO config.
     """
-    m, cap = cfg.model, cfg.ppo.tis_cap
+    autocast = resolved_autocast(cfg)
+    return autocast, tis_cap(cfg, autocast=autocast)
+
+
+def resolved_autocast(cfg: DictConfig) -> str | None:
+    """``model.autocast``, with ``auto`` resolved: ``bfloat16`` where the device computes bf16
+    natively (:func:`~rlhf_torchrl.runtime.native_bf16`) and the weights are fp32, else null
+    (fp32). An explicit setting is returned as it is.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    m = cfg.model
     if m.autocast != "auto":
-        return m.autocast, cap
-    bf16 = m.dtype == "float32" and native_bf16(resolve_device(cfg.device))
-    if bf16 and cap is None and not log_probs_from_sampling(cfg, autocast="bfloat16"):
-        cap = AUTO_TIS_CAP
-    return ("bfloat16" if bf16 else None), cap
+        return m.autocast
+    return "bfloat16" if m.dtype == "float32" and native_bf16(resolve_device(cfg.device)) else None
 
 
 def autocast_dtype(cfg: DictConfig) -> torch.dtype | None:
@@ -64,37 +71,49 @@ def values_from_sampling(cfg: DictConfig, parallel: DataParallel, *, critic: boo
             and not c.ray_workers and not c.overlap)
 
 
-def log_probs_from_sampling(cfg: DictConfig, *, autocast: str | None | bool = False) -> bool:
+def log_probs_from_sampling(cfg: DictConfig, *, autocast: str | None | bool = False,
+                            rule_only: bool = False) -> bool:
     """Old log-probs recorded while sampling, or recomputed (:func:`rlhf_torchrl.on_policy.log_probs_from_sampling`).
 
     Args:
         cfg: the composed PPO config.
         autocast: the autocast dtype's name to take in place of ``model.autocast`` (False: the
             config's).
+        rule_only: what the rule gives with ``generation.log_probs_from_sampling`` null, whatever
+            it is set to: whether the sampler's log-probs equal the training forward's.
     """
     from ..on_policy import log_probs_from_sampling as from_sampling
 
     return from_sampling(backend=cfg.generation.backend, autocast=cfg.model.autocast if autocast is False else autocast,
                          dtype=cfg.model.dtype, overlap=cfg.collection.overlap,
-                         setting=cfg.generation.log_probs_from_sampling,
+                         setting=None if rule_only else cfg.generation.log_probs_from_sampling,
                          partial_rollout=cfg.collection.partial_rollout,
                          compiled=cfg.generation.compile)
 
 
-def tis_cap(cfg: DictConfig) -> float | None:
-    """``ppo.tis_cap``; when null, :data:`AUTO_TIS_CAP` under ``collection.overlap`` >= 1 or
-    ``collection.partial_rollout`` with recomputed old log-probs (the sampler's, one or more
-    updates old, weight the loss: decoupled PPO), else off.
+def tis_cap(cfg: DictConfig, *, autocast: str | None | bool = False) -> float | None:
+    """``ppo.tis_cap``; when null, :data:`AUTO_TIS_CAP` wherever the old log-probs are recomputed
+    by the training forward while the sampler computed its own another way, else off. One rule,
+    decided from what happens, not from how it was asked for: the sampler differs when its
+    log-probs would not be the training forward's (:func:`log_probs_from_sampling`'s rule: bf16 or
+    fp16 by any spelling, ``model.autocast=auto`` resolved or ``bfloat16``/``float16``, or
+    low-precision weights; the vLLM backend; ``collection.overlap`` >= 1 or
+    ``collection.partial_rollout``, older weights; a compiled decode step), and the old log-probs
+    are recomputed unless ``generation.log_probs_from_sampling=true`` keeps the sampler's (then
+    there is nothing to correct). Recomputing where the sampler is the training forward itself
+    (fp32, the transformers backend, synchronous) leaves the ratio at 1: no correction.
 
     Args:
         cfg: the composed PPO config.
+        autocast: the autocast dtype's name to take in place of ``model.autocast`` (False: the
+            config's, ``auto`` resolved by :func:`resolved_autocast`).
     """
     if cfg.ppo.tis_cap is not None:
         return float(cfg.ppo.tis_cap)
-    stale = cfg.collection.overlap or cfg.collection.partial_rollout
-    if stale and not log_probs_from_sampling(cfg):
-        return AUTO_TIS_CAP
-    return None
+    autocast = resolved_autocast(cfg) if autocast is False else autocast
+    recomputed = not log_probs_from_sampling(cfg, autocast=autocast)
+    sampler_differs = not log_probs_from_sampling(cfg, autocast=autocast, rule_only=True)
+    return AUTO_TIS_CAP if recomputed and sampler_differs else None
 
 
 def partial_rollout_tokens(cfg: DictConfig) -> int | None:
