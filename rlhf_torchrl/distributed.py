@@ -301,6 +301,8 @@ def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None
     import torch.distributed as dist
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    if device.type == "cuda" and device.index is None:  # this process's GPU
+        device = torch.device("cuda", local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():

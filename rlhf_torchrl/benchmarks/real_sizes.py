@@ -174,12 +174,15 @@ def floor(path: str, prompts: str, args) -> dict:
         enc = tok(texts[:rows], padding=True, return_tensors="pt", add_special_tokens=False).to(device)
         kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=R,
                       min_new_tokens=R, pad_token_id=tok.pad_token_id)
-        if compiled:
-            from ..collectors.generation import static_cache_settings
+        if compiled:  # what generation.compile does: a static cache, the decode step compiled
+            from ..collectors.generation import StaticCaches, compile_config
 
-            kwargs.update(static_cache_settings(enc["input_ids"].shape[1] + R))
+            caches = StaticCaches(enc["input_ids"].shape[1] + R)
+            kwargs["compile_config"] = compile_config()
         timings = []
         for _ in range(2):  # the first compiles (and warms the allocator)
+            if compiled:
+                kwargs["past_key_values"] = caches(policy, rows, torch.bfloat16, policy.device)
             _sync(device)
             start = time.perf_counter()
             with torch.no_grad(), amp:
@@ -333,6 +336,8 @@ def recipe(name: str, variant: str, path: Path, prompts: Path, out_dir: Path, ar
         steady = rows[1:] or rows
         result.update({p: statistics.median(r[f"time/{p}"] for r in steady) for p in PHASES})
         result["first_iteration"] = {p: rows[0][f"time/{p}"] for p in PHASES}
+        result["per_iteration"] = [{k: v for k, v in r.items() if k.startswith(("time/", "memory/"))}
+                                   for r in rows]
         result["tokens_per_second"] = statistics.median(r["time/tokens_per_second"] for r in steady)
         for key in ("memory/gpu_peak_gb", "response/length_mean", "objective/kl"):
             if key in rows[-1]:
@@ -352,11 +357,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch-size", type=int, default=256, help="ppo.batch_size (verl: 256)")
     parser.add_argument("--minibatches", type=int, default=4, help="ppo.num_mini_batches (verl: 256/64)")
     parser.add_argument("--response-length", type=int, default=256, help="verl: 256")
-    parser.add_argument("--micro-batch-tokens", type=int, default=16384,
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192,
                         help="ppo.micro_batch_tokens (verl: 4 rows a micro-batch, ~1,400 tokens)")
     parser.add_argument("--forward-batch-size", type=int, default=64, help="ppo.forward_batch_size")
     parser.add_argument("--generate-batches", type=int, nargs="*", default=[128],
                         help="the floor's bare generate batch sizes (eager and compiled each)")
+    parser.add_argument("--steps", nargs="*", default=None, metavar="MODEL:STEP",
+                        help="run these in this order instead, each a model and 'floor' or a "
+                             "variant, e.g. qwen2.5-1.5b:eager qwen2.5-0.5b:floor")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--recipe-timeout", type=float, default=600,
                         help="seconds one recipe run may take")
@@ -390,6 +398,8 @@ def main(argv=None) -> dict:
         # deadline has every model's baseline
         steps = [(name, variant) for name in args.models for variant in ("floor", args.variants[0])]
         steps += [(name, v) for v in args.variants[1:] for name in args.models]
+        if args.steps:  # the order given
+            steps = [tuple(step.split(":", 1)) for step in args.steps]
         for name, variant in steps:
             entry = result["models"].setdefault(name, {})
             if name not in paths:
@@ -404,7 +414,7 @@ def main(argv=None) -> dict:
                 print(name, variant, {k: v for k, v in entry[variant].items() if k != "command"},
                       flush=True)
             save()
-        for name in args.models:
+        for name in result["models"]:
             _print_table(name, result["models"][name])
     return result
 

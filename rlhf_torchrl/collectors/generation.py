@@ -72,7 +72,7 @@ def make_generation_policy(
         static_cache_len: ``N``: decode with a static KV cache of ``N`` positions (the longest
             prompt plus the response budget) and the decode step compiled by transformers
             (``torch.compile``, CUDA graphs on CUDA): one graph serves every batch of the same
-            size, since the cache's shape never changes (:func:`static_cache_settings`). The
+            size, since the cache's shape never changes (:class:`StaticCaches`). The
             prefill stays eager; a group's prompt is then prefilled once per row (the grouped
             prefill continues a dynamic cache), and ``value_head`` must be None (the value hook
             would split the compiled step). None: transformers' dynamic cache, eager.
@@ -106,8 +106,8 @@ def make_generation_policy(
         if value_head is not None:
             raise ValueError("Values are not read off a compiled decode step: pass value_head=None "
                              "(the critic computes them) or static_cache_len=None.")
-        for name, value in static_cache_settings(static_cache_len).items():
-            setattr(policy.generation_config, name, value)
+        policy.generation_config.compile_config = compile_config()
+        policy.static_cache = StaticCaches(static_cache_len)
         policy.samples_per_prompt = 1  # the grouped prefill continues a dynamic cache
     policy.value_recorder = ValueRecorder(trunk(model), value_head) if value_head is not None else None
     # TransformersWrapper drops generate_kwargs it does not know, logits_processor among them
@@ -116,27 +116,75 @@ def make_generation_policy(
     return policy
 
 
-def static_cache_settings(max_cache_len: int) -> dict:
-    """The ``GenerationConfig`` settings of a compiled decode step over a static KV cache of
-    ``max_cache_len`` positions.
-
-    transformers compiles the model's forward for the decode steps (``compile_config``; its
-    default mode, ``reduce-overhead``, replays CUDA graphs on CUDA) when the cache is static. The
-    cache is sized for the longest prompt plus the response budget on every call
-    (``max_cache_len``), so a batch with a shorter prompt reuses the same graph instead of
-    recompiling. ``dynamic=False``: the shapes are fixed by construction. ``_compile_all_devices``
-    lets it compile on a CPU too (transformers compiles on accelerators only by default), where
-    the tests check its tokens against eager decoding.
-
-    Args:
-        max_cache_len: the cache's positions: the longest prompt plus ``max_new_tokens``.
-    """
+def compile_config():
+    """transformers' ``CompileConfig`` of the decode step over a static KV cache: its default
+    mode (``reduce-overhead``: CUDA graphs on CUDA), fixed shapes (``dynamic=False``: the cache's
+    never change), and ``_compile_all_devices`` so that it compiles on a CPU too (transformers
+    compiles on accelerators only by default), where the tests check its tokens against eager
+    decoding."""
     from transformers import CompileConfig
 
     config = CompileConfig(fullgraph=False, dynamic=False)
     config._compile_all_devices = True  # transformers' own switch (CPU included)
-    return {"cache_implementation": "static", "max_cache_len": int(max_cache_len),
-            "compile_config": config}
+    return config
+
+
+class StaticCaches:
+    """One static KV cache of ``max_cache_len`` positions per batch size, dtype and device, emptied
+    before each ``generate`` that continues it.
+
+    transformers compiles the decode step when the cache is static. Its own static cache is sized
+    for each call and allocated in the weights' dtype (under a bf16 autocast the values then come
+    in bf16 and the keys in fp32, and transformers 5.17 refuses to write them); this one is
+    allocated once, in the autocast dtype (the weights' without one), each layer's keys and
+    values cast to it, for the longest prompt plus the response budget, so a batch with a shorter
+    prompt reuses the same graph instead of recompiling.
+
+    Args:
+        max_cache_len: the cache's positions: the longest prompt plus ``max_new_tokens``.
+    """
+
+    def __init__(self, max_cache_len: int):
+        self.max_cache_len = int(max_cache_len)
+        self._caches: dict = {}
+
+    def __call__(self, model, batch_size: int, dtype: torch.dtype, device: torch.device):
+        """The empty cache for ``batch_size`` rows of ``model``'s keys in ``dtype`` on ``device``."""
+        from transformers import StaticCache
+
+        key = (batch_size, dtype, device)
+        cache = self._caches.get(key)
+        if cache is None:
+            config = model.config.get_text_config(decoder=True)
+            heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            head_dim = (getattr(config, "head_dim", None)
+                        or config.hidden_size // config.num_attention_heads)
+            cache = self._caches[key] = StaticCache(config=config, max_cache_len=self.max_cache_len)
+            cache.early_initialization(batch_size=batch_size, num_heads=heads, head_dim=head_dim,
+                                       dtype=dtype, device=device)
+            for layer in cache.layers:
+                layer.update = functools.partial(_update_in_dtype, layer.update, dtype)
+        else:
+            cache.reset()
+        return cache
+
+
+def _update_in_dtype(update, dtype: torch.dtype, key_states: torch.Tensor,
+                     value_states: torch.Tensor, *args, **kwargs):
+    """A static cache layer's ``update`` with the new keys and values in the cache's ``dtype``.
+    Under autocast the values come out of a bf16 matmul and the keys out of the fp32 rotary
+    embedding; attention then computes in bf16 either way (SDPA is on autocast's bf16 list), so
+    storing both in bf16 gives the dynamic cache's result."""
+    return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+
+def generate_with_static_cache(model, generate, caches: StaticCaches,
+                               dtype: torch.dtype | None, *, input_ids: torch.Tensor, **kwargs):
+    """``generate(input_ids, **kwargs)`` continuing an empty cache of ``caches`` (keys in
+    ``dtype``; None: the weights')."""
+    dtype = dtype or next(model.parameters()).dtype
+    cache = caches(model, input_ids.shape[0], dtype, input_ids.device)
+    return generate(input_ids=input_ids, past_key_values=cache, **kwargs)
 
 
 def on_policy_wrapper(model, tokenizer, *, max_new_tokens: int,
@@ -188,6 +236,7 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
     autocast_dtype = None
     samples_per_prompt = 1  # > 1: the prompt of each group of rows is prefilled once
     value_recorder = None  # a ValueRecorder: values read off the sampling forwards
+    static_cache = None  # StaticCaches: decode over a static cache, the step compiled
 
     def forward(self, *args, **kwargs):
         with self._sampling(grouped=True):
@@ -215,7 +264,10 @@ class _OnPolicyTransformersWrapper(TransformersWrapper):
         if grouped:
             generate = functools.partial(generate_in_groups, self.model, generate,
                                          self.samples_per_prompt)
-        shadowed = grouped or self.value_recorder is not None
+        if self.static_cache is not None:
+            generate = functools.partial(generate_with_static_cache, model, generate,
+                                         self.static_cache, self.autocast_dtype)
+        shadowed = grouped or self.value_recorder is not None or self.static_cache is not None
         if shadowed:  # TorchRL's wrapper calls self.model.generate
             self.model.generate = generate
         try:
