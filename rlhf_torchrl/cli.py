@@ -301,6 +301,12 @@ def _bench(args: list[str]) -> None:
     run(module.main, args[1:])
 
 
+def _plan(args: list[str]) -> None:
+    from .plan import main as plan_main
+
+    run(plan_main, args)
+
+
 COMMANDS = {
     "ppo": (_ppo, "train a policy with PPO (Hydra overrides: task=arithmetic ppo.batch_size=16)"),
     "reward-model": (_reward_model, "train a reward model on preference pairs (Bradley-Terry)"),
@@ -309,6 +315,8 @@ COMMANDS = {
     "evaluate": (_evaluate, "evaluate a saved policy on the held-out prompts (eval.json)"),
     "report": (_report, "write report.html for a run directory"),
     "bench": (_bench, "run a benchmark (`rlhf-torchrl bench --help` lists them)"),
+    "plan": (_plan, "a run's memory per device and time per phase, before any weight loads "
+                    "(the PPO overrides; --gpu H100 --world-size 8)"),
 }
 
 

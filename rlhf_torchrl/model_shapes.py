@@ -26,6 +26,7 @@ class ModelShape:
         vocab: the vocabulary (the embedding's and LM head's rows).
         tied: the LM head shares the embedding's weights.
         gated_mlp: a gated MLP (SwiGLU: 3 matrices) rather than 2.
+        learned_positions: rows of a learned position embedding (GPT-2's; 0: rotary).
     """
 
     layers: int
@@ -37,6 +38,7 @@ class ModelShape:
     vocab: int
     tied: bool
     gated_mlp: bool = True
+    learned_positions: int = 0
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -56,7 +58,8 @@ class ModelShape:
                    intermediate=get("intermediate_size", "n_inner", default=4 * hidden),
                    vocab=config.vocab_size,
                    tied=bool(getattr(config, "tie_word_embeddings", True)),
-                   gated_mlp=not gpt2)
+                   gated_mlp=not gpt2,
+                   learned_positions=getattr(config, "n_positions", 0) if gpt2 else 0)
 
     @property
     def layer_matmul_params(self) -> int:
@@ -68,7 +71,8 @@ class ModelShape:
     def trunk_params(self) -> int:
         """Parameters of the trunk: the layers (with their norms) and the embedding."""
         norms = self.layers * 2 * self.hidden + self.hidden
-        return self.layers * self.layer_matmul_params + norms + self.vocab * self.hidden
+        embeddings = (self.vocab + self.learned_positions) * self.hidden
+        return self.layers * self.layer_matmul_params + norms + embeddings
 
     @property
     def params(self) -> int:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..collectors.factory import make_collector
 from ..guards import NonFiniteAction
+from ..plan import check_fits
 from ..update import UpdateSettings
 from . import validation
 from .checks import (
@@ -115,6 +116,9 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     tokenizer = make_tokenizer(cfg)
     prompts = make_prompts(cfg, tokenizer, tools)
     check_sequence_length(cfg, prompts, tokenizer)
+    # the memory plan of every phase, from the configs and the longest prompt: a run that cannot
+    # fit stops here, before any weight loads
+    check_fits(cfg, prompt_tokens=getattr(prompts, "longest", None))
     prompts, held_out = split_eval_prompts(cfg, prompts)
     stop_ids = stop_token_ids(cfg, tokenizer)
     advantage = advantage if advantage is not None else make_advantage(cfg)
