@@ -3,46 +3,62 @@
 Each call gets (flags of ``bwrap``, in :meth:`BubblewrapSandbox.command`):
 
 - new network, PID, IPC, UTS and cgroup namespaces: no network at all (not even the host's
-  loopback), ``/proc`` shows only its own processes, and killing the namespace's first process
-  kills every process it started (``--die-with-parent``: also when the trainer dies);
+  loopback), ``/proc`` shows only its own processes, System V objects die with the call, and
+  killing the namespace's first process kills every process it started (``--die-with-parent``:
+  also when the trainer dies);
 - a root of its own, read-only, holding only ``/usr`` (and the ``/bin``, ``/lib*`` links into
-  it), the loader's files from ``/etc`` and the interpreter's prefix (``sys.base_prefix``,
-  ``sys.prefix``): the trainer's files, checkpoints, home and secrets are not there;
-- a private ``/tmp`` of ``scratch_mb`` (memory-backed, gone after the call) as working directory;
+  it), the loader's files from ``/etc``, the interpreter's prefix (``sys.base_prefix``,
+  ``sys.prefix``) and ``/dev``'s null, zero, full, random and urandom: the trainer's files,
+  checkpoints, home and secrets are not there, nor a terminal;
+- two private tmpfs mounts, memory-backed and gone after the call: ``/tmp`` of ``scratch_mb`` (the
+  working directory) and ``/dev/shm`` of :data:`SHM_MB` (``multiprocessing``'s semaphores), each
+  with :func:`inode_limit` inodes (set by :data:`~.process.PRELUDE`: ``bwrap`` sets sizes only);
 - an empty environment (``--clearenv``), no inherited file descriptors, a new session;
 - an unprivileged user with no capabilities. Run as root, ``bwrap`` maps its sandbox user to
   root outside, and the kernel never enforces RLIMIT_NPROC for root; so as root the sandbox
   skips the user namespace and the interpreter's first statements switch to a uid of its own
   for this call (:data:`~.process.PRELUDE`); otherwise ``bwrap`` runs it as ``nobody`` in a user
-  namespace, and nested user namespaces are disabled;
-- a seccomp filter (:func:`seccomp_filter`): no user namespaces (whose tmpfs mounts would escape
-  the memory limit), no SysV shared memory or memfd (memory outside the address-space limit), no
-  kernel keyrings, eBPF, perf events, userfaultfd or io_uring;
-- limits (``setrlimit``): processes, CPU time, address space per process, file size, open files.
+  namespace. Either way the prelude holds ``CAP_SYS_ADMIN`` over its own mounts to set their
+  inode limits, then gives up every capability before the code runs;
+- a seccomp filter (:mod:`.seccomp`): no user namespaces, no memory outside the address-space
+  limit (memfd, secret memory, System V and POSIX IPC), no network sockets, no socket or pipe
+  buffers above the defaults, no kernel keyrings, eBPF, perf events, userfaultfd or io_uring;
+- limits (``setrlimit``): processes, CPU time, address space per process, file size, open files;
+- where cgroup v2 delegates its memory controller (:mod:`.cgroup`), a cgroup of its own whose
+  ``memory.max`` (:meth:`BubblewrapSandbox.memory_max`) counts the kernel's memory too.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import platform
 import re
 import secrets
 import select
 import shutil
 import signal
-import struct
+import stat
 import subprocess
 import sys
 import threading
 
 from ..errors import ConfigError
 from . import Execution, SandboxSpec
+from .cgroup import CallCgroup, call_parent
 from .process import python_command, run_bounded
+from .seccomp import seccomp_filter
 
 # the system's part of the sandbox's root: directories (or /usr-merged links) and the loader's files
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
+# /dev: the host's device nodes a program reads or writes, and the links to its own descriptors.
+# Not ``bwrap --dev``: its tmpfs is writable by the sandbox's user in a user namespace (half the
+# host's memory in size), and mounting its ``/dev/pts`` makes ``bwrap`` nest a second user
+# namespace, over whose mounts the sandbox holds no capability (no inode limit could be set)
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+_DEVICE_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0",
+                 "/dev/stdout": "/proc/self/fd/1", "/dev/stderr": "/proc/self/fd/2"}
+#: the size of the private ``/dev/shm``, in MiB
+SHM_MB = 16
 # the whole environment inside; one thread per numeric library (threads count as processes)
 _ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
         "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -50,53 +66,6 @@ _NOBODY = 65534
 #: the uids a call runs as when the trainer is root, one drawn per call: no file or process of
 #: the machine belongs to them, and each call's processes are counted apart
 UID_RANGE = (2**30, 2**31 - 2)
-
-# ---- seccomp --------------------------------------------------------------------------------
-# syscall numbers (x86_64, aarch64): include/uapi/asm-generic/unistd.h, arch/x86/.../syscall_64.tbl
-_SYSCALLS = {
-    "unshare": (272, 97), "clone": (56, 220), "clone3": (435, 435),
-    "shmget": (29, 194), "memfd_create": (319, 279),
-    "add_key": (248, 217), "request_key": (249, 218), "keyctl": (250, 219),
-    "bpf": (321, 280), "perf_event_open": (298, 241), "userfaultfd": (323, 282),
-    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
-}
-_DENIED = ("shmget", "memfd_create", "add_key", "request_key", "keyctl", "bpf", "perf_event_open",
-           "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register")
-_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|..|K, BPF_RET|K
-_ALLOW, _ERRNO = 0x7FFF0000, 0x00050000  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
-_CLONE_NEWUSER = 0x10000000
-_X32_BIT = 0x40000000
-
-
-def seccomp_filter(machine: str | None = None) -> bytes | None:
-    """The seccomp program (classic BPF, as ``bwrap --seccomp`` reads it) for ``machine``
-    (default: this one), or None where its syscall numbers are not listed here.
-
-    Fails with EPERM: another architecture's syscalls (32-bit, x32), ``unshare``/``clone`` with
-    ``CLONE_NEWUSER``, and :data:`_DENIED`; ``clone3`` fails with ENOSYS (its flags sit in memory
-    a filter cannot read; the C library then falls back to ``clone``).
-
-    Args:
-        machine: a ``platform.machine()`` name (None: this machine's).
-    """
-    machine = machine or platform.machine()
-    if machine not in _AUDIT_ARCH:
-        return None
-    nr = {name: numbers[machine == "aarch64"] for name, numbers in _SYSCALLS.items()}
-    deny = _ERRNO | errno.EPERM
-    program = [(_LD_ABS, 0, 0, 4), (_JEQ, 1, 0, _AUDIT_ARCH[machine]), (_RET, 0, 0, deny),
-               (_LD_ABS, 0, 0, 0)]  # seccomp_data: nr at 0, arch at 4, args[0] at 16
-    if machine == "x86_64":
-        program += [(_JGE, 0, 1, _X32_BIT), (_RET, 0, 0, deny)]
-    for name in _DENIED:
-        program += [(_JEQ, 0, 1, nr[name]), (_RET, 0, 0, deny)]
-    program += [(_JEQ, 0, 1, nr["clone3"]), (_RET, 0, 0, _ERRNO | errno.ENOSYS),
-                (_JEQ, 2, 0, nr["unshare"]), (_JEQ, 1, 0, nr["clone"]), (_RET, 0, 0, _ALLOW),
-                (_LD_ABS, 0, 0, 16), (_JSET, 0, 1, _CLONE_NEWUSER), (_RET, 0, 0, deny),
-                (_RET, 0, 0, _ALLOW)]
-    return b"".join(struct.pack("=HBBI", *instruction) for instruction in program)
-
 
 # ---- the sandbox ----------------------------------------------------------------------------
 _checked: dict[tuple, str | None] = {}  # (bwrap, python, spec, run_as) -> why it cannot run, or None
@@ -123,6 +92,7 @@ class BubblewrapSandbox:
         self.spec, self.python, self.run_as = spec, python or sys.executable, run_as
         self.bwrap = shutil.which("bwrap")
         self.privileged = run_as is None and os.geteuid() == 0
+        self._setuid = self.bwrap is not None and bool(os.stat(self.bwrap).st_mode & stat.S_ISUID)
         self._mounts = _mounts(self.python)
 
     def check(self) -> None:
@@ -149,6 +119,12 @@ class BubblewrapSandbox:
                 "on Ubuntu 24.04 an AppArmor profile for bwrap); a memory error means "
                 "env.python_memory_mb is too small; or use env.python_sandbox=remote or none.")
 
+    def memory_max(self) -> int:
+        """The call's ``memory.max`` in bytes, where it gets a cgroup: the worst case its limits
+        allow (every process at its address-space limit, both tmpfs mounts full), which the
+        cgroup makes hold for the kernel's memory too."""
+        return (self.spec.max_processes * self.spec.memory_mb + self.spec.scratch_mb + SHM_MB) * 2**20
+
     def command(self, timeout: float, *, uid: int, info_fd: int, seccomp_fd: int | None) -> list[str]:
         """The ``bwrap`` command line running :data:`~.process.PRELUDE` for one call.
 
@@ -158,13 +134,20 @@ class BubblewrapSandbox:
             info_fd: the file descriptor ``bwrap`` writes its child's pid to.
             seccomp_fd: the file descriptor of the seccomp program (None: no filter).
         """
+        # the prelude limits its tmpfs mounts' inodes with CAP_SYS_ADMIN over them, then drops it.
+        # In a user namespace that needs the namespace owning the mounts: ``--disable-userns``
+        # nests another, so it stays only where no seccomp filter refuses user namespaces, or
+        # where a setuid ``bwrap`` refuses ``--cap-add`` (the mounts then keep bubblewrap's sizes,
+        # and the kernel's default inode count)
+        limit_inodes = self.privileged or (seccomp_fd is not None and not self._setuid)
         if self.privileged:  # no user namespace: the prelude drops root for ``uid``
             isolation = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-                         "--unshare-cgroup-try", "--cap-drop", "ALL",
-                         "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+                         "--unshare-cgroup-try", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID",
+                         "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SYS_ADMIN"]
         else:
-            isolation = ["--unshare-all", "--unshare-user", "--disable-userns",
-                         "--uid", str(_NOBODY), "--gid", str(_NOBODY), "--cap-drop", "ALL"]
+            isolation = ["--unshare-all", "--unshare-user", "--uid", str(_NOBODY),
+                         "--gid", str(_NOBODY), "--cap-drop", "ALL"]
+            isolation += ["--cap-add", "CAP_SYS_ADMIN"] if limit_inodes else ["--disable-userns"]
         argv = [self.bwrap, *isolation, "--die-with-parent", "--new-session", "--clearenv"]
         for name, value in _ENV.items():
             argv += ["--setenv", name, value]
@@ -173,10 +156,16 @@ class BubblewrapSandbox:
             argv += ["--seccomp", str(seccomp_fd)]
         # the scratch folder first: an interpreter under /tmp (a venv) is then mounted inside it
         argv += ["--perms", "01777", "--size", str(self.spec.scratch_mb * 2**20), "--tmpfs", "/tmp",
-                 *self._mounts, "--proc", "/proc", "--dev", "/dev", "--chdir", "/tmp",
-                 "--remount-ro", "/", "--"]
+                 *self._mounts, "--proc", "/proc", "--perms", "0755", "--dir", "/dev"]
+        for device in _DEVICES:
+            argv += ["--dev-bind-try", device, device]
+        for link, target in _DEVICE_LINKS.items():
+            argv += ["--symlink", target, link]
+        argv += ["--perms", "01777", "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm",
+                 "--chdir", "/tmp", "--remount-ro", "/", "--"]
         return argv + python_command(self.python, self.spec, timeout,
-                                     uid=uid if self.privileged else -1)
+                                     uid=uid if self.privileged else -1,
+                                     inodes=inode_limit(self.spec.scratch_mb) if limit_inodes else -1)
 
     def run(self, code: str, timeout: float | None = None) -> Execution:
         """Run ``code``; ``timeout`` (seconds, at most ``spec.timeout``) stops it sooner.
@@ -189,10 +178,23 @@ class BubblewrapSandbox:
 
     def _run(self, code: str, timeout: float) -> Execution:
         uid = UID_RANGE[0] + secrets.randbelow(UID_RANGE[1] - UID_RANGE[0])
+        # a cgroup where one can be made; ``run_as`` (tests) starts bwrap as a user who may not
+        # move itself into it
+        parent = call_parent()[0] if self.run_as is None else None
+        if parent is None:
+            return self._run_in(code, timeout, uid, None)
+        try:
+            cgroup = CallCgroup(parent, self.memory_max())
+        except OSError as e:
+            return Execution("", "error", message=f"cannot make the call's cgroup: {e}")
+        with cgroup:
+            return self._run_in(code, timeout, uid, cgroup)
+
+    def _run_in(self, code: str, timeout: float, uid: int, cgroup: CallCgroup | None) -> Execution:
         info_read, info_write = os.pipe()
         fds = [info_write]
         program = seccomp_filter()
-        if program is not None:  # the program (a few hundred bytes) fits the pipe's buffer
+        if program is not None:  # the program (under a kilobyte) fits the pipe's buffer
             seccomp_read, seccomp_write = os.pipe()
             os.write(seccomp_write, program)
             os.close(seccomp_write)
@@ -201,6 +203,8 @@ class BubblewrapSandbox:
                 if self.run_as is not None else {})
         argv = self.command(timeout, uid=uid, info_fd=info_write,
                             seccomp_fd=fds[1] if program is not None else None)
+        if cgroup is not None:
+            argv = cgroup.enter(argv)
         try:
             execution = run_bounded(
                 argv, code, timeout=timeout, max_output_bytes=self.spec.max_output_bytes,
@@ -212,6 +216,13 @@ class BubblewrapSandbox:
         if execution.end == "exit" and execution.returncode > 128:  # bwrap: 128 + the signal
             execution.returncode = 128 - execution.returncode
         return execution
+
+
+def inode_limit(scratch_mb: int) -> int:
+    """Inodes of each of a call's tmpfs mounts: one per 16 KiB of ``scratch_mb``, at least 1024.
+    An empty file costs about 1 KiB of kernel memory (inode and dentry) and no space: the inodes
+    then hold at most a sixteenth of the scratch size (4096 and 4 MiB for the default 64 MB)."""
+    return max(1024, scratch_mb * 64)
 
 
 def _kill_namespace(process: subprocess.Popen, info_fd: int) -> None:

@@ -26,20 +26,38 @@ from . import Execution, SandboxSpec
 
 log = logging.getLogger(__name__)
 
-#: open files per process: bounds the memory a program can hold in pipes and socket buffers
-MAX_OPEN_FILES = 256
+#: open files per process: bounds the memory a program can hold in pipes and socket buffers (each
+#: at most 64 KiB, and about twice ``net.core.wmem_default``: the seccomp filter refuses more)
+MAX_OPEN_FILES = 64
 
 # the interpreter's first statements (argv: uid, CPU seconds, address-space bytes, processes,
-# file bytes, open files; -1 leaves a limit alone): drop to ``uid`` where still root (bubblewrap
-# ran as root, without a user namespace, so that the kernel counts this uid's processes:
-# RLIMIT_NPROC never holds for root), then the limits, then the code from stdin
+# file bytes, open files, inodes; -1 leaves a limit alone). In a sandbox (inodes >= 0): limit the
+# inodes of its tmpfs mounts (bubblewrap sets their size, not their inode count: 200k empty files
+# held 200 MiB of kernel memory), then give up every capability, and stop unless none is left.
+# Then drop to ``uid`` where still root (bubblewrap ran as root, without a user namespace, so that
+# the kernel counts this uid's processes: RLIMIT_NPROC never holds for root), set the limits and
+# run the code from stdin.
 PRELUDE = r"""
 import os, resource, sys
-uid, cpu, memory, processes, file_size, files = (int(a) for a in sys.argv[1:7])
+uid, cpu, memory, processes, file_size, files, inodes = (int(a) for a in sys.argv[1:8])
+if inodes >= 0:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    for path, count in ((b"/tmp", inodes), (b"/dev/shm", inodes)):
+        if libc.mount(None, path, None, 0x26, b"nr_inodes=%d" % count):  # MS_REMOUNT|NOSUID|NODEV
+            sys.exit(f"sandbox: cannot limit the inodes of {path.decode()}: "
+                     f"{os.strerror(ctypes.get_errno())}")
 if uid >= 0 and os.getuid() == 0:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
+if inodes >= 0:
+    header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # capset v3
+    libc.capset(header, data)
+    status = open("/proc/self/status").read()
+    if any(f"{name}:\t0000000000000000" not in status for name in ("CapEff", "CapPrm", "CapAmb")):
+        sys.exit("sandbox: cannot give up its capabilities")
+    del ctypes, libc, path, count, header, data, status
 for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory),
                      (resource.RLIMIT_NPROC, processes), (resource.RLIMIT_FSIZE, file_size),
                      (resource.RLIMIT_NOFILE, files), (resource.RLIMIT_CORE, 0)):
@@ -47,13 +65,13 @@ for limit, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory),
         resource.setrlimit(limit, (value, value))
 code = sys.stdin.buffer.read().decode("utf-8", "replace")
 sys.argv = [""]
-del os, resource, uid, cpu, memory, processes, file_size, files, limit, value
+del os, resource, uid, cpu, memory, processes, file_size, files, inodes, limit, value
 exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
 """
 
 
 def python_command(python: str, spec: SandboxSpec, timeout: float, *, uid: int = -1,
-                   max_processes: int | None = None) -> list[str]:
+                   max_processes: int | None = None, inodes: int = -1) -> list[str]:
     """``python`` running :data:`PRELUDE` with ``spec``'s limits: CPU time ``timeout`` (rounded
     up), address space ``spec.memory_mb``, ``max_processes`` (default ``spec.max_processes``; -1:
     no limit), files up to the scratch folder's size, :data:`MAX_OPEN_FILES`. ``-u``: what the
@@ -65,10 +83,13 @@ def python_command(python: str, spec: SandboxSpec, timeout: float, *, uid: int =
         timeout: the CPU-time limit, in seconds.
         uid: the uid :data:`PRELUDE` switches to (-1: stay).
         max_processes: the process limit (None: ``spec.max_processes``; -1: none).
+        inodes: in a sandbox holding ``CAP_SYS_ADMIN`` over its own ``/tmp`` and ``/dev/shm``
+            tmpfs mounts: their inode limit, after which :data:`PRELUDE` gives up every
+            capability (-1: not a sandbox; neither happens).
     """
     max_processes = spec.max_processes if max_processes is None else max_processes
     limits = (uid, math.ceil(timeout), spec.memory_mb * 2**20, max_processes,
-              spec.scratch_mb * 2**20, MAX_OPEN_FILES)
+              spec.scratch_mb * 2**20, MAX_OPEN_FILES, inodes)
     return [python, "-I", "-u", "-X", "utf8", "-c", PRELUDE, *map(str, limits)]
 
 
