@@ -9,7 +9,8 @@ holds on one device:
 - the reference (none with LoRA: the adapters off; none resident with ``offload_reference``) and
   the reward model;
 - generation: the KV cache of the batch (a static one of ``data.max_prompt_length`` +
-  ``max_new_tokens`` with ``generation.compile``) and one step's fp32 logits;
+  ``max_new_tokens`` with ``generation.compile``) and one step's fp32 logits; with vLLM, the
+  engine's ``vllm.gpu_memory_utilization`` share of the device, in every phase unless it sleeps;
 - the old quantities: ``forward_batch_size`` rows' fp32 logits at the response positions;
 - the update: the activations autograd keeps for the largest micro-batch, counted on a 1- and
   2-layer copy of the model's own class at two widths (``torch.autograd.graph.saved_tensors_hooks``
@@ -278,8 +279,10 @@ def layer_activation_bytes(config, autocast: torch.dtype | None,
         slope = (values[16] - values[8]) / 8
         return max(0.0, values[8] + slope * (shape.head_dim - 8))
 
-    weight_copies = (2 * shape.layer_matmul_params if autocast is not None else 0)
-    return at(per_token), max(at(fixed), weight_copies)
+    # under autocast a forward keeps the bf16 copy of each fp32 weight (none with checkpointing:
+    # recomputed); this grows with the width squared, so it is counted, not extrapolated
+    weight_copies = 2 * shape.layer_matmul_params if autocast is not None else 0
+    return at(per_token), 0.0 if gradient_checkpointing else weight_copies
 
 
 # ---- the plan ----------------------------------------------------------------------------------
@@ -415,9 +418,11 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
         cshape = None
         if critic_kind == "shared":
             held["critic weights"] = shape.hidden * wb
-    if not cfg.lora.r:
+    if not cfg.lora.r:  # (an offloaded reference visits the device for the old quantities)
         ref = _config_of(m.reference) if m.reference else config
-        held["reference"] = ModelShape.from_config(ref).params * wb / shard
+        reference = ModelShape.from_config(ref).params * wb / shard
+        if not m.offload_reference:
+            held["reference"] = reference
     if cfg.reward.model:
         rm = ModelShape.from_config(_config_of(cfg.reward.model))
         held["reward model"] = rm.trunk_params * _BYTES[cfg.reward.model_dtype]
@@ -429,14 +434,24 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     kv_dim = shape.kv_heads * shape.head_dim
     key_bytes = act_bytes if g.compile else (4 if amp is not None else wb)
     kv = rows * kv_len * shape.layers * kv_dim * (key_bytes + act_bytes)
-    casts = shape.params * 2 if amp is not None and wb == 4 else 0
+    # autocast's bf16 copies of fp32 weights, kept while a forward runs (FSDP2 gathers bf16
+    # layers instead: its mixed precision)
+    casts = shape.params * 2 if amp is not None and wb == 4 and not fsdp else 0
     generation = {"KV cache": kv, "logits and sampler": 3 * rows * shape.vocab * 4,
                   "bf16 weight copies": casts}
+    engine_awake = 0.0
+    if g.backend == "vllm":  # the engine takes its share of the device: weights and KV cache
+        share = cfg.vllm.gpu_memory_utilization * profile.memory_gb * GIB
+        generation = {"vLLM engine": share}
+        asleep = cfg.vllm.sleep if cfg.vllm.sleep is not None else profile.name != "cpu"
+        engine_awake = 0.0 if asleep else share  # sleep mode frees it while the trainer runs
     # the old quantities: a forward batch's fp32 logits at the response positions, ~3 copies
     # (logits, their exponentials, the entropies)
     fb = min(p.forward_batch_size, rows)
     old = {"logits (forward batch)": 3 * fb * R * shape.vocab * 4,
            "bf16 weight copies": casts}
+    if not cfg.lora.r and m.offload_reference:
+        old["reference (offloaded, visiting)"] = reference
     # the update's largest micro-batch
     if p.micro_batch_tokens:
         micro_tokens = p.micro_batch_tokens
@@ -445,6 +460,7 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
         micro_rows = max(1, rows // p.num_mini_batches // p.gradient_accumulation_steps)
         micro_tokens = micro_rows * T
     per_token, fixed = layer_activation_bytes(config, amp, m.gradient_checkpointing)
+    fixed = 0.0 if fsdp else fixed
     acts = shape.layers * (per_token * micro_tokens + fixed)
     update = {"policy activations": acts,
               "policy logits (fp32, 3 copies)": 3 * micro_rows * R * shape.vocab * 4}
@@ -452,12 +468,15 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
         c_token, c_fixed = layer_activation_bytes(_config_of(cfg.value_model.name_or_path or m.policy)
                                                   if critic_kind == "policy" else config,
                                                   amp, m.gradient_checkpointing)
-        update["critic activations"] = cshape.layers * (c_token * micro_tokens + c_fixed)
+        update["critic activations"] = cshape.layers * (c_token * micro_tokens
+                                                        + (0.0 if fsdp else c_fixed))
     if fsdp:  # the layers FSDP2 gathers whole: the running one and the one prefetched
         gathered = 2 * shape.layer_matmul_params * act_bytes
         for phase in (generation, old, update):
             phase["FSDP2 gathered layers"] = gathered
 
+    if engine_awake:
+        old["vLLM engine"] = update["vLLM engine"] = engine_awake
     # from the second iteration on every phase holds the moments and the gradients
     phases = {}
     for name, transient in (("generation", generation), ("old_quantities", old),
@@ -483,7 +502,7 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     eff = profile.train_efficiency
 
     def compute_s(flops: float, head: float) -> float:
-        return (flops - head) / (eff * peak) + head / (eff * profile.fp32_flops)
+        return (flops - head) / (eff * peak) + head / profile.fp32_flops
 
     step = profile.decode_step_compiled_s if g.compile else profile.decode_step_s * shape.layers
     gen_s = g.max_new_tokens * step + compute_s(gen_flops, 0) + g.max_new_tokens * (
