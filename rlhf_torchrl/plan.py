@@ -268,7 +268,10 @@ def layer_activation_bytes(config, autocast: torch.dtype | None,
         for layers in (1, 2):
             model = _proxy(config, layers, width)
             if gradient_checkpointing:
-                model.gradient_checkpointing_enable({"use_reentrant": False})
+                model.config.use_cache = False
+                enable = (getattr(model, "activation_checkpointing_enable", None)
+                          or model.gradient_checkpointing_enable)  # (transformers < 5.2x)
+                enable({"use_reentrant": False})
             for tokens in (32, 64):
                 saved[layers, tokens] = _saved_bytes(model, tokens, autocast)
         layer = {t: saved[2, t] - saved[1, t] for t in (32, 64)}
