@@ -10,11 +10,9 @@
 #   bash benchmarks/gpu.sh OUTDIR
 #
 # On a machine without this project's dependencies (the lent GPU has torch and transformers
-# only), wheels in .whl/ are installed to /tmp/site first (python3.12 manylinux wheels of torchrl,
-# tensordict, hydra-core, omegaconf, antlr4-python3-runtime, orjson, pyvers, hoptorch,
-# importlib_metadata, lazy-importer), and SmolLM2's tokenizer is read from .gpucache/ when it is
-# there (RLHF_TORCHRL_CACHE: a copy of ~/.cache/rlhf_torchrl/SmolLM2-135M-Instruct without its
-# weights; the tests and the benchmark need only its tokenizer).
+# only), the wheels in .whl/ are installed to /tmp/site first, and SmolLM2's tokenizer is read
+# from .gpucache/ (RLHF_TORCHRL_CACHE; the tests and the benchmark need only its tokenizer):
+# benchmarks/gpu_prepare.sh makes both here; the device tool carries them (carry: .whl, .gpucache).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-outputs/gpu}
