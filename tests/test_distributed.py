@@ -27,8 +27,12 @@ pytestmark = [pytest.mark.skipif(shutil.which("torchrun") is None, reason="torch
               pytest.mark.xdist_group("serial")]  # under pytest -n: one worker, one at a time
 
 
-def _run(out: Path, model_dir: str, nproc: int, *overrides: str, device: str = "cpu") -> list[dict]:
-    launcher = ([sys.executable, str(ROOT / "recipes" / "ppo.py")] if nproc == 1 else
+def _run(out: Path, model_dir: str, nproc: int, *overrides: str, device: str = "cpu",
+         torchrun: bool | None = None) -> list[dict]:
+    """The recipe in ``nproc`` processes (torchrun unless ``nproc`` is 1; ``torchrun=True``: one
+    process under torchrun too)."""
+    launcher = ([sys.executable, str(ROOT / "recipes" / "ppo.py")]
+                if not (torchrun if torchrun is not None else nproc > 1) else
                 ["torchrun", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "recipes" / "ppo.py")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.run([*launcher, f"model.policy={model_dir}", f"output_dir={out}",
@@ -126,6 +130,25 @@ def test_two_processes_match_one(tmp_path, request, case):
         torch.testing.assert_close(w2[key], w1[key], atol=1e-5, rtol=1e-4)
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(
         p.name for p in (tmp_path / "one").iterdir())
+
+
+def test_fsdp2_in_one_process_matches_the_plain_run(tmp_path, tiny_llama_dir):
+    """torchrun with one process and distributed.strategy=fsdp2 shards every model over a mesh of
+    one (FSDP2's engine on a single GPU, as bench real_sizes runs it): the same metrics and weights
+    as the run without torchrun."""
+    overrides = ["distributed.strategy=fsdp2", "value_model.init=policy"]
+    plain = _run(tmp_path / "plain", tiny_llama_dir, 1, *overrides)
+    sharded = _run(tmp_path / "sharded", tiny_llama_dir, 1, *overrides, torchrun=True)
+    logged = "".join(f.read_text() for f in (tmp_path / "sharded").glob("*.log"))
+    assert "Process 0 of 1 (fsdp2" in logged  # it did join a group and shard
+    for a, b in zip(plain, sharded):
+        for key, value in a.items():
+            if key in IGNORED or key.startswith("time/"):
+                continue
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    w1, w2 = _weights(tmp_path / "plain"), _weights(tmp_path / "sharded")
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])

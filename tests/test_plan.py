@@ -82,11 +82,9 @@ def test_fsdp2_divides_the_states_by_the_processes(tmp_path):
     assert "FSDP2 gathered layers" in eight and "FSDP2 gathered layers" not in one
 
 
-def test_the_check_refuses_a_run_that_cannot_fit_before_loading(tmp_path, capsys):
+def test_the_check_refuses_a_run_that_cannot_fit_before_loading(tmp_path):
     """A 7B-shaped policy (a config.json alone: no weights to load) on this CPU: one line naming
-    the phase, the largest component and settings that would lower it, exit 1."""
-    from rlhf_torchrl.cli import main
-
+    the phase, the largest component and settings that would lower it."""
     model = tmp_path / "qwen7b"
     model.mkdir()
     (model / "config.json").write_text((SHAPES_DIR / "qwen2.5-7b.json").read_text())
