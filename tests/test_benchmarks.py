@@ -4,6 +4,7 @@ tokenizer: no SmolLM2), and write their JSON where told (figures are never asser
 import json
 
 import pytest
+import torch
 
 from rlhf_torchrl.benchmarks import BENCHMARKS
 from rlhf_torchrl.cli import main as cli
@@ -349,8 +350,40 @@ def test_every_benchmark_has_a_plot(tmp_path):
                             "ours": [{"seconds": [2, 1], "scores": [0.1, 0.3]}]}},
         "gpu_suite": {"args": {"model": "smollm2"}, "gpu": "H100",
                       "recipe": {"transformers fp32": phases, "vllm sleep": phases}},
+        "real_sizes": {"profile": {"device": "NVIDIA H200"}, "models": {
+            "qwen2.5-0.5b": {"floor": {"update": {"seconds": 3.0}}, "eager": phases}},
+            "verl": {"seconds": {"generation": 21.5, "old_quantities": 10.2, "update": 36.0}}},
     }
     assert set(PLOTS) == {*BENCHMARKS}
     for name, payload in payloads.items():
         path = tmp_path / f"{name}.png"
         assert save(PLOTS[name], payload, str(path)) == str(path) and path.stat().st_size > 0
+
+
+def test_real_sizes_says_what_it_needs_without_a_gpu(capsys):
+    from rlhf_torchrl.benchmarks import real_sizes
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: `rlhf-torchrl bench real_sizes` runs for real")
+    assert real_sizes.main([]) == {"skipped": "no CUDA GPU"}
+    assert "--device cpu --models tiny" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_real_sizes_runs_its_steps_on_a_tiny_model(tmp_path):
+    """The GPU script's steps on the CPU at a 2-layer size (its GPU figures: benchmarks/results):
+    the profile, the floor (bare forwards, backwards, AdamW; FLOPs counted) and the recipe at its
+    settings, each figure in the JSON, the plot beside it."""
+    from rlhf_torchrl.benchmarks import real_sizes
+
+    out = tmp_path / "rs.json"
+    result = real_sizes.main(["--device", "cpu", "--models", "tiny", "--batch-size", "8",
+                              "--minibatches", "2", "--response-length", "4",
+                              "--micro-batch-tokens", "512", "--forward-batch-size", "4",
+                              "--generate-batches", "--variants", "eager", "--out", str(out)])
+    tiny = json.loads(out.read_text())["models"]["tiny"]
+    assert tiny == result["models"]["tiny"]
+    assert tiny["floor"]["update"]["flops"] > 0 and tiny["floor"]["update"]["seconds"] > 0
+    assert tiny["eager"]["iterations"] == 2 and "error" not in tiny["eager"]
+    assert set(real_sizes.PHASES) <= set(tiny["eager"])
+    assert out.with_suffix(".png").exists()

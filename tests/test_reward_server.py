@@ -191,9 +191,23 @@ def _raw(url: str, head: str, body: bytes = b"", wait: float = 5.0) -> bytes:
     with socket.create_connection((host, int(port)), timeout=wait) as sock:
         sock.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
         try:
-            return sock.recv(65536)
+            answer = sock.recv(65536)
         except TimeoutError:
             return b""
+        # the head and the body of the answer may come in two segments: read the body its
+        # Content-Length announces
+        head_end = answer.find(b"\r\n\r\n")
+        length = next((int(line.split(b":", 1)[1]) for line in answer[:head_end].split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while head_end >= 0 and len(answer) - head_end - 4 < length:
+            try:
+                more = sock.recv(65536)
+            except TimeoutError:
+                break
+            if not more:
+                break
+            answer += more
+        return answer
 
 
 def test_an_unknown_caller_is_refused_from_its_headers(reward_model):

@@ -82,14 +82,18 @@ def test_python_tool_runs_code_and_reports_its_output(python):
 
 
 @pytest.mark.parametrize("code, says", [
-    ("import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)", "Network is unreachable"),
+    # refused at the socket (seccomp: AF_UNIX alone), or where no filter loads, by the empty
+    # network namespace
+    ("import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)",
+     ("Address family not supported", "Network is unreachable")),
     ("open('/usr/lib/planted', 'w')", "Read-only file system"),
     ("x = bytearray(2 * 1024 ** 3)", "MemoryError"),
     ("f = open('big', 'w')\nfor _ in range(100):\n    f.write('x' * 2 ** 20)", "File too large"),
 ])
 def test_python_tool_is_sandboxed(python, code, says):
     result = python(code)
-    assert not result.ok and says in result.content, result.content
+    says = (says,) if isinstance(says, str) else says
+    assert not result.ok and any(s in result.content for s in says), result.content
 
 
 def test_python_tool_stops_code_that_runs_too_long(python):

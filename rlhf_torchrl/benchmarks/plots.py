@@ -133,6 +133,20 @@ def gpu_suite(plt, payload: dict):
                            f"The recipe on {payload.get('gpu', 'a GPU')} ({_subtitle(payload)})")
 
 
+def real_sizes(plt, payload: dict):
+    """Each model's recipe variants, phases stacked, beside verl's published step."""
+    runs = {f"{model} {variant}": figures
+            for model, entry in payload.get("models", {}).items()
+            for variant, figures in entry.items() if variant != "floor" and "total" in figures}
+    verl = payload.get("verl", {}).get("seconds")
+    if verl:
+        runs["verl 0.5B (published)"] = {"generation": verl["generation"],
+                                         "old_quantities": verl["old_quantities"],
+                                         "update": verl["update"]}
+    gpu = payload.get("profile", {}).get("device", "a GPU")
+    return _stacked_phases(plt, runs, f"Real sizes on {gpu}, verl's quickstart settings")
+
+
 def vs_trl(plt, payload: dict):
     median = payload.get("median_seconds")
     if not median:
@@ -244,5 +258,6 @@ def compare(plt, payload: dict):
 #: benchmark name -> its drawing function
 PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": backends,
          "scaling": scaling, "vs_trl": vs_trl, "gpu_suite": gpu_suite,
+         "real_sizes": real_sizes,
          "estimators": estimators_table, "estimators_table": estimators_table, "data_loading": data_loading,
          "reward_server": reward_server, "partial_rollout": partial_rollout, "compare": compare}

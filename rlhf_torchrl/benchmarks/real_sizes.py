@@ -416,6 +416,10 @@ def main(argv=None) -> dict:
             save()
         for name in result["models"]:
             _print_table(name, result["models"][name])
+    if args.out is not None:
+        from .plots import PLOTS, plot_path, save
+
+        save(PLOTS["real_sizes"], result, plot_path(args.out))
     return result
 
 
