@@ -9,7 +9,8 @@ holds on one device:
 - the reference (none with LoRA: the adapters off; none resident with ``offload_reference``) and
   the reward model;
 - generation: the KV cache of the batch (a static one of ``data.max_prompt_length`` +
-  ``max_new_tokens`` with ``generation.compile``) and one step's fp32 logits; with vLLM, the
+  ``max_new_tokens`` with ``generation.compile``, kept between batches: every phase holds it) and
+  one step's fp32 logits; with vLLM, the
   engine's ``vllm.gpu_memory_utilization`` share of the device, in every phase unless it sleeps;
 - the old quantities: ``forward_batch_size`` rows' fp32 logits at the response positions;
 - the update: the activations autograd keeps for the largest micro-batch, counted on a 1- and
@@ -442,6 +443,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     casts = shape.params * 2 if amp is not None and wb == 4 and not fsdp else 0
     generation = {"KV cache": kv, "logits and sampler": 3 * rows * shape.vocab * 4,
                   "bf16 weight copies": casts}
+    if g.compile:  # the static cache is kept for the next batch: every phase holds it
+        held["static KV cache"] = generation.pop("KV cache")
     engine_awake = 0.0
     if g.backend == "vllm":  # the engine takes its share of the device: weights and KV cache
         share = cfg.vllm.gpu_memory_utilization * profile.memory_gb * GIB
