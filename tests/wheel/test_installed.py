@@ -79,3 +79,14 @@ def test_benchmarks_run_from_the_installed_command(tmp_path):
     assert scaling.returncode == 0, scaling.stderr[-3000:]
     assert json.loads((tmp_path / "results" / "s.json").read_text())["variants"]["fp32"]["total"] > 0
     assert list(work.iterdir()) == []
+
+
+def test_plan_runs_from_the_installed_command(tmp_path):
+    """``rlhf-torchrl plan``: the packaged model shapes ship in the wheel; a 7B plan for 8 H100s
+    prints its components and peak, nothing written."""
+    plan = _run("plan", "task=gsm8k", "model.policy=qwen2.5-7b", "--gpu", "H100",
+                "--world-size", "8", "distributed.strategy=fsdp2", "model.autocast=bfloat16",
+                cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert "policy AdamW state" in plan.stdout and "peak" in plan.stdout
+    assert list(tmp_path.iterdir()) == []
