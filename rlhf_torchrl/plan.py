@@ -411,9 +411,10 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     held["policy gradients"] = trained * 4 / shard
     held["policy AdamW state"] = trained * 8 / shard
     if critic_kind is not None and critic_kind != "shared":
-        name = cfg.value_model.name_or_path or (cfg.reward.model if critic_kind == "reward_model"
-                                                else m.policy)
-        cshape = ModelShape.from_config(_config_of(name))
+        critic_name = cfg.value_model.name_or_path or (
+            cfg.reward.model if critic_kind == "reward_model" else m.policy)
+        cconfig = _config_of(critic_name)
+        cshape = ModelShape.from_config(cconfig)
         ctrained = _lora_params(cshape, cfg.lora.r) if cfg.lora.critic and cfg.lora.r else cshape.trunk_params
         held["critic weights"] = cshape.trunk_params * wb / shard
         held["critic gradients"] = ctrained * 4 / shard
@@ -471,9 +472,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     update = {"policy activations": acts,
               "policy logits (fp32, 3 copies)": 3 * micro_rows * R * shape.vocab * 4}
     if cshape is not None:
-        c_token, c_fixed = layer_activation_bytes(_config_of(cfg.value_model.name_or_path or m.policy)
-                                                  if critic_kind == "policy" else config,
-                                                  amp, m.gradient_checkpointing)
+        c_token, c_fixed = ((per_token, fixed) if critic_name == m.policy else  # the policy's
+                            layer_activation_bytes(cconfig, amp, m.gradient_checkpointing))
         update["critic activations"] = cshape.layers * (c_token * micro_tokens
                                                         + (0.0 if fsdp else c_fixed))
     if fsdp:  # the layers FSDP2 gathers whole: the running one and the one prefetched
