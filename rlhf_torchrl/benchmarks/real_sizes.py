@@ -350,7 +350,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen2.5-1.5b"],
                         choices=MODELS, help="the architectures, in order")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
-                        help="recipe variants per model (generation eager or compiled)")
+                        help="recipe variants per model: eager or compiled generation, fsdp2 "
+                             "(torchrun with one process)")
     parser.add_argument("--iterations", type=int, default=2,
                         help="PPO iterations per run (the first, with any compilation, is "
                              "reported apart)")
