@@ -104,6 +104,10 @@ VARIANTS = {
     "overlap": ["collection.overlap=1"],
     "packed": ["model.packing=true", "ppo.micro_batch_tokens=256"],
     "packed-compiled-bf16": ["model.packing=true", "model.compile=true", "model.autocast=bfloat16"],
+    # the compiled decode step (a static cache, CUDA graphs) under bf16 autocast: the on-policy
+    # check against the training forward passes; fsdp2's one-process path runs in bench real_sizes
+    "compiled-generation-bf16": ["generation.compile=true", "model.autocast=bfloat16"],
+    "compiled-generation-fp32": ["generation.compile=true"],
 }
 
 
