@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -108,10 +109,10 @@ def measure_device(device: torch.device) -> DeviceProfile:
         times = []
         for _ in range(5):
             _sync(device)
-            start = _now()
+            start = time.perf_counter()
             fn()
             _sync(device)
-            times.append(_now() - start)
+            times.append(time.perf_counter() - start)
         return min(times)
 
     flops = {}
@@ -201,12 +202,6 @@ def _host_memory_gb() -> float:
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
 
 
 # ---- activations, counted on a tiny copy of the model's class ----------------------------------

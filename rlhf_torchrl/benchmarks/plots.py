@@ -143,7 +143,8 @@ def real_sizes(plt, payload: dict):
         runs["verl 0.5B (published)"] = {"generation": verl["generation"],
                                          "old_quantities": verl["old_quantities"],
                                          "update": verl["update"]}
-    gpu = payload.get("profile", {}).get("device", "a GPU")
+    profile = payload.get("profile", {})
+    gpu = profile.get("name") or profile.get("device", "a GPU")  # (the first results: "device")
     return _stacked_phases(plt, runs, f"Real sizes on {gpu}, verl's quickstart settings")
 
 

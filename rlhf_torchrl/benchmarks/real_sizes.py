@@ -26,8 +26,8 @@ Per model, each in its own process (the GPU's memory freed between them):
    FSDP2 over a mesh of one: its engine's cost on one GPU), seconds per phase (medians after the first iteration), tokens/s,
    the peak GPU memory (``memory/gpu_peak_gb``).
 
-A device profile first (peak bf16 matmul FLOP/s and copy bandwidth), for MFU and for
-``rlhf-torchrl plan``'s estimates. Every figure goes to ``--out`` as it comes, so a run cut short
+A device profile first (``rlhf-torchrl plan``'s :func:`~rlhf_torchrl.plan.measure_device`: peak
+matmul FLOP/s and copy bandwidth), for MFU and for the plan's estimates. Every figure goes to ``--out`` as it comes, so a run cut short
 keeps what it measured.
 
     rlhf-torchrl bench real_sizes --out outputs/real_sizes.json      # on a CUDA machine
@@ -39,8 +39,8 @@ steps on a 2-layer model, to check the script).
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -48,11 +48,13 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from .common import add_out_arg, machine, make_parser, table
+from ..plan import measure_device
+from .common import add_out_arg, machine, make_parser, table, write_json
 
 CONFIGS = Path(__file__).parent / "model_configs"
 #: --models: a config in model_configs/ (Qwen2.5's shapes), or ``tiny`` (2 layers, to check the script)
@@ -116,37 +118,9 @@ def prompt_file(path: Path, tokenizer, n: int, seed: int = 0) -> dict:
     return {"mean": statistics.mean(lengths), "min": min(lengths), "max": max(lengths)}
 
 
-def device_profile(device: str = "cuda") -> dict:
-    """The device's measured peak: bf16 matmul FLOP/s (8192^3 products; 2048^3 on a CPU) and the
-    bytes a device-to-device copy moves per second (read + write), each the best of 5."""
-    n = 8192 if device == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    big = torch.empty(2**28 if device == "cuda" else 2**24, device=device, dtype=torch.uint8)
-    other = torch.empty_like(big)
-
-    def best(fn, repeats=5):
-        fn()
-        times = []
-        for _ in range(repeats):
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    matmul = best(lambda: [a @ b for _ in range(10)]) / 10
-    copy = best(lambda: [other.copy_(big) for _ in range(10)]) / 10
-    return {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "bf16_flops": 2 * n**3 / matmul, "bandwidth": 2 * big.numel() / copy,
-            "memory_gb": (torch.cuda.get_device_properties(0).total_memory / 2**30
-                          if device == "cuda" else None)}
-
-
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def floor(path: str, prompts: str, args) -> dict:
@@ -369,9 +343,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--recipe-timeout", type=float, default=600,
                         help="seconds one recipe run may take")
-    parser.add_argument("--floor", default=None, help=argparse_hidden())
-    parser.add_argument("--prompts", default=None, help=argparse_hidden())
-    parser.add_argument("--floor-out", default=None, help=argparse_hidden())
+    parser.add_argument("--floor", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--floor-out", default=None, help=argparse.SUPPRESS)
     add_out_arg(parser)
     parser.add_argument("overrides", nargs="*", default=[], help="more recipe overrides")
     args = parser.parse_args(argv)
@@ -385,9 +359,9 @@ def main(argv=None) -> dict:
     from ..modules.models import smollm2_path
 
     result = {"benchmark": "real_sizes", "args": vars(args), "machine": machine(), "verl": VERL,
-              "profile": device_profile(args.device), "models": {}}
+              "profile": asdict(measure_device(torch.device(args.device))), "models": {}}
     print("device profile:", result["profile"], flush=True)
-    save = lambda: _write(args.out, result)  # noqa: E731
+    save = lambda: write_json(args.out, result)  # noqa: E731
     save()
     tokenizer = load_tokenizer(smollm2_path())
     with tempfile.TemporaryDirectory() as tmp:
@@ -424,24 +398,12 @@ def main(argv=None) -> dict:
     return result
 
 
-def argparse_hidden():
-    import argparse
-
-    return argparse.SUPPRESS
-
-
 def _forward_args(args) -> list[str]:
     return ["--batch-size", str(args.batch_size), "--minibatches", str(args.minibatches),
             "--response-length", str(args.response_length),
             "--micro-batch-tokens", str(args.micro_batch_tokens),
             "--forward-batch-size", str(args.forward_batch_size), "--device", args.device,
             "--generate-batches", *map(str, args.generate_batches)]
-
-
-def _write(path, payload) -> None:
-    if path is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=1, default=str))
 
 
 def _print_table(name: str, entry: dict) -> None:
