@@ -131,7 +131,8 @@ def test_a_trickling_reward_service_is_cut_off_at_the_timeout(servers, part):
     start = time.monotonic()
     with pytest.raises(RewardError, match=r"did not answer after 1 attempt .*no answer within 1 s"):
         reward(*_texts(td), td)
-    assert time.monotonic() - start < 2.5
+    # bounded, not a measured speed: before, it ran as long as the service trickled (past 90 s)
+    assert time.monotonic() - start < 10
 
 
 def test_a_reward_service_cannot_redirect_the_token_elsewhere(servers, monkeypatch):
@@ -160,7 +161,7 @@ def test_a_trickling_sandbox_service_leaves_no_thread_behind(servers):
     before = client_threads()
     start = time.monotonic()
     result = run_tool(tools, ToolCall("python", "print(1)"), timeout=1.0)
-    assert time.monotonic() - start < 2.5
+    assert time.monotonic() - start < 10  # bounded (a hang was the failure), not a speed
     assert not result.ok and "no answer within" in result.content, result.content
     for _ in range(50):  # a thread's last step after its result: well under 0.5 s
         if client_threads() <= before:

@@ -218,11 +218,10 @@ def test_an_unknown_caller_is_refused_from_its_headers(reward_model):
         for auth in ("", "Authorization: Bearer wrong\n"):
             head = (f"POST /score HTTP/1.1\nHost: x\nContent-Type: application/json\n{auth}"
                     f"Content-Length: {(16 << 20) - 1}\n")
-            start = time.monotonic()
+            # (a server that waited for the body would answer nothing within _raw's wait)
             answer = _raw(server.url, head, b'{"responses": ["' + b"x" * 4096)
             assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
             assert b"www-authenticate: Bearer" in answer.lower().replace(b"bearer", b"Bearer")
-            assert time.monotonic() - start < 2.0
         assert _post(f"{server.url}/score", b'{"query": ["hi"]}',
                      {"Authorization": "Bearer s3cret"})[0] == 200  # still serving
 
@@ -234,10 +233,9 @@ def test_a_body_that_does_not_arrive_in_time_gets_408(reward_model):
     with ServerThread(app) as server:
         head = ("POST /score HTTP/1.1\nHost: x\nContent-Type: application/json\n"
                 "Authorization: Bearer s3cret\nContent-Length: 1000\n")
-        start = time.monotonic()
-        answer = _raw(server.url, head, b'{"query": ')
+        answer = _raw(server.url, head, b'{"query": ')  # nothing within its 5 s wait: fails
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-        assert b"did not arrive within 0.5 s" in answer and time.monotonic() - start < 3.0
+        assert b"did not arrive within 0.5 s" in answer
         assert _post(f"{server.url}/score", b'{"query": ["hi"]}',
                      {"Authorization": "Bearer s3cret"})[0] == 200
 
@@ -262,7 +260,8 @@ def test_a_text_over_max_text_tokens_is_refused(reward_model):
         assert status == 400 and answer["error"] == (
             "text 1 has 1000000 characters, more than 16384 tokens hold: at most 16384 tokens a "
             "text (the server's max_text_tokens)"), answer
-        assert time.monotonic() - start < 5.0
+        # bounded, not a speed: tokenizing such a text held the server for 28 s before
+        assert time.monotonic() - start < 15
     with ServerThread(make_app(reward_model, max_text_tokens=20)) as server:
         status, answer = _post(f"{server.url}/score", json.dumps(
             {"query": ["hello there", "hello " * 21]}).encode())
