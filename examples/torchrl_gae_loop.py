@@ -34,7 +34,7 @@ from rlhf_torchrl import functional as F
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.data import load_prompts
 from rlhf_torchrl.modules import load_causal_lm, load_tokenizer
-from rlhf_torchrl.reward_functions import vader_sentiment
+from rlhf_torchrl.rewards.functions import vader_sentiment
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model", default="smollm2-135m-instruct")

@@ -1,23 +1,23 @@
 """PPO-based RLHF for language models as a composable TorchRL pipeline."""
 
-from . import functional, keys
-from .advantages import (
+from rlhf_torchrl import functional, keys
+from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+from rlhf_torchrl.data.rollout import to_rollout
+from rlhf_torchrl.data.trajectory import merge_token_view, token_view
+from rlhf_torchrl.modules import TokenCritic, TokenLevelActor, compute_old_quantities, make_critic
+from rlhf_torchrl.objectives.advantages import (
     GRPOAdvantage,
     ReinforcePPAdvantage,
     ResponseGAE,
     RLOOAdvantage,
     make_advantage,
 )
-from .collectors import RolloutCollector, make_generation_env, make_generation_policy
-from .kl_shaping import KLRewardShaper, make_kl_controller
-from .modules import TokenCritic, TokenLevelActor, compute_old_quantities, make_critic
-from .objectives import make_ppo_loss
-from .reward_model import RewardModel
-from .rollout import to_rollout
-from .scoring import Scorer, load_reward_function
-from .trainer import PPOTrainer
-from .trajectory import merge_token_view, token_view
-from .update import UpdateSettings, ppo_update
+from rlhf_torchrl.objectives.kl_shaping import KLRewardShaper, make_kl_controller
+from rlhf_torchrl.objectives.ppo import make_ppo_loss
+from rlhf_torchrl.rewards.reward_model import RewardModel
+from rlhf_torchrl.rewards.scoring import Scorer, load_reward_function
+from rlhf_torchrl.trainers.ppo import PPOTrainer
+from rlhf_torchrl.trainers.update import UpdateSettings, ppo_update
 
 __version__ = "0.1.0"
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import os
 import sys
 
-from .errors import ConfigError
-from .guards import DivergenceError
-from .on_policy import OffPolicyError
-from .scoring import RewardError
+from rlhf_torchrl.collectors.on_policy import OffPolicyError
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.rewards.scoring import RewardError
+from rlhf_torchrl.trainers.guards import DivergenceError
 
 #: errors that explain themselves: bad settings, data, files or packages (ConfigError and its
 #: kin), a reward that fails, and the guards that stop a run. Anything else is a bug: traceback.
@@ -71,7 +71,7 @@ MOST_USED = {
 def check_task(args: list[str]) -> None:
     """An unknown ``task=`` preset: one line naming the presets, exit status 1 (Hydra would
     print its config search path)."""
-    from .config import tasks
+    from rlhf_torchrl.config import tasks
 
     for arg in args:
         if arg.startswith(("task=", "+task=", "++task=")):
@@ -94,7 +94,7 @@ def check_overrides(args: list[str], config_name: str = "rlhf_ppo", command: str
     overrides = [a for a in args if "=" in a and not a.startswith(("-", "hydra.", "hydra/", "+hydra", "++hydra"))]
     if not overrides:
         return
-    from .config import compose
+    from rlhf_torchrl.config import compose
 
     try:
         compose(overrides, config_name)
@@ -198,7 +198,7 @@ def _hydra_app(fn, config_name: str, job: str, args: list[str]) -> None:
     Hydra's own flags: ``--cfg job``, ``--multirun``, ``hydra.run.dir=...``)."""
     import hydra
 
-    from . import config  # noqa: F401 - registers the configs
+    from rlhf_torchrl import config  # noqa: F401 - registers the configs
 
     check_overrides(args, config_name, job.replace("_", "-"))
 
@@ -214,7 +214,7 @@ def _ppo_help(overrides: list[str]) -> str:
     """The settings of ``rlhf-torchrl ppo [overrides] --help``: with ``task=...`` that task's."""
     from omegaconf import OmegaConf
 
-    from .config import compose, setting_docs, tasks
+    from rlhf_torchrl.config import compose, setting_docs, tasks
 
     overrides = [o for o in overrides if "=" in o and not o.startswith(("hydra.", "output_dir="))]
     try:
@@ -249,31 +249,31 @@ def _ppo_help(overrides: list[str]) -> str:
 
 
 def _ppo(args: list[str]) -> None:
-    from .config.builders import train
+    from rlhf_torchrl.config.builders import train
 
     _hydra_app(train, "rlhf_ppo", "ppo", args)
 
 
 def _reward_model(args: list[str]) -> None:
-    from .config.reward_model import train_reward_model
+    from rlhf_torchrl.config.reward_model import train_reward_model
 
     _hydra_app(train_reward_model, "rlhf_reward_model", "reward_model", args)
 
 
 def _serve_reward_model(args: list[str]) -> None:
-    from .config.serve_reward_model import serve_reward_model
+    from rlhf_torchrl.config.serve_reward_model import serve_reward_model
 
     _hydra_app(serve_reward_model, "rlhf_serve_reward_model", "serve_reward_model", args)
 
 
 def _evaluate(args: list[str]) -> None:
-    from .config.evaluate_policy import evaluate_policy
+    from rlhf_torchrl.config.evaluate_policy import evaluate_policy
 
     _hydra_app(evaluate_policy, "rlhf_ppo", "evaluate", args)
 
 
 def _report(args: list[str]) -> None:
-    from .report import main
+    from rlhf_torchrl.record.report import main
 
     run(main, args)  # not a run directory: one line
 
@@ -282,7 +282,7 @@ def _bench(args: list[str]) -> None:
     """``rlhf_torchrl.benchmarks.<name>.main(args)``: no clone needed."""
     import importlib
 
-    from .benchmarks import BENCHMARKS
+    from rlhf_torchrl.benchmarks import BENCHMARKS
 
     usage = "usage: rlhf-torchrl bench NAME [--help] [options]"
     if not args or args[0] in ("-h", "--help"):
@@ -302,7 +302,7 @@ def _bench(args: list[str]) -> None:
 
 
 def _plan(args: list[str]) -> None:
-    from .plan import main as plan_main
+    from rlhf_torchrl.plan import main as plan_main
 
     run(plan_main, args)
 

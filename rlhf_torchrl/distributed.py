@@ -31,8 +31,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from . import keys as K
-from .errors import ConfigError
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class DataParallel:
             return rollout
         import torch.distributed as dist
 
-        from .rollout import pad_rollout
+        from rlhf_torchrl.data.rollout import pad_rollout
 
         widths = torch.tensor([rollout.get(K.PROMPT_MASK).shape[1], rollout.get(K.RESPONSE_MASK).shape[1]],
                               device=self._comm_device())

@@ -1,6 +1,6 @@
 """POST a JSON request to a service, with a deadline, retries and backoff: what the sandbox
-service's client (:mod:`rlhf_torchrl.sandbox.remote`) and the remote rewards
-(:mod:`rlhf_torchrl.remote_rewards`) share. Python's own ``http.client``: no dependency.
+service's client (:mod:`rlhf_torchrl.envs.sandbox.remote`) and the remote rewards
+(:mod:`rlhf_torchrl.rewards.remote`) share. Python's own ``http.client``: no dependency.
 
 A refused or dropped connection, a timeout and an answer in :data:`RETRY_STATUSES` are tried
 again, after ``backoff``, ``2 * backoff``, ... seconds (at most ``max_backoff``); any other HTTP

@@ -12,7 +12,7 @@ Reused from TorchRL's LLM vocabulary: ``("tokens", "prompt")``, ``("tokens", "re
 (:func:`written_by`).
 """
 
-from .errors import ConfigError
+from rlhf_torchrl.errors import ConfigError
 
 # (B, P) int64, left-padded with the pad token.
 PROMPT_TOKENS = ("tokens", "prompt")
@@ -75,7 +75,7 @@ ENTROPY = ("entropy", "response")
 TURN_REWARD = "turn_reward"
 # (B,) int64, multi-turn episodes: assistant turns, tool calls made, tool calls that failed (an
 # error or a timeout), and why the episode ended (an index into
-# rlhf_torchrl.rollout.END_REASONS).
+# rlhf_torchrl.data.rollout.END_REASONS).
 TURNS = ("episode", "turns")
 TOOL_CALLS = ("episode", "tool_calls")
 TOOL_ERRORS = ("episode", "tool_errors")
@@ -106,7 +106,7 @@ VALUE_TARGET = "value_target"
 # each response's weight in the positive-example NLL term (functional.positive_nll_weights).
 POSITIVE_NLL_WEIGHT = "positive_nll_weight"
 
-# (B, R) int64, token_view's steps only (rlhf_torchrl.trajectory): the response position each
+# (B, R) int64, token_view's steps only (rlhf_torchrl.data.trajectory): the response position each
 # time step of the view comes from (its policy tokens in order, then the other positions).
 TOKEN_POSITION = "token_position"
 

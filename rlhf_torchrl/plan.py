@@ -20,7 +20,7 @@ holds on one device:
   the weights a forward keeps;
 - after the first update, the gradients stay allocated (``zero_grad`` runs as a minibatch starts).
 
-Times come from FLOPs (:mod:`~rlhf_torchrl.model_shapes`) over a device profile: the matmul
+Times come from FLOPs (:mod:`~rlhf_torchrl.modules.shapes`) over a device profile: the matmul
 FLOP/s and copy bandwidth measured once (``rlhf-torchrl plan --profile-device``, cached in
 ``~/.cache/rlhf_torchrl/device_profile.json``), the share of that peak training matmuls reach,
 and generation's cost per decoding step beyond its FLOPs (the per-layer kernel launches of eager
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .model_shapes import ModelShape, training_flops
+from rlhf_torchrl.modules.shapes import ModelShape, training_flops
 
 GIB = 2**30
 PHASES = ("generation", "old_quantities", "update")
@@ -344,7 +344,7 @@ class Plan:
 
 
 def _config_of(name: str):
-    from .config.model_checks import _model_config
+    from rlhf_torchrl.config.model_checks import _model_config
 
     packaged = SHAPES_DIR / f"{name}.json"
     if packaged.exists():
@@ -374,9 +374,9 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
             every prompt is checked against): the memory's.
         mean_prompt_tokens: the mean prompt in tokens, the FLOPs' (None: ``prompt_tokens``).
     """
-    from .config.derived import precision
-    from .modules.models import torch_dtype
-    from .runtime import resolve_device
+    from rlhf_torchrl.config.derived import precision
+    from rlhf_torchrl.modules.models import torch_dtype
+    from rlhf_torchrl.runtime import resolve_device
 
     m, p, g = cfg.model, cfg.ppo, cfg.generation
     world = world or int(os.environ.get("WORLD_SIZE", 1))
@@ -550,7 +550,7 @@ def check_fits(cfg, prompt_tokens: int | None = None) -> Plan | None:
     """
     import logging
 
-    from .errors import ConfigError
+    from rlhf_torchrl.errors import ConfigError
 
     try:
         plan = make_plan(cfg, prompt_tokens=prompt_tokens)
@@ -573,8 +573,8 @@ def main(argv: list[str]) -> None:
     """``rlhf-torchrl plan [--profile-device] [--gpu H100] [--world-size N] [--json] overrides``."""
     import argparse
 
-    from .config import compose
-    from .runtime import resolve_device
+    from rlhf_torchrl.config import compose
+    from rlhf_torchrl.runtime import resolve_device
 
     parser = argparse.ArgumentParser(
         prog="rlhf-torchrl plan",

@@ -25,7 +25,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from rlhf_torchrl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .errors import ConfigError
+from rlhf_torchrl.errors import ConfigError
 
 
 class UnsafeFileError(ConfigError):

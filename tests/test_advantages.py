@@ -8,7 +8,8 @@ from tensordict import TensorDict
 
 from rlhf_torchrl import functional as F
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.advantages import (
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.objectives.advantages import (
     GRPOAdvantage,
     ReinforcePPAdvantage,
     ResponseGAE,
@@ -18,8 +19,7 @@ from rlhf_torchrl.advantages import (
     make_advantage,
     needs_critic,
 )
-from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
+from rlhf_torchrl.objectives.kl_shaping import KLRewardShaper, make_kl_controller
 
 
 def _batch(seed=0, groups=(5, 5, 2, 9, 2, 9, 5, 9, 2), width=6, with_kl=True):
@@ -185,7 +185,7 @@ def test_group_filter_reads_the_scores_the_baseline_compares():
     KLRewardShaper(make_kl_controller(0.05), score_clip=1.0)(td)
     assert informative_groups(td).tolist() == [False, False, True, True, True, True, False, False]
     assert group_metrics(td)["group/equal_score_frac"] == 0.5
-    from rlhf_torchrl.advantages import group_scores
+    from rlhf_torchrl.objectives.advantages import group_scores
 
     assert group_scores(td).tolist() == pytest.approx([1.0, 1.0, 1.0, 0.5, 0.0, 1.0, 0.7, 0.7])
     assert group_scores(td)[6] == group_scores(td)[7]
@@ -204,7 +204,9 @@ def test_estimator_registry():
         module = make_advantage(name)
         assert isinstance(module, cls) and not needs_critic(module)
     assert not make_advantage("grpo", scale_by_std=False).scale_by_std
-    from rlhf_torchrl.advantages import compares_groups  # where DAPO's group filter applies
+    from rlhf_torchrl.objectives.advantages import (
+        compares_groups,  # where DAPO's group filter applies
+    )
 
     assert [compares_groups(make_advantage(name)) for name in ("gae", "grpo", "rloo", "reinforce_pp")
             ] == [False, True, True, False]

@@ -18,8 +18,8 @@ from rlhf_torchrl.collectors import (
     make_generation_policy,
 )
 from rlhf_torchrl.collectors.asynchronous import AsyncCollector, ModelCopy
+from rlhf_torchrl.collectors.on_policy import check_on_policy
 from rlhf_torchrl.modules import TokenLevelActor
-from rlhf_torchrl.on_policy import check_on_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -123,9 +123,9 @@ def test_overlap_one_anchors_the_trust_region_at_the_current_policy(tmp_path, ti
 def test_truncated_importance_sampling_weights_the_surrogate(tokenizer, tiny_llama_dir):
     """Hand check: with behaviour log-probs shifted by d from the old ones, every token's surrogate
     is weighted by min(exp(d), cap): the policy loss scales by that factor at ratio 1."""
+    from rlhf_torchrl.data.rollout import probe_rollout
     from rlhf_torchrl.modules import compute_old_quantities, make_critic
-    from rlhf_torchrl.objectives import make_ppo_loss
-    from rlhf_torchrl.rollout import probe_rollout
+    from rlhf_torchrl.objectives.ppo import make_ppo_loss
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     actor = TokenLevelActor(policy)
@@ -151,8 +151,8 @@ def test_evaluation_never_runs_beside_the_background_sampler(tiny_llama_dir, tok
 
     from test_trainer import build
 
-    from rlhf_torchrl.evaluation import Evaluator
-    from rlhf_torchrl.hooks import Evaluation
+    from rlhf_torchrl.trainers.evaluation import Evaluator
+    from rlhf_torchrl.trainers.hooks import Evaluation
 
     trainer = build(tiny_llama_dir, num_iterations=3)
     inner = trainer.collector

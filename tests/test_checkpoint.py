@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_torchrl import checkpoint
-from rlhf_torchrl.checkpoint import (
+from rlhf_torchrl.trainers import checkpoint
+from rlhf_torchrl.trainers.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_trainer_state,
@@ -150,7 +150,7 @@ def test_rng_states_are_set_after_the_collector_is_built(tmp_path, tiny_llama_di
     checkpoint 2 draws what the uninterrupted run drew there."""
     from test_trainer import build
 
-    from rlhf_torchrl.hooks import Checkpointer
+    from rlhf_torchrl.trainers.hooks import Checkpointer
 
     def run(trainer, resume=None) -> list:
         factory = trainer.collector

@@ -14,7 +14,10 @@ from tensordict import NonTensorStack, TensorDict
 from test_recipe import _cfg, ppo
 
 from rlhf_torchrl import cli
-from rlhf_torchrl.checkpoint import (
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.modules.models import byte_tokenizer, load_causal_lm, load_sequence_classifier
+from rlhf_torchrl.safe_loading import UnsafeFileError, load_dcp
+from rlhf_torchrl.trainers.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     load_rng_state,
@@ -24,10 +27,7 @@ from rlhf_torchrl.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from rlhf_torchrl.critic_warm_start import load_critic
-from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.modules.models import byte_tokenizer, load_causal_lm, load_sequence_classifier
-from rlhf_torchrl.safe_loading import UnsafeFileError, load_dcp
+from rlhf_torchrl.trainers.warm_start import load_critic
 
 
 class _Payload:

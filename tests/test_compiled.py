@@ -10,9 +10,7 @@ import torch
 from test_objectives import _rollout
 
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
-from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.modules import (
     TokenLevelActor,
     compute_old_quantities,
@@ -20,7 +18,9 @@ from rlhf_torchrl.modules import (
     make_critic,
 )
 from rlhf_torchrl.modules.compiled import compile_layers, decoder_layers
-from rlhf_torchrl.objectives import make_ppo_loss
+from rlhf_torchrl.objectives.advantages import ResponseGAE
+from rlhf_torchrl.objectives.kl_shaping import KLRewardShaper, make_kl_controller
+from rlhf_torchrl.objectives.ppo import make_ppo_loss
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                     reason="inductor on CPU needs a C++ compiler (g++)")

@@ -10,10 +10,10 @@ from conftest import assert_same_rollouts
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
-from rlhf_torchrl.data import (
+from rlhf_torchrl.data import load_prompts
+from rlhf_torchrl.data.prompts import (
     Prompt,
     check_prompts,
-    load_prompts,
     polarity_sentences,
     prompt_token_ids,
     templated_length,
@@ -391,7 +391,7 @@ def test_every_form_serves_the_same_first_batch(forms, tokenizer):
     """The same 64 prompts in each form: one reader each (Arrow for all but the JSON forms), the
     same prompts and answers, the same first batch from the generation env (its reset: the
     conversations, the rendered prompts and the fields a reward reads)."""
-    from rlhf_torchrl.readers import source_form
+    from rlhf_torchrl.data.readers import source_form
 
     assert {name: source_form(path) for name, path in forms.items()} == {
         "jsonl": "jsonl", "json": "json", "parquet": "parquet", "parquet-folder": "parquet",
@@ -415,7 +415,7 @@ def test_every_form_serves_the_same_first_batch(forms, tokenizer):
 #: the tiniest run of the recipe's path: 2 iterations of 4 responses of 2 tokens, no evaluation,
 #: checkpoint, saved policy or tracker
 TWO_TINY_ITERATIONS = [
-    "task=custom", "reward.functions=[rlhf_torchrl.reward_functions.gsm8k_correct]",
+    "task=custom", "reward.functions=[rlhf_torchrl.rewards.functions.gsm8k_correct]",
     # a signal whatever the 2-token answers: the verifier alone gave every row 0 (and the fresh
     # value head 0 values), so nothing moved on some seeds of sampling
     "reward.missing_eos_penalty=1.0",
@@ -489,7 +489,7 @@ def test_column_mapping_chat_columns_and_verl_rows(tmp_path, forms):
     the fields ground_truth and answer, which the GSM8K verifier reads."""
     import datasets
 
-    from rlhf_torchrl.reward_functions import gsm8k_correct
+    from rlhf_torchrl.rewards.functions import gsm8k_correct
 
     chats = [{"messages": [{"role": "system", "content": "Be terse."},
                            {"role": "user", "content": f"Say {i}."},
@@ -513,7 +513,7 @@ def test_mixture_batches_are_reproducible_resumable_and_weighted():
     """Each slot's source is drawn by weight, each source serves its own shuffled order: the same
     seed gives the same batches, a skip (a resumed run) gives the uninterrupted run's next ones,
     ranks split each global batch, and the proportions are the weights'."""
-    from rlhf_torchrl.prompt_sets import MixtureBatchSampler, apportion
+    from rlhf_torchrl.data.prompt_sets import MixtureBatchSampler, apportion
 
     def batches(n, **kwargs):
         sampler = MixtureBatchSampler([100, 10], [3.0, 1.0], 8, **kwargs)
@@ -536,7 +536,7 @@ def test_a_mixture_serves_both_sources_and_holds_out_by_weight(forms, tokenizer)
     """A mixture of a Parquet and a JSON-lines source through the generation env: batches draw
     from both, a later start_batch continues the same order, the held-out prompts are the last
     rows of each source, shared by weight."""
-    from rlhf_torchrl.prompt_sets import PromptMixture
+    from rlhf_torchrl.data.prompt_sets import PromptMixture
 
     math = load_prompts(forms["parquet"], template="Math: {prompt}")
     chat = load_prompts(forms["jsonl"], template="Chat: {prompt}")

@@ -97,7 +97,7 @@ def test_two_processes_match_one(tmp_path, request, case):
         data.write_text("".join(json.dumps({"prompt": q, "answer": "5"}) + "\n"
                                 for q in [TOOL_QUESTION, PLAIN_QUESTION] * 16))
         overrides = [*overrides, f"data.source={data}", "data.template=null", "data.max_words=null",
-                     "reward.functions=[rlhf_torchrl.reward_functions.gsm8k_correct]"]
+                     "reward.functions=[rlhf_torchrl.rewards.functions.gsm8k_correct]"]
     one = _run(tmp_path / "one", model_dir, 1, *overrides)
     two = _run(tmp_path / "two", model_dir, 2, *overrides)
     # only rank 0 writes: one line per iteration, not one per process

@@ -21,8 +21,8 @@ from conftest import assert_same_rollouts
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+from rlhf_torchrl.collectors.on_policy import check_on_policy
 from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, make_critic
-from rlhf_torchrl.on_policy import check_on_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -157,7 +157,7 @@ def test_vllm_sleep_mode_frees_gpu_memory(tokenizer):
     from conftest import _tiny_llama
 
     from rlhf_torchrl.collectors import WeightSync
-    from rlhf_torchrl.collectors.vllm import (
+    from rlhf_torchrl.collectors.backends.vllm import (
         VLLMGenerator,
         make_vllm_engine,
         make_vllm_generation_policy,

@@ -11,8 +11,8 @@ from test_recipe import RECIPES, _cfg, ppo
 from test_resume import _rows
 
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.guards import DivergenceError, NonFiniteError, check_finite
-from rlhf_torchrl.update import ppo_update
+from rlhf_torchrl.trainers.guards import DivergenceError, NonFiniteError, check_finite
+from rlhf_torchrl.trainers.update import ppo_update
 
 CALLS = {"n": 0}
 

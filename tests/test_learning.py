@@ -9,18 +9,18 @@ scoring, old/ref log-probs, KL shaping, GAE, ClipPPOLoss through the replay buff
 import torch
 
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
-from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.modules import (
     TokenLevelActor,
     compute_old_quantities,
     load_causal_lm,
     make_critic,
 )
-from rlhf_torchrl.objectives import make_ppo_loss
-from rlhf_torchrl.scoring import Scorer
-from rlhf_torchrl.update import ppo_update
+from rlhf_torchrl.objectives.advantages import ResponseGAE
+from rlhf_torchrl.objectives.kl_shaping import KLRewardShaper, make_kl_controller
+from rlhf_torchrl.objectives.ppo import make_ppo_loss
+from rlhf_torchrl.rewards.scoring import Scorer
+from rlhf_torchrl.trainers.update import ppo_update
 
 
 def multiple_of_ten(prompts, responses, tensordict):

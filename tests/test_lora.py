@@ -90,7 +90,7 @@ def test_lora_policy_samples_on_policy_despite_checkpoint_processors(instruct_ll
         make_generation_env,
         make_generation_policy,
     )
-    from rlhf_torchrl.on_policy import check_on_policy
+    from rlhf_torchrl.collectors.on_policy import check_on_policy
 
     policy = add_lora(load_causal_lm(instruct_llama_dir, tokenizer), r=4)
     own = policy.get_base_model().generation_config.to_dict()

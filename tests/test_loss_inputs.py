@@ -13,9 +13,9 @@ from torchrl.objectives import ClipPPOLoss
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.loss_inputs import check_replay_buffer, use_rollout_keys
 from rlhf_torchrl.modules import TokenLevelActor
-from rlhf_torchrl.update import make_minibatch_buffer, ppo_update
+from rlhf_torchrl.objectives.loss_inputs import check_replay_buffer, use_rollout_keys
+from rlhf_torchrl.trainers.update import make_minibatch_buffer, ppo_update
 
 
 def _plain_loss(policy, critic, **kwargs):
@@ -44,9 +44,9 @@ def test_a_plain_clip_ppo_loss_gets_the_layout_and_updates_as_make_ppo_loss(
     policy_p, _, critic_p, td_p = _prepared(tiny_llama_dir, tokenizer, critic_init="policy")
     plain = _plain_loss(policy_p, critic_p)
     assert plain.tensor_keys.action == "action" and plain.loss_mask_key == "auto"
-    with caplog.at_level(logging.WARNING, logger="rlhf_torchrl.loss_inputs"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_torchrl.objectives.loss_inputs"):
         _update(policy_p, critic_p, plain, td_p)
-    (record,) = [r for r in caplog.records if r.name == "rlhf_torchrl.loss_inputs"]
+    (record,) = [r for r in caplog.records if r.name == "rlhf_torchrl.objectives.loss_inputs"]
     assert record.getMessage().startswith("ppo_update: set this ClipPPOLoss's keys for the rollout")
     assert "loss.loss_mask_key = ('masks', 'response')" in record.getMessage()
     assert plain.tensor_keys.action == K.RESPONSE_TOKENS and plain.loss_mask_key == K.RESPONSE_MASK
@@ -76,13 +76,13 @@ def test_a_clip_ppo_loss_pointed_elsewhere_is_refused(tiny_llama_dir, tokenizer)
 
 
 def test_the_trainer_sets_up_a_plain_loss_before_any_work(tiny_llama_dir, tokenizer, caplog):
-    from rlhf_torchrl.trainer import PPOTrainer
+    from rlhf_torchrl.trainers.ppo import PPOTrainer
 
     policy, _, critic, _ = _prepared(tiny_llama_dir, tokenizer, critic_init="policy")
     loss = _plain_loss(policy, critic)
     parts = dict(collector=[], scorer=None, actor=None, reference=None, critic=critic, shaper=None,
                  advantage=None, optimizer=None, num_iterations=1, pad_token_id=0)
-    with caplog.at_level(logging.WARNING, logger="rlhf_torchrl.loss_inputs"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_torchrl.objectives.loss_inputs"):
         PPOTrainer(loss_module=loss, **parts)
     assert loss.loss_mask_key == K.RESPONSE_MASK and "PPOTrainer: set this" in caplog.text
     with pytest.raises(ConfigError, match="replay_buffer samples with RandomSampler"):
@@ -123,14 +123,14 @@ def test_ppo_update_keeps_the_buffers_batch_size(tiny_llama_dir, tokenizer, recw
 
 def _too_early(td):
     """Each component called one step too early, on ``td`` without what that step writes."""
-    from rlhf_torchrl.advantages import (
+    from rlhf_torchrl.objectives.advantages import (
         GRPOAdvantage,
         ReinforcePPAdvantage,
         ResponseGAE,
         RLOOAdvantage,
     )
-    from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
-    from rlhf_torchrl.scoring import Scorer
+    from rlhf_torchrl.objectives.kl_shaping import KLRewardShaper, make_kl_controller
+    from rlhf_torchrl.rewards.scoring import Scorer
 
     shaped = (K.KL, K.REWARD, K.NON_SCORE_REWARD, K.DONE, K.TERMINATED, K.SHAPED_SCORE)
     advantages = (K.ADVANTAGE, K.VALUE_TARGET)
@@ -176,7 +176,7 @@ def test_scorer_refuses_a_non_finite_reward_naming_it_and_the_row():
 
     from tensordict import TensorDict
 
-    from rlhf_torchrl.scoring import Scorer
+    from rlhf_torchrl.rewards.scoring import Scorer
 
     def flaky(prompts, responses):
         return [1.0, math.nan, 0.5]

@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.metrics import MetricsWriter, rollout_metrics
+from rlhf_torchrl.record.metrics import MetricsWriter, rollout_metrics
 
 
 def _shaped_rollout():

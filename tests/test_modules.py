@@ -217,7 +217,7 @@ def test_shared_critic_never_uses_stale_hidden_states(tiny_llama_dir, tokenizer)
 def test_value_gradient_reaches_the_shared_trunk(tiny_llama_dir, tokenizer):
     """The value loss trains the shared trunk, with the same gradient whether the critic takes the
     actor's hidden states or runs the trunk itself, and whichever the loss calls first."""
-    from rlhf_torchrl.objectives import make_ppo_loss
+    from rlhf_torchrl.objectives.ppo import make_ppo_loss
 
     td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
     g = torch.Generator().manual_seed(0)
@@ -400,7 +400,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(init, tiny_llama_dir, t
     """Recomputing activations in the backward changes memory, never the gradient."""
     from tensordict import TensorDict
 
-    from rlhf_torchrl.objectives import make_ppo_loss
+    from rlhf_torchrl.objectives.ppo import make_ppo_loss
 
     g = torch.Generator().manual_seed(0)
     td = TensorDict({K.PROMPT_TOKENS: torch.randint(10, 1000, (2, 4), generator=g),
@@ -502,7 +502,7 @@ def test_byte_tokenizer_special_tokens_and_padding():
 
 
 def test_byte_tokenizer_chat_template_is_chatml(tmp_path):
-    from rlhf_torchrl.data import prompt_token_ids
+    from rlhf_torchrl.data.prompts import prompt_token_ids
     from rlhf_torchrl.modules import byte_tokenizer, load_tokenizer
 
     tok = byte_tokenizer()
@@ -531,7 +531,7 @@ def test_collector_renders_chats_with_the_byte_tokenizer():
         make_generation_env,
         make_generation_policy,
     )
-    from rlhf_torchrl.data import render_prompt
+    from rlhf_torchrl.data.prompts import render_prompt
     from rlhf_torchrl.modules import byte_tokenizer
 
     tok = byte_tokenizer()

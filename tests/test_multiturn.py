@@ -11,10 +11,10 @@ from rlhf_torchrl.collectors import (
     make_generation_env,
     make_generation_policy,
 )
+from rlhf_torchrl.collectors.on_policy import check_on_policy
+from rlhf_torchrl.data.rollout import END_REASONS
+from rlhf_torchrl.envs.tools import ToolResult, calculator
 from rlhf_torchrl.modules import TokenLevelActor, load_causal_lm, make_critic
-from rlhf_torchrl.on_policy import check_on_policy
-from rlhf_torchrl.rollout import END_REASONS
-from rlhf_torchrl.tools import ToolResult, calculator
 
 PROMPTS = [TOOL_QUESTION, PLAIN_QUESTION] * 4
 T = 0.5  # the taught answers, nearly surely (at 1.0 a row strays about once in ten)

@@ -8,17 +8,17 @@ from tensordict import TensorDict
 
 from rlhf_torchrl import functional as F
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
-from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.modules import (
     TokenLevelActor,
     compute_old_quantities,
     load_causal_lm,
     make_critic,
 )
-from rlhf_torchrl.objectives import make_ppo_loss
-from rlhf_torchrl.update import ppo_update
+from rlhf_torchrl.objectives.advantages import ResponseGAE
+from rlhf_torchrl.objectives.kl_shaping import KLRewardShaper, make_kl_controller
+from rlhf_torchrl.objectives.ppo import make_ppo_loss
+from rlhf_torchrl.trainers.update import ppo_update
 
 
 def _rollout(tokenizer, B=8, P=5, R=6, seed=0):
@@ -184,7 +184,7 @@ SPLITS = {"rows=1": {}, "rows=2": {"gradient_accumulation_steps": 2},
 def test_micro_batches_keep_the_token_mean(critic_init, tiny_llama_dir, tokenizer):
     """Equal row slices or token-budget micro-batches (each trimmed to its own widths), of different
     valid-token counts, give the gradient and metrics of the whole padded minibatch (fp64)."""
-    from rlhf_torchrl.micro_batches import token_budget_split
+    from rlhf_torchrl.trainers.micro_batches import token_budget_split
 
     grads, stats = {}, {}
     for name, split in SPLITS.items():
@@ -236,7 +236,7 @@ def test_ppo_update_takes_a_plain_clip_ppo_loss(tiny_llama_dir, tokenizer):
 
 def _grpo_batch(tiny_llama_dir, tokenizer, **loss_kwargs):
     """A rollout in groups of 2 with GRPO advantages, a policy and its critic-free loss."""
-    from rlhf_torchrl.advantages import GRPOAdvantage
+    from rlhf_torchrl.objectives.advantages import GRPOAdvantage
 
     torch.manual_seed(0)
     policy = load_causal_lm(tiny_llama_dir, tokenizer)
@@ -290,7 +290,7 @@ def test_kl_loss_term_matches_hand_formula(tiny_llama_dir, tokenizer):
 def test_token_budget_split_packs_similar_lengths():
     """Longest rows first, greedily packed under the padded-token budget; halved to a minimum count;
     empty parts only where no part can be halved."""
-    from rlhf_torchrl.micro_batches import token_budget_split, trim_padding
+    from rlhf_torchrl.trainers.micro_batches import token_budget_split, trim_padding
 
     prompt = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1], [0, 1, 1]], dtype=torch.bool)
     response = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
@@ -494,7 +494,7 @@ def test_micro_batch_weights_over_two_processes(mode, tokenizer):
     """Two simulated processes, each its slice of a minibatch of 7 rows (one row has no valid
     token), in micro-batches: the weighted micro-batch losses of both add up to the minibatch's
     (ppo_update scales each by the world size, which DDP's average over processes undoes)."""
-    from rlhf_torchrl.micro_batches import micro_batches
+    from rlhf_torchrl.trainers.micro_batches import micro_batches
 
     td = _rollout(tokenizer, B=7)
     mask = torch.arange(6).expand(7, 6) < torch.tensor([[3], [6], [0], [1], [5], [2], [4]])
@@ -748,8 +748,8 @@ def test_an_incompatible_torchrl_is_refused_in_one_line():
     import torchrl
     from torchrl.objectives import ClipPPOLoss
 
-    from rlhf_torchrl import objectives
     from rlhf_torchrl.errors import MissingDependencyError
+    from rlhf_torchrl.objectives import ppo as objectives
 
     objectives.check_torchrl_contract(ClipPPOLoss)
     assert torchrl.__version__ == objectives.TESTED_TORCHRL

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.optim import clip_grad_norm, parameter_groups, policy_lr_multiplier
+from rlhf_torchrl.trainers.optim import clip_grad_norm, parameter_groups, policy_lr_multiplier
 
 
 def test_policy_rate_is_zero_in_the_critic_warmup_then_warms_up_and_decays():
@@ -48,7 +48,7 @@ def test_critic_warmup_ends_when_its_signal_stops_improving():
     """explained_variance must rise by min_delta, value_loss fall by min_delta of its best; after
     `patience` iterations in a row without that (or max_iterations) the warm-up ends, at the
     optimiser steps taken so far."""
-    from rlhf_torchrl.optim import CriticWarmup
+    from rlhf_torchrl.trainers.optim import CriticWarmup
 
     ev = CriticWarmup(10, until="explained_variance", patience=2, min_delta=0.05)
     ends = [ev.observe({"val/explained_variance": v}, steps_done=2 * (i + 1))
@@ -86,7 +86,7 @@ def test_schedule_holds_the_policy_until_the_warmup_ends():
     """make_optimizer reads CriticWarmup.frozen_steps at every step: the policy's rate is 0 while
     the warm-up runs, whatever the step; when it ends refresh_lr sets the next step's rate (the
     warm-up ramp, then the decay from there), the value head's schedule runs from step 0."""
-    from rlhf_torchrl.optim import CriticWarmup, make_optimizer, refresh_lr
+    from rlhf_torchrl.trainers.optim import CriticWarmup, make_optimizer, refresh_lr
 
     policy = nn.Linear(3, 3)
     critic = nn.Module()
@@ -114,7 +114,7 @@ def test_schedule_holds_the_policy_until_the_warmup_ends():
 def test_fused_and_foreach_adamw_give_the_loop_s_update():
     """AdamW fused (what adamw picks on CPU) and foreach: the for-loop's weights after 5 steps of
     two groups (weight decay, a second learning rate), to float rounding."""
-    from rlhf_torchrl.optim import adamw
+    from rlhf_torchrl.trainers.optim import adamw
 
     torch.manual_seed(0)
     start = [torch.randn(7, 5), torch.randn(5), torch.randn(3, 3)]

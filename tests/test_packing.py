@@ -8,10 +8,7 @@ from test_modules import _ragged_batch
 from test_objectives import _rollout
 
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.advantages import ResponseGAE
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.kl_shaping import KLRewardShaper, make_kl_controller
-from rlhf_torchrl.micro_batches import micro_batches, token_budget_split
 from rlhf_torchrl.modules import (
     TokenLevelActor,
     compute_old_quantities,
@@ -19,8 +16,11 @@ from rlhf_torchrl.modules import (
     make_critic,
 )
 from rlhf_torchrl.modules.packing import SequenceCost, pack_rows, plan_rows
-from rlhf_torchrl.objectives import make_ppo_loss
-from rlhf_torchrl.update import ppo_update
+from rlhf_torchrl.objectives.advantages import ResponseGAE
+from rlhf_torchrl.objectives.kl_shaping import KLRewardShaper, make_kl_controller
+from rlhf_torchrl.objectives.ppo import make_ppo_loss
+from rlhf_torchrl.trainers.micro_batches import micro_batches, token_budget_split
+from rlhf_torchrl.trainers.update import ppo_update
 
 MODELS = ["tiny_llama_dir", "tiny_gpt2_dir"]
 FREE = SequenceCost(token=1.0, pair=0.0)  # attention free: the widest row is never dearer

@@ -21,10 +21,10 @@ from rlhf_torchrl.collectors import (
     make_generation_env,
     make_generation_policy,
 )
+from rlhf_torchrl.collectors.on_policy import OffPolicyError, check_on_policy
 from rlhf_torchrl.collectors.partial import current_tokens, resume_batch
+from rlhf_torchrl.collectors.sampling import row_stream_seeds
 from rlhf_torchrl.modules import TokenLevelActor
-from rlhf_torchrl.on_policy import OffPolicyError, check_on_policy
-from rlhf_torchrl.sampling import row_stream_seeds
 
 PROMPTS = ["The film was", "I did not expect", "Its story", "The acting", "A slow start but",
            "Music and light", "The ending", "Nothing"]
@@ -224,7 +224,7 @@ def test_sigkill_with_paused_responses_then_resume(tmp_path, stopping_llama_dir)
     in flight, each process's own, and the resumed collector continues them."""
     from test_resume import _command, _complete, _rows, _run_until, _safe_rows
 
-    from rlhf_torchrl.checkpoint import latest_checkpoint, load_rollouts
+    from rlhf_torchrl.trainers.checkpoint import latest_checkpoint, load_rollouts
 
     whole, out = tmp_path / "whole", tmp_path / "run"
     _complete([*_command(stopping_llama_dir, whole), *PARTIAL], whole)

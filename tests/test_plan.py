@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_recipe import TINY, _cfg
 
-from rlhf_torchrl.model_shapes import ModelShape
+from rlhf_torchrl.modules.shapes import ModelShape
 from rlhf_torchrl.plan import (
     SHAPES_DIR,
     DeviceProfile,

@@ -163,7 +163,7 @@ def test_recipe_passes_dataset_columns_to_rewards(tmp_path, tiny_llama_dir):
 def test_recipe_on_policy_check(tmp_path, tiny_llama_dir, caplog):
     """On by default: a zero tolerance trips it on float noise (and names the cause); off, the same
     run goes through."""
-    from rlhf_torchrl.on_policy import OffPolicyError
+    from rlhf_torchrl.collectors.on_policy import OffPolicyError
 
     with pytest.raises(OffPolicyError, match="generation.on_policy_tolerance"):
         ppo.train(_cfg(tmp_path / "a", tiny_llama_dir, "generation.on_policy_tolerance=0",

@@ -88,8 +88,8 @@ def test_critic_warm_started_from_a_saved_critic(tmp_path, tiny_llama_dir, token
     (its newest checkpoint's value head and trunk), its policy and optimiser start fresh. A shared
     trunk is refused before any model loads, and by load_critic: the saved head was fitted to
     that run's trained policy, not to this run's fresh one. A path without a checkpoint too."""
-    from rlhf_torchrl.critic_warm_start import load_critic
     from rlhf_torchrl.modules import load_causal_lm, make_critic
+    from rlhf_torchrl.trainers.warm_start import load_critic
 
     separate = "value_model.init=policy"
     first = builders.build_trainer(_cfg(tmp_path / "first", tiny_llama_dir, separate,

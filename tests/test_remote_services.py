@@ -12,10 +12,10 @@ import torch
 from tensordict import TensorDict
 
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.remote_rewards import RemoteReward
-from rlhf_torchrl.sandbox import SandboxSpec
-from rlhf_torchrl.scoring import RewardError
-from rlhf_torchrl.tools import ToolCall, load_tools, run_tool
+from rlhf_torchrl.envs.sandbox import SandboxSpec
+from rlhf_torchrl.envs.tools import ToolCall, load_tools, run_tool
+from rlhf_torchrl.rewards.remote import RemoteReward
+from rlhf_torchrl.rewards.scoring import RewardError
 
 TRICKLE_SECONDS = 0.2  # between two bytes
 TRICKLE_BYTES = 30  # 6 s in all: each test's limit is 1 s

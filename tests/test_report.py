@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_recipe import _cfg, ppo
 
-from rlhf_torchrl.evaluation import distinct_n, win_rate
-from rlhf_torchrl.report import PLOTS, moving_average, trend, verdict
+from rlhf_torchrl.record.report import PLOTS, moving_average, trend, verdict
+from rlhf_torchrl.trainers.evaluation import distinct_n, win_rate
 
 
 def test_distinct_n_by_hand():
@@ -80,7 +80,7 @@ def test_report_renders_every_plot_of_a_finished_run(tmp_path, tiny_llama_dir):
     assert report["eval_before"]["eval/win_rate"] == 0.5  # the untrained policy is the reference
     # on demand, from the run directory
     (tmp_path / "report.html").unlink()
-    out = subprocess.run([sys.executable, "-m", "rlhf_torchrl.report", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "rlhf_torchrl.record.report", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and (tmp_path / "report.html").exists()
 

@@ -13,7 +13,7 @@ import pytest
 from browser import Chromium, find_chromium
 from test_recipe import _cfg, ppo
 
-from rlhf_torchrl.report import PLOTS
+from rlhf_torchrl.record.report import PLOTS
 
 pytestmark = pytest.mark.skipif(
     find_chromium() is None,

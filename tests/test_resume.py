@@ -18,14 +18,14 @@ import pytest
 import torch
 from test_recipe import RECIPES, _cfg, ppo
 
-from rlhf_torchrl import checkpoint
-from rlhf_torchrl.checkpoint import (
+from rlhf_torchrl.config import builders, resume  # noqa: E402
+from rlhf_torchrl.trainers import checkpoint
+from rlhf_torchrl.trainers.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from rlhf_torchrl.config import builders, resume  # noqa: E402
 
 # one thread: the same summation order run to run (an adapting thread count changes it)
 EXACT = ["threads=1", "checkpoint.every=1", "checkpoint.keep=null", "ppo.num_iterations=4"]
@@ -303,7 +303,7 @@ def test_torn_checkpoint_is_named_and_the_one_before_used(tmp_path, tiny_llama_d
     """A bad disk tore the newest checkpoint's files: resume=auto names it and continues from
     the one before (the run still equals the uninterrupted one); resume=<that path> stops with
     one line."""
-    from rlhf_torchrl.checkpoint import CheckpointError
+    from rlhf_torchrl.trainers.checkpoint import CheckpointError
 
     cut = tmp_path / "cut"
     ppo.train(_cfg(cut, tiny_llama_dir, *EXACT, "ppo.num_iterations=3"))

@@ -1,5 +1,5 @@
-"""The reward model on a server (rlhf_torchrl.reward_server, ``rlhf-torchrl serve-reward-model``)
-and the remote rewards that call it or any scoring endpoint (rlhf_torchrl.remote_rewards), against
+"""The reward model on a server (rlhf_torchrl.rewards.server, ``rlhf-torchrl serve-reward-model``)
+and the remote rewards that call it or any scoring endpoint (rlhf_torchrl.rewards.remote), against
 real HTTP servers on localhost: a served MiniLM reward model with a chat template of its own, and
 stdlib endpoints that misbehave on purpose."""
 
@@ -21,14 +21,14 @@ import torch
 from tensordict import TensorDict
 
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.remote_rewards import RemoteReward
-from rlhf_torchrl.reward_model import RewardModel
-from rlhf_torchrl.scoring import RewardError, Scorer
+from rlhf_torchrl.rewards.remote import RemoteReward
+from rlhf_torchrl.rewards.reward_model import RewardModel
+from rlhf_torchrl.rewards.scoring import RewardError, Scorer
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from rlhf_torchrl.reward_server import ServerProcess, ServerThread, make_app  # noqa: E402
+from rlhf_torchrl.rewards.server import ServerProcess, ServerThread, make_app  # noqa: E402
 
 SERIAL = pytest.mark.xdist_group("reward_server")  # one worker: the reward model built once
 #: the reward model's own chat template (MiniLM has none): each turn as "role: content [SEP]"
@@ -449,8 +449,8 @@ def test_ppo_against_the_served_reward_model_killed_and_restarted(tmp_path, rm_d
     same once the server is back."""
     from test_recipe import _cfg
 
-    from rlhf_torchrl.checkpoint import list_checkpoints, verify_checkpoint
     from rlhf_torchrl.config import builders
+    from rlhf_torchrl.trainers.checkpoint import list_checkpoints, verify_checkpoint
 
     exact = ["threads=1", "checkpoint.every=1", "eval.every=0", "reward.functions=[]"]
     builders.train(_cfg(tmp_path / "local", tiny_llama_dir, *exact, f"reward.model={rm_dir}"))
@@ -479,7 +479,7 @@ def test_ppo_against_the_served_reward_model_killed_and_restarted(tmp_path, rm_d
             threading.Timer(1.0, lambda: servers.append(
                 served(rm_dir, tmp_path / "server", servers[0].port))).start()
 
-        with caplog.at_level(logging.WARNING, logger="rlhf_torchrl.remote_rewards"):
+        with caplog.at_level(logging.WARNING, logger="rlhf_torchrl.rewards.remote"):
             remote_run(tmp_path / "waits", servers[0], restart_soon)
         assert _rows(tmp_path / "waits") == expected and len(servers) == 2
         assert "did not answer" in caplog.text and "answers again" in caplog.text  # it waited

@@ -10,8 +10,8 @@ import torch
 from test_recipe import _cfg, ppo
 
 from rlhf_torchrl.config import compose
-from rlhf_torchrl.reward_model import RewardModel
-from rlhf_torchrl.reward_training import (
+from rlhf_torchrl.rewards.reward_model import RewardModel
+from rlhf_torchrl.rewards.training import (
     bradley_terry_loss,
     init_reward_head,
     load_preference_pairs,

@@ -5,14 +5,18 @@ import torch
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+from rlhf_torchrl.collectors.on_policy import OffPolicyError, check_on_policy
+from rlhf_torchrl.collectors.sampling import (
+    InverseCDFSampler,
+    ignored_generation_settings,
+    sample_inverse_cdf,
+)
 from rlhf_torchrl.modules import (
     TokenLevelActor,
     compute_old_quantities,
     load_causal_lm,
     make_critic,
 )
-from rlhf_torchrl.on_policy import OffPolicyError, check_on_policy
-from rlhf_torchrl.sampling import InverseCDFSampler, ignored_generation_settings, sample_inverse_cdf
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
@@ -175,7 +179,7 @@ def test_checkpoint_generation_config_never_reaches_sampling(instruct_llama_dir,
     those of the training forward."""
     model = load_causal_lm(instruct_llama_dir, tokenizer)
     own = model.generation_config.to_dict()
-    with caplog.at_level("WARNING", logger="rlhf_torchrl.sampling"):
+    with caplog.at_level("WARNING", logger="rlhf_torchrl.collectors.sampling"):
         rollout = _collect_once(model, tokenizer, n_rows=64)
     warning = caplog.text
     for setting in ("repetition_penalty=1.3", "min_new_tokens=4", "no_repeat_ngram_size=2",
@@ -264,7 +268,7 @@ def test_one_prefill_per_group_samples_what_a_prefill_per_row_does(request, mode
     """Groups of 3 responses per prompt, prompts of different lengths (left padding): prefilling
     each prompt once and repeating its KV cache gives the tokens and recorded log-probs of a
     prefill per row."""
-    import rlhf_torchrl.collectors.generation as generation
+    import rlhf_torchrl.collectors.backends.transformers as generation
 
     calls = []
     original = generation.generate_in_groups

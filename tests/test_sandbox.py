@@ -26,8 +26,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from rlhf_torchrl.envs.tools import ToolCall, describe_tools, load_tools, run_tool
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.tools import ToolCall, describe_tools, load_tools, run_tool
 
 # what switched the old sandbox off: its audit hook read its block list from the interpreter's
 # __main__ module, which the policy's code reaches through sys.modules (a no-op here)
@@ -35,7 +35,7 @@ SWITCH_OFF = "import sys; sys.modules['__main__']._BLOCKED = ()\n"
 # a trainer process (with its own environment) that runs one call from stdin
 TRAINER = """
 import sys
-from rlhf_torchrl.tools import ToolCall, load_tools, run_tool
+from rlhf_torchrl.envs.tools import ToolCall, load_tools, run_tool
 print(run_tool(load_tools(["python"]), ToolCall("python", sys.stdin.read()), timeout=30).content)
 """
 
@@ -231,7 +231,7 @@ def test_fifty_long_calls_leave_the_next_call_working(tools):
 def test_a_hung_tool_call_does_not_keep_the_trainer_from_exiting():
     script = textwrap.dedent("""
         import time
-        from rlhf_torchrl.tools import ToolCall, run_tool
+        from rlhf_torchrl.envs.tools import ToolCall, run_tool
         print(run_tool({"hang": lambda: time.sleep(600)}, ToolCall("hang", {}), timeout=0.5).content)""")
     try:
         trainer = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -302,8 +302,8 @@ def run_code(request, tools):
         return lambda code: call(tools, code).content
     if os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"):
         pytest.skip("starts bwrap as nobody (needs root) with the system's Python")
-    from rlhf_torchrl.sandbox import SandboxSpec
-    from rlhf_torchrl.sandbox.bubblewrap import BubblewrapSandbox
+    from rlhf_torchrl.envs.sandbox import SandboxSpec
+    from rlhf_torchrl.envs.sandbox.bubblewrap import BubblewrapSandbox
 
     sandbox = BubblewrapSandbox(SandboxSpec(timeout=20.0), python="/usr/bin/python3", run_as=65534)
     return lambda code: sandbox.run(code).output
@@ -477,7 +477,7 @@ def run_filter(program: bytes, arch: int, nr: int, *args: int) -> int:
 ])
 def test_the_seccomp_filter_decides_alike_on_both_architectures(machine, arch, numbers):
     """aarch64's program cannot run here: each decision, read as the kernel reads the program."""
-    from rlhf_torchrl.sandbox.seccomp import seccomp_filter
+    from rlhf_torchrl.envs.sandbox.seccomp import seccomp_filter
 
     program = seccomp_filter(machine)
     allow, eperm, enosys, eafnosupport = 0x7FFF0000, 0x50001, 0x50026, 0x50061
@@ -499,9 +499,9 @@ def test_the_seccomp_filter_decides_alike_on_both_architectures(machine, arch, n
 def test_a_call_gets_a_cgroup_where_one_can_be_made(tools):
     """With cgroup v2's memory controller delegated: each call in a cgroup of its own whose
     memory.max counts tmpfs pages too; past it the whole call is killed, not the trainer."""
-    from rlhf_torchrl.sandbox import SandboxSpec
-    from rlhf_torchrl.sandbox.bubblewrap import SHM_MB, BubblewrapSandbox
-    from rlhf_torchrl.sandbox.cgroup import call_parent
+    from rlhf_torchrl.envs.sandbox import SandboxSpec
+    from rlhf_torchrl.envs.sandbox.bubblewrap import SHM_MB, BubblewrapSandbox
+    from rlhf_torchrl.envs.sandbox.cgroup import call_parent
 
     parent, why = call_parent()
     if parent is None:
@@ -555,7 +555,7 @@ def test_the_policy_sees_a_tool_of_one_argument(tools):
 def test_the_sandbox_settings_reach_the_tool_and_the_collector(tmp_path):
     from rlhf_torchrl.config import compose
     from rlhf_torchrl.config.builders import check_config, collector_spec, make_tools
-    from rlhf_torchrl.sandbox import SandboxSpec
+    from rlhf_torchrl.envs.sandbox import SandboxSpec
 
     cfg = compose([f"output_dir={tmp_path}", "data.chat_template=null", "env.max_turns=2",
                    "env.tools=[calculator,python]",
@@ -597,8 +597,8 @@ def test_a_bad_sandbox_setting_is_one_line(tmp_path):
 
 
 def test_no_sandbox_is_an_explicit_choice_with_a_warning(caplog, monkeypatch):
-    from rlhf_torchrl.sandbox import SandboxSpec
-    from rlhf_torchrl.sandbox.process import UnsandboxedProcess
+    from rlhf_torchrl.envs.sandbox import SandboxSpec
+    from rlhf_torchrl.envs.sandbox.process import UnsandboxedProcess
 
     monkeypatch.setattr(UnsandboxedProcess, "_warned", False)  # once per process: this one's
     with caplog.at_level("WARNING"):
@@ -613,8 +613,8 @@ def test_no_sandbox_is_an_explicit_choice_with_a_warning(caplog, monkeypatch):
                     reason="starts bwrap as nobody (needs root) with the system's Python")
 def test_a_trainer_that_is_not_root_gets_the_same_limits():
     """The user-namespace path: bwrap started as nobody, the sandbox's user mapped to it."""
-    from rlhf_torchrl.sandbox import SandboxSpec
-    from rlhf_torchrl.sandbox.bubblewrap import BubblewrapSandbox
+    from rlhf_torchrl.envs.sandbox import SandboxSpec
+    from rlhf_torchrl.envs.sandbox.bubblewrap import BubblewrapSandbox
 
     sandbox = BubblewrapSandbox(SandboxSpec(timeout=10.0), python="/usr/bin/python3", run_as=65534)
     sandbox.check()
@@ -644,8 +644,8 @@ class RunCode(BaseHTTPRequestHandler):
     sandbox with the request's limits; the first ``server.failures`` requests get a 503."""
 
     def do_POST(self):  # noqa: N802 - http.server's name
-        from rlhf_torchrl.sandbox import SandboxSpec
-        from rlhf_torchrl.sandbox.bubblewrap import BubblewrapSandbox
+        from rlhf_torchrl.envs.sandbox import SandboxSpec
+        from rlhf_torchrl.envs.sandbox.bubblewrap import BubblewrapSandbox
 
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.requests.append(request)
@@ -683,7 +683,7 @@ def service(tools):
 
 
 def remote_tools(url: str, **limits):
-    from rlhf_torchrl.sandbox import SandboxSpec
+    from rlhf_torchrl.envs.sandbox import SandboxSpec
 
     return load_tools(["python"], python_sandbox=SandboxSpec(kind="remote", url=url, **limits))
 

@@ -5,11 +5,11 @@ import torch
 from tensordict import TensorDict
 
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.data import Prompt
-from rlhf_torchrl.reward_functions import vader_sentiment
-from rlhf_torchrl.reward_model import RewardModel
-from rlhf_torchrl.rollout import probe_rollout
-from rlhf_torchrl.scoring import Scorer, load_reward_function
+from rlhf_torchrl.data.prompts import Prompt
+from rlhf_torchrl.data.rollout import probe_rollout
+from rlhf_torchrl.rewards.functions import vader_sentiment
+from rlhf_torchrl.rewards.reward_model import RewardModel
+from rlhf_torchrl.rewards.scoring import Scorer, load_reward_function
 
 
 def _td(prompts, responses, has_stop):
@@ -137,12 +137,12 @@ def test_bad_reward_functions_are_named(fn, match, tokenizer):
 
 
 def test_load_reward_function_errors():
-    assert load_reward_function("rlhf_torchrl.reward_functions.vader_sentiment") is vader_sentiment
-    assert load_reward_function("rlhf_torchrl.reward_functions:vader_sentiment") is vader_sentiment
+    assert load_reward_function("rlhf_torchrl.rewards.functions.vader_sentiment") is vader_sentiment
+    assert load_reward_function("rlhf_torchrl.rewards.functions:vader_sentiment") is vader_sentiment
     with pytest.raises(ImportError, match="cannot import module 'no_such_pkg'"):
         load_reward_function("no_such_pkg.fn")
     with pytest.raises(ImportError, match="has no callable 'nope'"):
-        load_reward_function("rlhf_torchrl.reward_functions.nope")
+        load_reward_function("rlhf_torchrl.rewards.functions.nope")
     with pytest.raises(ValueError, match="dotted path"):
         load_reward_function("vader")
     with pytest.raises(ImportError, match=r"PYTHONPATH=\. .*'\./mypkg/rewards\.py:bonus'"):
@@ -265,13 +265,13 @@ def test_reward_model_adds_no_second_bos(bos_llama_dir):
     ("#### 3.0", 3.0),
 ])
 def test_extract_final_number(text, expected):
-    from rlhf_torchrl.reward_functions import extract_final_number
+    from rlhf_torchrl.rewards.functions import extract_final_number
 
     assert extract_final_number(text) == expected
 
 
 def test_gsm8k_correct_against_the_rows_answer():
-    from rlhf_torchrl.reward_functions import gsm8k_correct, gsm8k_format
+    from rlhf_torchrl.rewards.functions import gsm8k_correct, gsm8k_format
 
     answers = ["Natalia sold 48/2 = 24 clips.\n#### 72", "#### 1,000", "5", "#### -3"]
     responses = ["48 + 24 = 72 #### 72", "The answer is 1000.", "No idea", "It is -3.0"]

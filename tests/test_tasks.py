@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 import ppo  # noqa: E402
 
-from rlhf_torchrl.data import check_prompts, load_prompts  # noqa: E402
+from rlhf_torchrl.data import load_prompts  # noqa: E402
+from rlhf_torchrl.data.prompts import check_prompts  # noqa: E402
 
 TASKS = ["sentiment", "tldr", "hh", "gsm8k", "arithmetic", "custom"]
 TWO_ITERATIONS = ["ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batches=2",
@@ -107,7 +108,7 @@ def test_every_preset_composes_and_passes_the_config_checks():
     assert default == _compose("task=sentiment") and default.data.source == "polarity"
     assert (default.ppo.kl_coef, default.ppo.kl_target, default.optim.critic_warmup,
             default.generation.temperature, default.reward.functions[0]) == \
-        (0.1, None, 2, 0.7, "rlhf_torchrl.reward_functions.vader_sentiment")
+        (0.1, None, 2, 0.7, "rlhf_torchrl.rewards.functions.vader_sentiment")
     hh = _compose("task=hh")
     assert (hh.data.source, hh.data.column, hh.data.truncate_prompts) == ("Anthropic/hh-rlhf", "chosen", True)
     assert hh.reward.model and not hh.reward.functions and hh.data.system_prompt is None
@@ -205,7 +206,7 @@ def test_gsm8k_preset_trains_on_verls_parquet(tmp_path, tiny_llama_dir):
     datasets = pytest.importorskip("datasets")
     from test_data import verl_rows
 
-    from rlhf_torchrl.rollout import probe_rollout
+    from rlhf_torchrl.data.rollout import probe_rollout
 
     instruction = "Let's think step by step and output the final answer after \"####\"."
     rows = [{"prompt": f"{r['question']} {instruction}", "answer": r["answer"].split("#### ")[-1]}
@@ -252,7 +253,7 @@ def test_gsm8k_preset_on_a_reasoning_gym_task(tmp_path, tiny_llama_dir):
     _, rows = _run(tmp_path, "task=gsm8k", f"model.policy={tiny_llama_dir}",
                    "data.source=reasoning_gym:basic_arithmetic", "data.limit=16",
                    "+data.generator_args.max_terms=2", "generation.max_new_tokens=8",
-                   "reward.functions=[rlhf_torchrl.reward_functions.reasoning_gym_score]",
+                   "reward.functions=[rlhf_torchrl.rewards.functions.reasoning_gym_score]",
                    "reward.function_weights=null", "eval.judge=null",
                    "eval.accuracy_reward=reasoning_gym_score")
     assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in rows)
@@ -301,7 +302,7 @@ def test_dataset_config_name_reaches_the_hub_loader(tmp_path):
 
 def test_reasoning_gym_source_and_checker():
     pytest.importorskip("reasoning_gym")
-    from rlhf_torchrl.reward_functions import extract_tagged_answer, reasoning_gym_score
+    from rlhf_torchrl.rewards.functions import extract_tagged_answer, reasoning_gym_score
 
     prompts = load_prompts("reasoning_gym:basic_arithmetic", column="question", limit=4, seed=3,
                            generator_args={"max_terms": 2, "max_digits": 2})
@@ -323,14 +324,14 @@ def test_reasoning_gym_source_and_checker():
 
 def test_task_custom_asks_for_the_data_before_any_work(tmp_path):
     cfg = _compose("task=custom", f"output_dir={tmp_path}",
-                   "reward.functions=[rlhf_torchrl.reward_functions.vader_sentiment]")
+                   "reward.functions=[rlhf_torchrl.rewards.functions.vader_sentiment]")
     with pytest.raises(ValueError, match=r"data.source must be set"):
         ppo.train(cfg)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_truncation_drops_the_oldest_turns_of_a_long_dialogue(tokenizer):
-    from rlhf_torchrl.data import to_prompt
+    from rlhf_torchrl.data.prompts import to_prompt
 
     turn = " ".join(["blah"] * 40)
     transcript = (f"\n\nHuman: {turn}\n\nAssistant: {turn}\n\nHuman: Short question "

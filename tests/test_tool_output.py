@@ -16,8 +16,8 @@ from rlhf_torchrl.collectors.multiturn import (
     observation_tokens,
     strip_control_tokens,
 )
-from rlhf_torchrl.sandbox import SandboxSpec
-from rlhf_torchrl.tools import ToolCall, load_tools, run_tool
+from rlhf_torchrl.envs.sandbox import SandboxSpec
+from rlhf_torchrl.envs.tools import ToolCall, load_tools, run_tool
 
 #: Llama 3.1's layout: a tool's result is an ``ipython`` message
 LLAMA3_TEMPLATE = (

@@ -5,9 +5,8 @@ import time
 
 import pytest
 
-from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.sandbox import SandboxSpec
-from rlhf_torchrl.tools import (
+from rlhf_torchrl.envs.sandbox import SandboxSpec
+from rlhf_torchrl.envs.tools import (
     PythonTool,
     ToolCall,
     ToolResult,
@@ -17,6 +16,7 @@ from rlhf_torchrl.tools import (
     parse_tool_calls,
     run_tool,
 )
+from rlhf_torchrl.errors import ConfigError
 
 
 def lookup(key: str) -> dict:

@@ -225,7 +225,7 @@ def test_llm_collector_serves_the_loaders_first_batch_first(llama, tokenizer):
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="TorchRL's PythonInterpreter runs the policy's code in a plain subprocess: "
                    "no memory or CPU limit, network and subprocesses allowed, the caller's "
-                   "environment inherited; rlhf_torchrl.tools.PythonTool (rlhf_torchrl.sandbox) is "
+                   "environment inherited; rlhf_torchrl.envs.tools.PythonTool (rlhf_torchrl.envs.sandbox) is "
                    "the sandboxed replacement")
 def test_python_interpreter_sandboxes_the_policys_code():
     from torchrl.envs.llm.transforms import PythonInterpreter
@@ -238,7 +238,7 @@ def test_python_interpreter_sandboxes_the_policys_code():
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="XMLBlockParser passes a tool body that parses as a JSON number, string or "
                           "list on as ToolCall.args (typed dict[str, Any]), so tool(**args) fails on "
-                          "<tool name=\"calculator\">42</tool>; rlhf_torchrl.tools.parse_tool_calls "
+                          "<tool name=\"calculator\">42</tool>; rlhf_torchrl.envs.tools.parse_tool_calls "
                           "makes it the single argument")
 def test_xml_block_parser_gives_keyword_arguments_for_every_body():
     from torchrl.envs.llm.transforms import XMLBlockParser

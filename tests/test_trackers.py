@@ -16,8 +16,8 @@ import pytest
 
 from rlhf_torchrl.cli import with_run_dir
 from rlhf_torchrl.errors import ConfigError, MissingDependencyError
-from rlhf_torchrl.metrics import MetricsWriter
-from rlhf_torchrl.trackers import check_logger, default_run_name, flatten
+from rlhf_torchrl.record.metrics import MetricsWriter
+from rlhf_torchrl.record.trackers import check_logger, default_run_name, flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["ppo.num_iterations=2", "ppo.batch_size=4", "ppo.num_mini_batches=2",

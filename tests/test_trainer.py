@@ -27,10 +27,10 @@ from rlhf_torchrl import (
 )
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.hooks import Checkpointer, OnPolicyCheck
 from rlhf_torchrl.modules import load_causal_lm, load_tokenizer
-from rlhf_torchrl.optim import make_optimizer
-from rlhf_torchrl.update import make_minibatch_buffer
+from rlhf_torchrl.trainers.hooks import Checkpointer, OnPolicyCheck
+from rlhf_torchrl.trainers.optim import make_optimizer
+from rlhf_torchrl.trainers.update import make_minibatch_buffer
 
 PROMPTS = [f"Tell me about the number {i}." for i in range(8)]
 
@@ -160,7 +160,7 @@ def test_group_filter_runs_before_the_advantages(monkeypatch):
     loss: the equal group is dropped before the advantages, so the whitening's spread is the
     kept rows' alone, x = (0, 2, 1, 5): var = 14/3 and A = (x_i - x_j) / sqrt(14/3) on each
     token. Shaping and RLOO on those 4 rows alone give the same."""
-    import rlhf_torchrl.trainer as trainer_module
+    import rlhf_torchrl.trainers.ppo as trainer_module
 
     def rollout():
         lengths = torch.tensor([3, 2, 3, 1, 2, 3])

@@ -8,9 +8,9 @@ from tensordict import TensorDict
 from torchrl.objectives.value import GAE, TD0Estimator, TDLambdaEstimator, VTrace
 
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.advantages import ResponseGAE
+from rlhf_torchrl.data.trajectory import LogProbReader, merge_token_view, token_view
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.trajectory import LogProbReader, merge_token_view, token_view
+from rlhf_torchrl.objectives.advantages import ResponseGAE
 
 GAMMA, LMBDA = 0.99, 0.9
 

@@ -7,9 +7,9 @@ from test_objectives import _prepared
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.objectives import make_ppo_loss
-from rlhf_torchrl.optim import make_optimizer
-from rlhf_torchrl.update import critic_pass_loss, make_minibatch_buffer, ppo_update
+from rlhf_torchrl.objectives.ppo import make_ppo_loss
+from rlhf_torchrl.trainers.optim import make_optimizer
+from rlhf_torchrl.trainers.update import critic_pass_loss, make_minibatch_buffer, ppo_update
 
 
 def _run(model_dir, tokenizer, critic_init, critic_epochs):

@@ -25,13 +25,13 @@ from rlhf_torchrl.collectors import (  # noqa: E402
     make_generation_env,
     make_generation_policy,
 )
-from rlhf_torchrl.collectors.vllm import (  # noqa: E402
+from rlhf_torchrl.collectors.backends.vllm import (  # noqa: E402
     VLLMGenerator,
     make_vllm_engine,
     make_vllm_generation_policy,
 )
+from rlhf_torchrl.collectors.on_policy import check_on_policy  # noqa: E402
 from rlhf_torchrl.modules import TokenLevelActor  # noqa: E402
-from rlhf_torchrl.on_policy import check_on_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The film was", "I did not expect", "Its story", "The acting", "The film was",
@@ -263,7 +263,7 @@ def test_vllm_samples_multi_turn_episodes(tokenizer):
     from conftest import TOOL_CALL, TOOL_QUESTION, _teach_tool_calls
 
     from rlhf_torchrl.collectors import MultiTurnCollector
-    from rlhf_torchrl.tools import calculator
+    from rlhf_torchrl.envs.tools import calculator
 
     model = _teach_tool_calls(tokenizer, hidden_size=128, intermediate_size=256)  # head size 32
     engine = make_vllm_engine(model, tokenizer, max_model_len=192, kv_cache_gb=0.25)

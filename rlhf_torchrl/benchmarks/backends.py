@@ -25,16 +25,7 @@ import importlib.util
 import statistics
 import time
 
-from ..collectors import (
-    RolloutCollector,
-    WeightSync,
-    engine_weights,
-    make_generation_env,
-    make_generation_policy,
-)
-from ..collectors.asynchronous import ModelCopy
-from ..data import load_prompts
-from .common import (
+from rlhf_torchrl.benchmarks.common import (
     RowPrinter,
     add_model_args,
     add_out_arg,
@@ -46,6 +37,15 @@ from .common import (
     make_parser,
     table,
 )
+from rlhf_torchrl.collectors import (
+    RolloutCollector,
+    WeightSync,
+    engine_weights,
+    make_generation_env,
+    make_generation_policy,
+)
+from rlhf_torchrl.collectors.asynchronous import ModelCopy
+from rlhf_torchrl.data import load_prompts
 
 BACKENDS = ("transformers", "vllm")
 #: how to add a backend that is not installed
@@ -59,7 +59,7 @@ def make_samplers(backends, policy, tokenizer, args) -> dict:
     if "transformers" in backends:
         samplers["transformers"] = policy
     if "vllm" in backends:
-        from ..collectors.vllm import VLLMGenerator, make_vllm_engine
+        from rlhf_torchrl.collectors.backends.vllm import VLLMGenerator, make_vllm_engine
 
         engine = make_vllm_engine(policy, tokenizer, max_model_len=args.max_prompt_tokens
                                   + max(args.lengths), kv_cache_gb=args.kv_cache_gb,
@@ -73,7 +73,7 @@ def make_samplers(backends, policy, tokenizer, args) -> dict:
 def make_collector(backend, sampler, tokenizer, prompts, batch_size, length, temperature):
     env = make_generation_env(prompts, tokenizer, batch_size=batch_size)
     if backend == "vllm":
-        from ..collectors.vllm import make_vllm_generation_policy
+        from rlhf_torchrl.collectors.backends.vllm import make_vllm_generation_policy
 
         gen = make_vllm_generation_policy(sampler, tokenizer, max_new_tokens=length)
     else:

@@ -21,11 +21,8 @@ import time
 import torch
 from transformers import LogitsProcessorList
 
-from .. import keys as K
-from ..collectors import RolloutCollector, make_generation_env, make_generation_policy
-from ..data import load_prompts
-from ..sampling import InverseCDFSampler
-from .common import (
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.benchmarks.common import (
     RowPrinter,
     add_model_args,
     add_out_arg,
@@ -36,6 +33,9 @@ from .common import (
     machine,
     make_parser,
 )
+from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+from rlhf_torchrl.collectors.sampling import InverseCDFSampler
+from rlhf_torchrl.data import load_prompts
 
 
 def _batches(policy, tokenizer, prompts, batch_size, length, temperature, dense):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from rlhf_torchrl.errors import ConfigError
 
 #: Models built from a config with random weights (figures of speed, never of quality):
 #: a 2-layer 128-wide GPT-2 (the size TRL was measured at in issue 3), a 2-layer Llama (GQA,
@@ -65,7 +65,7 @@ def add_out_arg(parser) -> None:
 
 
 def apply_runtime_args(args) -> None:
-    from ..runtime import reuse_freed_memory
+    from rlhf_torchrl.runtime import reuse_freed_memory
 
     torch.set_num_threads(args.threads)
     if not args.no_reuse_freed_memory:
@@ -82,8 +82,8 @@ def tokenizer_choice(name: str, choice: str = "auto") -> str | None:
 
 
 def _tokenizer(name: str, choice: str):
-    from ..modules import load_tokenizer
-    from ..modules.models import SMOLLM2, byte_tokenizer
+    from rlhf_torchrl.modules import load_tokenizer
+    from rlhf_torchrl.modules.models import SMOLLM2, byte_tokenizer
 
     if tokenizer_choice(name, choice) == "bytes":
         return byte_tokenizer()
@@ -110,8 +110,13 @@ def load_policy(name: str, tokenizer: str = "auto", seed: int = 0):
     local directory or a hub id (``load_tokenizer`` / ``load_causal_lm``)."""
     from transformers import AutoModelForCausalLM
 
-    from ..modules import disable_dropout, fuse_activations, load_causal_lm, load_tokenizer
-    from ..modules.models import SMOLLM2
+    from rlhf_torchrl.modules import (
+        disable_dropout,
+        fuse_activations,
+        load_causal_lm,
+        load_tokenizer,
+    )
+    from rlhf_torchrl.modules.models import SMOLLM2
 
     if name in BUILT:  # as load_causal_lm would give it
         tok = _tokenizer(name, tokenizer)
@@ -133,7 +138,7 @@ def load_policy(name: str, tokenizer: str = "auto", seed: int = 0):
 
 def build_models(name: str, seed: int = 0, tokenizer: str = "auto"):
     """(tokenizer, policy, reference) of ``--model``, both in eval mode, the reference frozen."""
-    from ..modules import disable_dropout, fuse_activations
+    from rlhf_torchrl.modules import disable_dropout, fuse_activations
 
     tok, policy = load_policy(name, tokenizer, seed)
     reference = fuse_activations(type(policy)(policy.config))
@@ -146,7 +151,7 @@ def recipe_model(name: str, folder: str | Path, tokenizer: str = "auto",
     """``--model`` as recipe overrides: ``model.policy`` is a built preset saved into ``folder``,
     the packaged SmolLM2's alias, or the directory / hub id itself. With the byte-level tokenizer
     (a token per byte: prompts ~4x as many tokens) ``data.max_prompt_length`` is raised to 512."""
-    from ..modules.models import SMOLLM2
+    from rlhf_torchrl.modules.models import SMOLLM2
 
     if name not in BUILT:
         if tokenizer != "auto":
@@ -212,7 +217,7 @@ def finish(args, payload: dict, name: str) -> dict:
     payload = {"benchmark": name, **payload}
     write_json(args.out, payload)
     if args.out is not None:
-        from .plots import PLOTS, plot_path, save
+        from rlhf_torchrl.benchmarks.plots import PLOTS, plot_path, save
 
         save(PLOTS[name], payload, plot_path(args.out))
     return payload

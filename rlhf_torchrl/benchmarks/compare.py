@@ -18,8 +18,8 @@ import json
 import math
 import os
 
-from ..errors import ConfigError, MissingFileError
-from .common import finish, make_parser, table
+from rlhf_torchrl.benchmarks.common import finish, make_parser, table
+from rlhf_torchrl.errors import ConfigError, MissingFileError
 
 #: entries that describe a run rather than measure it
 _CONTEXT = ("args", "machine", "benchmark", "vocabulary", "ours_all", "floor_all")
@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
     payload = {"files": args.files, "labels": labels,
                "metrics": {name: [f[name] for f in each] for name in shared}}
     if args.plot:
-        from .plots import compare, save
+        from rlhf_torchrl.benchmarks.plots import compare, save
 
         save(compare, payload, args.plot)
     return finish(args, payload, "compare")

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from .common import add_out_arg, finish, machine, make_parser, table
+from rlhf_torchrl.benchmarks.common import add_out_arg, finish, machine, make_parser, table
 
 FORMS = ("parquet", "jsonl", "csv", "save_to_disk")
 _SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "csv": ".csv", "save_to_disk": ""}
@@ -67,10 +67,10 @@ def start(spec: dict) -> None:
     import datasets  # noqa: F401 (imported before the baseline: every Arrow form needs it)
     import torch
 
-    from ..collectors import make_generation_env
-    from ..config import compose, inputs
-    from ..modules import load_tokenizer
-    from ..modules.models import SMOLLM2, byte_tokenizer
+    from rlhf_torchrl.collectors import make_generation_env
+    from rlhf_torchrl.config import compose, inputs
+    from rlhf_torchrl.modules import load_tokenizer
+    from rlhf_torchrl.modules.models import SMOLLM2, byte_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = byte_tokenizer() if spec["tokenizer"] == "bytes" else load_tokenizer(SMOLLM2)

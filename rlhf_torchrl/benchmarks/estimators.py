@@ -19,8 +19,8 @@ import os
 import subprocess
 import sys
 
-from ..errors import ConfigError
-from .common import add_out_arg, make_parser
+from rlhf_torchrl.benchmarks.common import add_out_arg, make_parser
+from rlhf_torchrl.errors import ConfigError
 
 #: the estimators, in the order they run
 ESTIMATORS = ("rloo", "gae", "grpo", "reinforce_pp")
@@ -91,7 +91,7 @@ def main(argv=None) -> list[str]:
         if not args.dry_run and run(cmd, run_dir + ".log", run_dir + ".time"):
             print(f"failed: {run_dir} (see {run_dir}.log)", flush=True)
     if not args.dry_run:
-        from . import estimators_table
+        from rlhf_torchrl.benchmarks import estimators_table
 
         estimators_table.main(["--task", args.task, "--runs", args.runs, "--estimators",
                                *args.estimators, *(["--tag", args.tag] if args.tag else []),

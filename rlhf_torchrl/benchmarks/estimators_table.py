@@ -16,8 +16,8 @@ import os
 import re
 import statistics
 
-from ..errors import ConfigError
-from .common import add_out_arg, finish, make_parser
+from rlhf_torchrl.benchmarks.common import add_out_arg, finish, make_parser
+from rlhf_torchrl.errors import ConfigError
 
 ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
 

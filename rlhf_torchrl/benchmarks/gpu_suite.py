@@ -33,8 +33,15 @@ import tempfile
 
 import torch
 
-from . import backends, scaling
-from .common import add_out_arg, finish, machine, make_parser, recipe_model, table
+from rlhf_torchrl.benchmarks import backends, scaling
+from rlhf_torchrl.benchmarks.common import (
+    add_out_arg,
+    finish,
+    machine,
+    make_parser,
+    recipe_model,
+    table,
+)
 
 ROWS = {  # row label -> scaling.py variant
     "transformers fp32": "fp32",

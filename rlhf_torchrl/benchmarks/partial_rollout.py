@@ -26,8 +26,15 @@ import tempfile
 
 import torch
 
-from .. import keys as K
-from .common import add_model_args, add_out_arg, finish, machine, make_parser, table
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.benchmarks.common import (
+    add_model_args,
+    add_out_arg,
+    finish,
+    machine,
+    make_parser,
+    table,
+)
 
 #: the recipe's sampling temperature (the sentiment preset's)
 TEMPERATURE = 0.7
@@ -55,8 +62,8 @@ def varied_lengths(model, tokenizer, mean_length: float, temperature: float = TE
 
 def run(args, mode: str, model_overrides: list[str], out_dir: str) -> dict:
     """One recipe run (``mode``: ``whole`` or ``partial``); its iterations' figures."""
-    from ..config import compose
-    from ..config.builders import build_trainer
+    from rlhf_torchrl.config import compose
+    from rlhf_torchrl.config.builders import build_trainer
 
     overrides = [
         *model_overrides, f"output_dir={out_dir}", f"threads={args.threads}",
@@ -116,7 +123,7 @@ def main(argv=None) -> dict:
     parser.add_argument("overrides", nargs="*", default=[],
                         help="more recipe overrides, e.g. ppo.num_mini_batches=2")
     args = parser.parse_args(argv)
-    from .common import BUILT, load_policy, tokenizer_choice
+    from rlhf_torchrl.benchmarks.common import BUILT, load_policy, tokenizer_choice
 
     runs: dict[str, list[dict]] = {"whole": [], "partial": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,7 +135,7 @@ def main(argv=None) -> dict:
             bytes_ = tokenizer_choice(args.model, args.tokenizer) == "bytes"
             model = [f"model.policy={folder}", *(["data.max_prompt_length=512"] if bytes_ else [])]
         else:
-            from .common import recipe_model
+            from rlhf_torchrl.benchmarks.common import recipe_model
 
             model = recipe_model(args.model, os.path.join(tmp, "model"), args.tokenizer)
         for repeat in range(args.repeats):

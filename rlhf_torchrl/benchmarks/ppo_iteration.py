@@ -31,20 +31,8 @@ from contextlib import nullcontext
 import torch
 from transformers import LogitsProcessorList
 
-from .. import keys as K
-from ..advantages import ResponseGAE
-from ..collectors import RolloutCollector, make_generation_env, make_generation_policy
-from ..data import load_prompts
-from ..functional import log_probs_from_logits
-from ..kl_shaping import KLRewardShaper, make_kl_controller
-from ..modules import TokenLevelActor, compute_old_quantities, make_critic
-from ..modules.compiled import compile_layers
-from ..objectives import make_ppo_loss
-from ..reward_functions import vader_sentiment
-from ..sampling import InverseCDFSampler
-from ..scoring import Scorer
-from ..update import make_minibatch_buffer, ppo_update
-from .common import (
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.benchmarks.common import (
     add_model_args,
     add_out_arg,
     add_runtime_args,
@@ -58,6 +46,18 @@ from .common import (
     table,
     timer,
 )
+from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+from rlhf_torchrl.collectors.sampling import InverseCDFSampler
+from rlhf_torchrl.data import load_prompts
+from rlhf_torchrl.functional import log_probs_from_logits
+from rlhf_torchrl.modules import TokenLevelActor, compute_old_quantities, make_critic
+from rlhf_torchrl.modules.compiled import compile_layers
+from rlhf_torchrl.objectives.advantages import ResponseGAE
+from rlhf_torchrl.objectives.kl_shaping import KLRewardShaper, make_kl_controller
+from rlhf_torchrl.objectives.ppo import make_ppo_loss
+from rlhf_torchrl.rewards.functions import vader_sentiment
+from rlhf_torchrl.rewards.scoring import Scorer
+from rlhf_torchrl.trainers.update import make_minibatch_buffer, ppo_update
 
 PHASES = ("generation", "scoring", "old_quantities", "advantages", "update")
 PACKING = {"false": False, "true": True, "auto": "auto"}

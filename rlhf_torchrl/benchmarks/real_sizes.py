@@ -53,8 +53,8 @@ from pathlib import Path
 
 import torch
 
-from ..plan import measure_device
-from .common import add_out_arg, machine, make_parser, table, write_json
+from rlhf_torchrl.benchmarks.common import add_out_arg, machine, make_parser, table, write_json
+from rlhf_torchrl.plan import measure_device
 
 CONFIGS = Path(__file__).parent / "model_configs"
 #: --models: a config in model_configs/ (Qwen2.5's shapes), or ``tiny`` (2 layers, to check the script)
@@ -131,9 +131,9 @@ def floor(path: str, prompts: str, args) -> dict:
 
     from transformers import AutoConfig
 
-    from ..functional import log_probs_from_logits
-    from ..model_shapes import ModelShape, training_flops
-    from ..modules import load_causal_lm, load_tokenizer
+    from rlhf_torchrl.functional import log_probs_from_logits
+    from rlhf_torchrl.modules import load_causal_lm, load_tokenizer
+    from rlhf_torchrl.modules.shapes import ModelShape, training_flops
 
     device = args.device
     tok = load_tokenizer(path)
@@ -149,7 +149,7 @@ def floor(path: str, prompts: str, args) -> dict:
         kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=R,
                       min_new_tokens=R, pad_token_id=tok.pad_token_id)
         if compiled:  # what generation.compile does: a static cache, the decode step compiled
-            from ..collectors.generation import StaticCaches, compile_config
+            from rlhf_torchrl.collectors.backends.transformers import StaticCaches, compile_config
 
             caches = StaticCaches(enc["input_ids"].shape[1] + R)
             kwargs["compile_config"] = compile_config()
@@ -355,8 +355,8 @@ def main(argv=None) -> dict:
         print("No CUDA GPU is visible: the real sizes run on one (rlhf-torchrl bench real_sizes "
               "--device cpu --models tiny checks the script here).")
         return {"skipped": "no CUDA GPU"}
-    from ..modules import load_tokenizer
-    from ..modules.models import smollm2_path
+    from rlhf_torchrl.modules import load_tokenizer
+    from rlhf_torchrl.modules.models import smollm2_path
 
     result = {"benchmark": "real_sizes", "args": vars(args), "machine": machine(), "verl": VERL,
               "profile": asdict(measure_device(torch.device(args.device))), "models": {}}
@@ -392,7 +392,7 @@ def main(argv=None) -> dict:
         for name in result["models"]:
             _print_table(name, result["models"][name])
     if args.out is not None:
-        from .plots import PLOTS, plot_path, save
+        from rlhf_torchrl.benchmarks.plots import PLOTS, plot_path, save
 
         save(PLOTS["real_sizes"], result, plot_path(args.out))
     return result

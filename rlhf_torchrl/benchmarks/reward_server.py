@@ -19,9 +19,9 @@ import threading
 import time
 import urllib.request
 
-from ..http_client import post_json
-from ..reward_server import ServerProcess
-from .common import add_out_arg, finish, machine, make_parser, table
+from rlhf_torchrl.benchmarks.common import add_out_arg, finish, machine, make_parser, table
+from rlhf_torchrl.http_client import post_json
+from rlhf_torchrl.rewards.server import ServerProcess
 
 
 def _request(responses: int, words: int, seed: int) -> bytes:
@@ -37,7 +37,7 @@ def _request(responses: int, words: int, seed: int) -> bytes:
 def _classifier(name: str, folder: str) -> str:
     """``name``, or for the packaged MiniLM (an encoder without a head) a one-label classifier of
     it with a seeded head, saved in ``folder``."""
-    from ..modules.models import MINILM, load_sequence_classifier
+    from rlhf_torchrl.modules.models import MINILM, load_sequence_classifier
 
     if name != MINILM:
         return name

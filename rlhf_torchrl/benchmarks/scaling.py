@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from .common import (
+from rlhf_torchrl.benchmarks.common import (
     add_model_args,
     add_out_arg,
     finish,

@@ -27,8 +27,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..modules.models import _cache_root
-from .common import BUILT, TOKENIZERS, add_out_arg, finish, load_policy, machine, make_parser
+from rlhf_torchrl.benchmarks.common import (
+    BUILT,
+    TOKENIZERS,
+    add_out_arg,
+    finish,
+    load_policy,
+    machine,
+    make_parser,
+)
+from rlhf_torchrl.modules.models import _cache_root
 
 TRL_VERSION = "1.12.0"
 PASSTHROUGH = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -62,7 +70,7 @@ def make_fixture(path: Path, args) -> None:
     import torch
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    from ..data import load_prompts
+    from rlhf_torchrl.data import load_prompts
 
     tok, policy = load_policy(args.model, args.tokenizer, args.seed)
     tok.chat_template = PASSTHROUGH
@@ -110,7 +118,7 @@ def worker_trl(a, fixture: Path) -> dict:
 
     torch.set_num_threads(a.threads)
     if a.trl_reuse_freed_memory:
-        from ..runtime import reuse_freed_memory
+        from rlhf_torchrl.runtime import reuse_freed_memory
 
         reuse_freed_memory()
     tok = AutoTokenizer.from_pretrained(fixture / "policy")
@@ -154,7 +162,7 @@ def worker_trl(a, fixture: Path) -> dict:
 def worker_ours(a, fixture: Path) -> dict:
     import torch
 
-    from ..config import builders, compose
+    from rlhf_torchrl.config import builders, compose
 
     torch.set_num_threads(a.threads)
     overrides = [
@@ -193,8 +201,8 @@ def update_floor(a, fixture: Path, repeats: int = 5, fused: bool = True) -> floa
     import torch
     from transformers.activations import NewGELUActivation
 
-    from ..modules import load_causal_lm, load_tokenizer
-    from ..modules.critic import make_critic
+    from rlhf_torchrl.modules import load_causal_lm, load_tokenizer
+    from rlhf_torchrl.modules.critic import make_critic
 
     tok = load_tokenizer(str(fixture / "policy"))
     policy = load_causal_lm(str(fixture / "policy"), tok).train()

@@ -24,8 +24,8 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from .. import keys as K
-from ..errors import ConfigError
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.errors import ConfigError
 
 
 class AsyncCollector:
@@ -185,7 +185,7 @@ class ModelCopy:
     """
 
     def __init__(self, model: nn.Module, copy_model: bool = True):
-        from ..modules.lora import is_peft
+        from rlhf_torchrl.modules.lora import is_peft
 
         model = copy.deepcopy(model) if copy_model else model
         self.model = (model.merge_and_unload() if is_peft(model) else model).eval()

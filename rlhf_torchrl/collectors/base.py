@@ -1,6 +1,6 @@
-"""The one-turn collector: TorchRL's ``LLMCollector`` over the prompt env (:mod:`.env`) and the
-generation policy (:mod:`.generation`). :class:`RolloutCollector` turns each ragged,
-lazily-stacked batch into the dense layout of :mod:`rlhf_torchrl.rollout` and truncates responses
+"""The one-turn collector: TorchRL's ``LLMCollector`` over the prompt env (:mod:`rlhf_torchrl.envs.prompt_env`) and the
+generation policy (:mod:`.backends.transformers`). :class:`RolloutCollector` turns each ragged,
+lazily-stacked batch into the dense layout of :mod:`rlhf_torchrl.data.rollout` and truncates responses
 after the first stop token.
 """
 
@@ -13,11 +13,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torchrl.collectors.llm import LLMCollector
 
-from .. import keys as K
-from ..data import render_conversations
-from ..errors import ConfigError
-from ..rollout import build_rollout, to_rollout
-from .generation import _OnPolicyTransformersWrapper, sampler_of
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.collectors.backends.transformers import _OnPolicyTransformersWrapper, sampler_of
+from rlhf_torchrl.data.prompts import render_conversations
+from rlhf_torchrl.data.rollout import build_rollout, to_rollout
+from rlhf_torchrl.errors import ConfigError
 
 
 class _OneTurnCollector(LLMCollector):
@@ -84,7 +84,7 @@ def _dense_prompt_source(env, policy, tokenizer):
     """The prompt loader of :func:`make_generation_env`'s env (its ``DataLoadingPrimer``) where the
     one-turn collector may skip TorchRL's env and wrapper objects and produce the same rollouts
     densely: the env is that function's (nothing of a user's on it), it renders the tokenizer's
-    own chat template as :func:`~rlhf_torchrl.data.render_conversations` does, and the policy is
+    own chat template as :func:`~rlhf_torchrl.data.prompts.render_conversations` does, and the policy is
     :func:`~rlhf_torchrl.collectors.make_generation_policy`'s (or the vLLM backend's) wrapper
     itself, not a subclass. None otherwise."""
     from torchrl.envs.llm.transforms import DataLoadingPrimer
@@ -126,7 +126,7 @@ class RolloutCollector:
     policy weights (the wrapped model is the trained one).
 
     With ``seed``, row ``i`` of batch ``k`` is sampled from its own random stream, seeded by
-    ``(seed, k, row_offset + i)`` (:func:`~rlhf_torchrl.sampling.row_stream_seeds`): a process that
+    ``(seed, k, row_offset + i)`` (:func:`~rlhf_torchrl.collectors.sampling.row_stream_seeds`): a process that
     collects rows ``row_offset...`` of a global batch draws exactly the tokens a single process
     would for those rows.
 
@@ -216,7 +216,7 @@ class RolloutCollector:
             )
 
     def __iter__(self) -> Iterator[TensorDict]:
-        from ..sampling import row_stream_seeds
+        from rlhf_torchrl.collectors.sampling import row_stream_seeds
 
         if self.records:
             self.sampler.pop()  # nothing recorded outside this loop belongs to its batches

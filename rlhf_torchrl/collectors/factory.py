@@ -20,24 +20,24 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..distributed import DataParallel
-from ..errors import ConfigError
-from ..prompt_sets import PromptMixture, PromptSet
-from ..runtime import resolve_device
-from ..sampling import check_full_distribution
-from ..sandbox import SandboxSpec
-from .asynchronous import AsyncCollector, ModelCopy
-from .base import RolloutCollector
-from .env import make_generation_env
-from .generation import make_generation_policy
-from .weight_sync import SyncedCollector, WeightSync
+from rlhf_torchrl.collectors.asynchronous import AsyncCollector, ModelCopy
+from rlhf_torchrl.collectors.backends.transformers import make_generation_policy
+from rlhf_torchrl.collectors.base import RolloutCollector
+from rlhf_torchrl.collectors.sampling import check_full_distribution
+from rlhf_torchrl.collectors.weight_sync import SyncedCollector, WeightSync
+from rlhf_torchrl.data.prompt_sets import PromptMixture, PromptSet
+from rlhf_torchrl.distributed import DataParallel
+from rlhf_torchrl.envs.prompt_env import make_generation_env
+from rlhf_torchrl.envs.sandbox import SandboxSpec
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.runtime import resolve_device
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class VLLMSpec:
-    """The vLLM engine of ``backend="vllm"`` (:func:`~rlhf_torchrl.collectors.vllm.make_vllm_engine`).
+    """The vLLM engine of ``backend="vllm"`` (:func:`~rlhf_torchrl.collectors.backends.vllm.make_vllm_engine`).
 
     Args:
         max_model_len: the longest sequence (prompt + response), in tokens.
@@ -95,7 +95,7 @@ class CollectorSpec:
             responses); vLLM draws a group as one request with ``n`` samples.
         max_turns: turns per episode; above 1, episodes of several turns with tools
             (:class:`~rlhf_torchrl.collectors.MultiTurnCollector`).
-        tools: the tools' names (:func:`~rlhf_torchrl.tools.load_tools`).
+        tools: the tools' names (:func:`~rlhf_torchrl.envs.tools.load_tools`).
         max_tokens: an episode's budget of response tokens over all its turns (None: none).
         tool_timeout: seconds a tool call may run.
         python_sandbox: where the ``python`` tool runs code (None: the default sandbox).
@@ -162,12 +162,12 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
         value_head (torch.nn.Module | None): a shared-trunk critic's head; where ``policy``
             itself samples (the transformers backend without a copy: no ``overlap`` > 0, no Ray
             workers), the rollouts carry the values read off the sampling pass
-            (:class:`~rlhf_torchrl.sampling.ValueRecorder`). Elsewhere the critic computes them (a
+            (:class:`~rlhf_torchrl.collectors.sampling.ValueRecorder`). Elsewhere the critic computes them (a
             copy or another engine holds no value head).
     """
     partial_state = None
     if spec.partial_rollout_tokens is not None:  # the paused responses, not batches sampled ahead
-        from .partial import resume_batch
+        from rlhf_torchrl.collectors.partial import resume_batch
 
         partial_state, pending = (pending[0] if pending else None), ()
     if pending and "next_batch" in pending[0].keys():
@@ -204,7 +204,7 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
         sync = WeightSync(policy, gen_policy.model)
         log.info("vLLM engine loaded the policy's weights in %.2f s", sync(0))
     else:
-        from ..modules.models import torch_dtype
+        from rlhf_torchrl.modules.models import torch_dtype
 
         sampling_model = policy
         if spec.overlap:  # the trainer updates the policy while the copy samples
@@ -224,7 +224,7 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
         gen_policy.generate_kwargs.update(parallel.generate_kwargs())
     local = spec.batch_size // world
     if spec.partial_rollout_tokens is not None:
-        from .partial import PartialRolloutCollector
+        from rlhf_torchrl.collectors.partial import PartialRolloutCollector
 
         return in_background(PartialRolloutCollector(
             env, gen_policy, tokenizer=tokenizer, batch_size=local,
@@ -237,8 +237,8 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
                                  row_offset=rank * local, device=device, start_batch=first,
                                  samples_per_prompt=spec.samples_per_prompt)
     if spec.tools:  # the later turns of each episode, after its tool calls
-        from ..tools import load_tools
-        from .multiturn import MultiTurnCollector
+        from rlhf_torchrl.collectors.multiturn import MultiTurnCollector
+        from rlhf_torchrl.envs.tools import load_tools
 
         collector = MultiTurnCollector(
             collector, gen_policy, tokenizer=tokenizer, tools=load_tools(spec.tools, python_sandbox=spec.python_sandbox),
@@ -257,7 +257,11 @@ def make_vllm_policy(spec: CollectorSpec, policy, tokenizer, device: torch.devic
         tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
         device: where the engine runs.
     """
-    from .vllm import VLLMGenerator, make_vllm_engine, make_vllm_generation_policy
+    from rlhf_torchrl.collectors.backends.vllm import (
+        VLLMGenerator,
+        make_vllm_engine,
+        make_vllm_generation_policy,
+    )
 
     v = spec.vllm
     sleep = device.type == "cuda" if v.sleep is None else bool(v.sleep)
@@ -289,7 +293,7 @@ def make_ray_collector(spec: CollectorSpec, prompts: Sequence, tokenizer, *, dev
     """
     import ray
 
-    from .ray import RayCollector
+    from rlhf_torchrl.collectors.ray import RayCollector
 
     started = not ray.is_initialized()
     if started:
@@ -315,7 +319,7 @@ def ray_worker(spec: CollectorSpec, prompts: list, rank: int, world_size: int,
         world_size: the number of workers.
         start_batch: the first global batch (a resumed run).
     """
-    from ..modules import load_causal_lm, load_tokenizer
+    from rlhf_torchrl.modules import load_causal_lm, load_tokenizer
 
     spec = replace(spec, ray_workers=0, overlap=None)
     device = resolve_device("cuda" if spec.ray_gpus_per_worker else "cpu")

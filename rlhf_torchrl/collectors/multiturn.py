@@ -15,7 +15,7 @@ run over them alone), ``("masks", "observation")`` on the environment's: the too
 next assistant header, as the tokenizer's chat template renders them. The model attends to both.
 Every policy token keeps the log-prob (and value) recorded when it was sampled, so the on-policy
 check and PPO's first ratio hold across turns. A tool's reward
-(:class:`~rlhf_torchrl.tools.ToolResult`) goes to ``"turn_reward"`` at the last token of the turn
+(:class:`~rlhf_torchrl.envs.tools.ToolResult`) goes to ``"turn_reward"`` at the last token of the turn
 that called it; the verifier scores the episode at its end, as a single response is scored, from
 the policy's own turns (``("text", "response")``: a tool's output never passes for the policy's
 answer); ``("text", "episode")`` is the whole transcript, tool messages included.
@@ -31,11 +31,11 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torch.nn.utils.rnn import pad_sequence
 
-from .. import functional as F
-from .. import keys as K
-from ..errors import ConfigError
-from ..rollout import END_REASONS
-from ..tools import ToolCall, parse_tool_calls, run_tool
+from rlhf_torchrl import functional as F
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.data.rollout import END_REASONS
+from rlhf_torchrl.envs.tools import ToolCall, parse_tool_calls, run_tool
+from rlhf_torchrl.errors import ConfigError
 
 _SENTINEL = "\ue000"  # a private-use character: where the assistant's text sits in a rendering
 
@@ -127,7 +127,7 @@ class MultiTurnCollector:
     Wraps a :class:`~rlhf_torchrl.collectors.RolloutCollector` (the first turn) and its
     generation policy (``make_generation_policy``, or the vLLM one: ``generate_tokens`` samples the
     later turns). After each turn, every row whose turn ended with a stop token has its tool calls
-    (:func:`~rlhf_torchrl.tools.parse_tool_calls`) run (:func:`~rlhf_torchrl.tools.run_tool`:
+    (:func:`~rlhf_torchrl.envs.tools.parse_tool_calls`) run (:func:`~rlhf_torchrl.envs.tools.run_tool`:
     errors and timeouts become the tool's message); a row goes on if it made a call, no tool said
     stop, and the next turn fits: at most ``max_new_tokens`` per turn and ``max_tokens`` response
     tokens (policy and observation) in all, each row's own. The rows going on are sampled
@@ -137,14 +137,14 @@ class MultiTurnCollector:
 
     Adds to each rollout (besides the layout above): ``("episode", "turns")``,
     ``("episode", "tool_calls")``, ``("episode", "tool_errors")`` (B,) int64, and
-    ``("episode", "end")`` (B,) int64, an index into :data:`~rlhf_torchrl.rollout.END_REASONS`.
+    ``("episode", "end")`` (B,) int64, an index into :data:`~rlhf_torchrl.data.rollout.END_REASONS`.
 
     Args:
         collector (rlhf_torchrl.collectors.RolloutCollector): samples the first turn.
         policy (torch.nn.Module): its generation policy, which samples the later turns.
         tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer (chat template,
             tool messages).
-        tools: tool name to function (:func:`~rlhf_torchrl.tools.load_tools`).
+        tools: tool name to function (:func:`~rlhf_torchrl.envs.tools.load_tools`).
         max_turns: assistant turns per episode, at most.
         max_new_tokens: a turn's budget, in tokens.
         max_tokens: an episode's budget of response tokens (policy and observation) in all (None:
@@ -237,7 +237,7 @@ class MultiTurnCollector:
         Each row has its own budget: ``max_new_tokens``, or less where the episode's
         ``max_tokens`` is nearly spent. The batch runs for the largest and each row is cut to its
         own, so a row's turn (drawn from its own stream) does not depend on the rows beside it."""
-        from ..sampling import row_stream_seeds
+        from rlhf_torchrl.collectors.sampling import row_stream_seeds
 
         pad = self.tokenizer.pad_token_id
         sequences = [torch.tensor(row.prompt + row.tokens) for row in going]

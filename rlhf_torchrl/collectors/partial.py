@@ -17,7 +17,7 @@ and the sampler's weight the loss (``ppo.tis_cap``, ``ppo.off_policy_correction`
 ``collection.overlap >= 1``.
 
 Random streams: a response's segment ``s`` (its ``s``-th round) is drawn from the stream of
-``(seed, batch, row, segment=s)`` (:func:`~rlhf_torchrl.sampling.row_stream_seeds`; segment 0 is
+``(seed, batch, row, segment=s)`` (:func:`~rlhf_torchrl.collectors.sampling.row_stream_seeds`; segment 0 is
 the whole-response stream), so its tokens do not depend on the responses beside it. Which
 responses share a round does depend on the process's share of the batch: a run is reproducible,
 and resumes exactly, for a given number of processes, not across numbers of processes.
@@ -33,12 +33,12 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torch.nn.utils.rnn import pad_sequence
 
-from .. import functional as F
-from .. import keys as K
-from ..errors import ConfigError
-from ..rollout import build_rollout
-from .env import check_group_sizes
-from .generation import sampler_of
+from rlhf_torchrl import functional as F
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.collectors.backends.transformers import sampler_of
+from rlhf_torchrl.data.rollout import build_rollout
+from rlhf_torchrl.envs.prompt_env import check_group_sizes
+from rlhf_torchrl.errors import ConfigError
 
 #: where a saved response stands: not started, in flight (paused), finished and not yet trained on
 _QUEUES = ("fresh", "running", "finished")
@@ -188,7 +188,7 @@ class PartialRolloutCollector:
         """One segment of each of ``rows``, sampled together: each row from its own stream and cut
         at its own budget (``segment_tokens``, or less where ``max_new_tokens`` is near), so a row's
         tokens do not depend on the rows beside it."""
-        from ..sampling import row_stream_seeds
+        from rlhf_torchrl.collectors.sampling import row_stream_seeds
 
         pad = self.tokenizer.pad_token_id
         sequences = [torch.tensor(r.prompt + r.tokens) for r in rows]
@@ -213,7 +213,7 @@ class PartialRolloutCollector:
             r.done = stop or len(r.tokens) >= self.max_new_tokens
 
     def _to_rollout(self, groups: list[list[_Response]]) -> TensorDict:
-        """The rollout layout of :func:`~rlhf_torchrl.rollout.build_rollout` for ``groups``."""
+        """The rollout layout of :func:`~rlhf_torchrl.data.rollout.build_rollout` for ``groups``."""
         rows = [r for group in groups for r in group]
         pad = self.tokenizer.pad_token_id
         prompt = _padded([r.prompt for r in rows], pad, torch.long, left=True)  # (B, P) left-padded
@@ -236,7 +236,7 @@ class PartialRolloutCollector:
     def pending(self) -> list[TensorDict]:
         """This process's responses not yet trained on, and where the prompts continue: one
         TensorDict (``rows``, ``next_batch``), which a checkpoint keeps
-        (:meth:`~rlhf_torchrl.trainer.PPOTrainer.pending_rollouts`)."""
+        (:meth:`~rlhf_torchrl.trainers.ppo.PPOTrainer.pending_rollouts`)."""
         queued = [(q, group) for q, groups in enumerate((self.fresh, self.running, self.finished))
                   for group in groups]
         rows = [(q, r) for q, group in queued for r in group]

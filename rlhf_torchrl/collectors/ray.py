@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 import torch
 from tensordict import TensorDict
 
-from ..errors import ConfigError
-from ..rollout import concat_rollouts
+from rlhf_torchrl.data.rollout import concat_rollouts
+from rlhf_torchrl.errors import ConfigError
 
 
 class _Worker:

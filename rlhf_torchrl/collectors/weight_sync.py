@@ -1,7 +1,7 @@
 """Weight sync: after every update the sampler's copy of the policy gets the trainer's weights.
 
 The transformers backend samples with the trained model itself and needs no sync; a vLLM engine
-(:class:`~rlhf_torchrl.collectors.vllm.VLLMGenerator`), a generation copy of the model
+(:class:`~rlhf_torchrl.collectors.backends.vllm.VLLMGenerator`), a generation copy of the model
 (asynchronous collection) or remote workers (Ray) hold their own weights. Each of them has
 ``load_weights(pairs)``; :class:`WeightSync` feeds it :func:`engine_weights`.
 """
@@ -25,7 +25,7 @@ def engine_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     Args:
         model: the trained model (plain, PEFT or FSDP2-sharded).
     """
-    from ..modules.lora import hf_model
+    from rlhf_torchrl.modules.lora import hf_model
 
     hf = hf_model(model)
     lora_type = _lora_layer_type()

@@ -28,7 +28,7 @@ import os
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from . import reward_model_schema, schema  # noqa: F401 - registers the schemas
+from rlhf_torchrl.config import reward_model_schema, schema  # noqa: F401 - registers the schemas
 
 #: the folder of ppo.yaml, reward_model.yaml and task/
 CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -1,4 +1,4 @@
-"""The PPO command: the config to a :class:`~rlhf_torchrl.trainer.PPOTrainer` with its hooks
+"""The PPO command: the config to a :class:`~rlhf_torchrl.trainers.ppo.PPOTrainer` with its hooks
 (:func:`build_trainer`), and the run (:func:`train`).
 
 Everything cheap is checked first (:mod:`.checks`), then the components are made
@@ -13,17 +13,14 @@ import logging
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..collectors.factory import make_collector
-from ..guards import NonFiniteAction
-from ..plan import check_fits
-from ..update import UpdateSettings
-from . import validation
-from .checks import (
+from rlhf_torchrl.collectors.factory import make_collector
+from rlhf_torchrl.config import validation
+from rlhf_torchrl.config.checks import (
     check_config,
     check_output_dir,
     check_rewards,
 )
-from .components import (
+from rlhf_torchrl.config.components import (
     collector_spec,
     make_actors,
     make_advantage,
@@ -43,16 +40,19 @@ from .components import (
     make_tools,
     stop_token_ids,
 )
-from .derived import (
+from rlhf_torchrl.config.derived import (
     autocast_dtype,
     log_probs_from_sampling,
     on_policy_tolerance,
     precision,
     values_from_sampling,
 )
-from .inputs import make_evaluator, make_prompts, split_eval_prompts
-from .model_checks import check_models, check_sequence_length
-from .resume import finished_run, resume_path
+from rlhf_torchrl.config.inputs import make_evaluator, make_prompts, split_eval_prompts
+from rlhf_torchrl.config.model_checks import check_models, check_sequence_length
+from rlhf_torchrl.config.resume import finished_run, resume_path
+from rlhf_torchrl.plan import check_fits
+from rlhf_torchrl.trainers.guards import NonFiniteAction
+from rlhf_torchrl.trainers.update import UpdateSettings
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def resolve_precision(cfg: DictConfig) -> None:
 
 
 def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
-    """The :class:`~rlhf_torchrl.trainer.PPOTrainer` of ``cfg`` with its hooks, resumed from the
+    """The :class:`~rlhf_torchrl.trainers.ppo.PPOTrainer` of ``cfg`` with its hooks, resumed from the
     checkpoint ``resume`` names; everything cheap is checked before any model is loaded.
     ``examples/`` shows both keyword arguments in use.
 
@@ -78,13 +78,14 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
         cfg: the composed PPO config.
         advantage (torch.nn.Module | None): an advantage module of your own in place of
             ``advantage.estimator``'s (a critic is built if it reads ``"state_value"``,
-            :func:`~rlhf_torchrl.advantages.needs_critic`); None: the estimator's.
+            :func:`~rlhf_torchrl.objectives.advantages.needs_critic`); None: the estimator's.
         reward_transform (Callable | None): a TorchRL ``Transform`` (or TensorDict callable)
-            applied to each scored rollout (:class:`~rlhf_torchrl.trainer.PPOTrainer`); None: none.
+            applied to each scored rollout (:class:`~rlhf_torchrl.trainers.ppo.PPOTrainer`); None: none.
     """
-    from ..advantages import needs_critic
-    from ..critic_warm_start import load_critic
-    from ..hooks import (
+    from rlhf_torchrl.objectives.advantages import needs_critic
+    from rlhf_torchrl.record.run_log import RunLog
+    from rlhf_torchrl.runtime import reuse_freed_memory
+    from rlhf_torchrl.trainers.hooks import (
         Checkpointer,
         Evaluation,
         KLCeiling,
@@ -92,9 +93,8 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
         SavePolicy,
         ThreadTuning,
     )
-    from ..run_log import RunLog
-    from ..runtime import reuse_freed_memory
-    from ..trainer import PPOTrainer
+    from rlhf_torchrl.trainers.ppo import PPOTrainer
+    from rlhf_torchrl.trainers.warm_start import load_critic
 
     validation.validate(cfg)  # (the resolution below reads model.* and device)
     resolve_precision(cfg)

@@ -16,16 +16,16 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from .. import functional as F
-from ..advantages import GROUP_ESTIMATORS
-from ..collectors.env import check_group_sizes
-from ..errors import ConfigError
-from ..prompt_sets import PromptMixture
-from ..sampling import check_full_distribution
-from ..trackers import check_logger
-from . import validation
-from .components import critic_free, make_reward_probe
-from .derived import log_probs_from_sampling, partial_rollout_tokens, tis_cap
+from rlhf_torchrl import functional as F
+from rlhf_torchrl.collectors.sampling import check_full_distribution
+from rlhf_torchrl.config import validation
+from rlhf_torchrl.config.components import critic_free, make_reward_probe
+from rlhf_torchrl.config.derived import log_probs_from_sampling, partial_rollout_tokens, tis_cap
+from rlhf_torchrl.data.prompt_sets import PromptMixture
+from rlhf_torchrl.envs.prompt_env import check_group_sizes
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.objectives.advantages import GROUP_ESTIMATORS
+from rlhf_torchrl.record.trackers import check_logger
 
 log = logging.getLogger(__name__)
 
@@ -240,14 +240,14 @@ def check_critic_settings(cfg: DictConfig) -> None:
 
 def check_warm_start(cfg: DictConfig) -> None:
     """``value_model.warm_start`` with a separate critic, naming a checkpoint whose run had one
-    too (its config, read before any weights; :func:`rlhf_torchrl.critic_warm_start.load_critic`
+    too (its config, read before any weights; :func:`rlhf_torchrl.trainers.warm_start.load_critic`
     loads it). A shared trunk is refused: the saved head was fitted to that run's trained policy,
-    not to this run's (:func:`~rlhf_torchrl.critic_warm_start.shared_trunk_refusal`).
+    not to this run's (:func:`~rlhf_torchrl.trainers.warm_start.shared_trunk_refusal`).
 
     Args:
         cfg: the composed PPO config.
     """
-    from ..critic_warm_start import critic_checkpoint, shared_trunk_refusal
+    from rlhf_torchrl.trainers.warm_start import critic_checkpoint, shared_trunk_refusal
 
     if cfg.value_model.init == "shared":
         raise ConfigError(shared_trunk_refusal(cfg.value_model.warm_start))
@@ -340,7 +340,7 @@ def check_remote_rewards(cfg: DictConfig) -> None:
     Args:
         cfg: the composed PPO config.
     """
-    from ..remote_rewards import bearer_token, is_url
+    from rlhf_torchrl.rewards.remote import bearer_token, is_url
 
     r = cfg.reward
     if r.remote_url and r.model:
@@ -360,7 +360,7 @@ def check_rewards(cfg: DictConfig, scorer, prompts, tokenizer, stop_ids,
 
     Args:
         cfg: the composed PPO config.
-        scorer (rlhf_torchrl.scoring.Scorer): the rewards to call.
+        scorer (rlhf_torchrl.rewards.scoring.Scorer): the rewards to call.
         prompts (Sequence | PromptSet | PromptMixture): the training prompts.
         tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
         stop_ids (list[int]): the ids that end a response.

@@ -10,35 +10,35 @@ from typing import TYPE_CHECKING
 import torch
 from omegaconf import DictConfig
 
-from ..advantages import make_advantage as advantage_module
-from ..advantages import needs_critic
-from ..collectors.factory import CollectorSpec, VLLMSpec
-from ..distributed import DataParallel, init_data_parallel
-from ..errors import ConfigError
-from ..kl_shaping import KLRewardShaper, make_kl_controller
-from ..modules import load_tokenizer
-from ..objectives import make_ppo_loss
-from ..reward_model import RewardModel
-from ..rollout import probe_rollout
-from ..runtime import ThreadTuner, resolve_device
-from ..sandbox import SandboxSpec
-from ..scoring import Scorer, load_reward_function
-from ..update import make_minibatch_buffer
-from .derived import (
+from rlhf_torchrl.collectors.factory import CollectorSpec, VLLMSpec
+from rlhf_torchrl.config.derived import (
     autocast_dtype,
     log_probs_from_sampling,
     lora_kwargs,
     partial_rollout_tokens,
     tis_cap,
 )
+from rlhf_torchrl.data.rollout import probe_rollout
+from rlhf_torchrl.distributed import DataParallel, init_data_parallel
+from rlhf_torchrl.envs.sandbox import SandboxSpec
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.modules import load_tokenizer
+from rlhf_torchrl.objectives.advantages import make_advantage as advantage_module
+from rlhf_torchrl.objectives.advantages import needs_critic
+from rlhf_torchrl.objectives.kl_shaping import KLRewardShaper, make_kl_controller
+from rlhf_torchrl.objectives.ppo import make_ppo_loss
+from rlhf_torchrl.rewards.reward_model import RewardModel
+from rlhf_torchrl.rewards.scoring import Scorer, load_reward_function
+from rlhf_torchrl.runtime import ThreadTuner, resolve_device
+from rlhf_torchrl.trainers.update import make_minibatch_buffer
 
 if TYPE_CHECKING:
-    from .checks import Sizes
+    from rlhf_torchrl.config.checks import Sizes
 
 
 def critic_free(cfg: DictConfig) -> bool:
     """Whether ``advantage.estimator``'s estimator reads no values
-    (:func:`~rlhf_torchrl.advantages.needs_critic`): no value model is built.
+    (:func:`~rlhf_torchrl.objectives.advantages.needs_critic`): no value model is built.
 
     Args:
         cfg: the composed PPO config.
@@ -70,7 +70,7 @@ def make_thread_tuner(cfg: DictConfig) -> ThreadTuner:
 def make_reward_functions(cfg: DictConfig) -> dict:
     """Import the reward functions, and the remote ones of their URLs (fails before any model is
     loaded)."""
-    from ..remote_rewards import is_url, url_name
+    from rlhf_torchrl.rewards.remote import is_url, url_name
 
     paths = list(cfg.reward.functions or [])
     weights = cfg.reward.function_weights or [1.0] * len(paths)
@@ -86,7 +86,7 @@ def make_reward_functions(cfg: DictConfig) -> dict:
 
 
 def remote_reward(cfg: DictConfig, url: str, name: str):
-    """The :class:`~rlhf_torchrl.remote_rewards.RemoteReward` at ``url``, with the
+    """The :class:`~rlhf_torchrl.rewards.remote.RemoteReward` at ``url``, with the
     ``reward.remote_*`` settings.
 
     Args:
@@ -94,7 +94,7 @@ def remote_reward(cfg: DictConfig, url: str, name: str):
         url: the scoring endpoint.
         name: the reward's name.
     """
-    from ..remote_rewards import RemoteReward
+    from rlhf_torchrl.rewards.remote import RemoteReward
 
     r = cfg.reward
     return RemoteReward(url, name=name, token_env=r.remote_token_env, timeout=r.remote_timeout,
@@ -103,9 +103,9 @@ def remote_reward(cfg: DictConfig, url: str, name: str):
 
 
 def make_tools(cfg: DictConfig) -> dict:
-    """The tools of ``env.tools`` (:func:`rlhf_torchrl.tools.load_tools`), loaded before any model
+    """The tools of ``env.tools`` (:func:`rlhf_torchrl.envs.tools.load_tools`), loaded before any model
     (the ``python`` tool checks its sandbox runs here)."""
-    from ..tools import load_tools
+    from rlhf_torchrl.envs.tools import load_tools
 
     return load_tools(list(cfg.env.tools), python_sandbox=python_sandbox(cfg))
 
@@ -135,7 +135,7 @@ def make_models(cfg: DictConfig, tokenizer, device: torch.device, critic: bool |
     """Policy, frozen reference and critic (:func:`rlhf_torchrl.modules.assembly.make_models`);
     the critic is None when ``critic`` is false (default: when the estimator needs none)."""
     critic = not critic_free(cfg) if critic is None else critic
-    from ..modules.assembly import make_models as assemble
+    from rlhf_torchrl.modules.assembly import make_models as assemble
 
     m, v = cfg.model, cfg.value_model
     return assemble(
@@ -206,10 +206,10 @@ def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids, with_values
 
 def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device,
                 stop_text: str = "") -> Scorer:
-    """The :class:`~rlhf_torchrl.scoring.Scorer` of ``reward_functions`` and the reward model
+    """The :class:`~rlhf_torchrl.rewards.scoring.Scorer` of ``reward_functions`` and the reward model
     (``reward.model``, or the one served at ``reward.remote_url``); ``stop_text``: the policy's
     stop token, which remote rewards append to OpenRLHF's ``query`` where a response stopped."""
-    from ..remote_rewards import RemoteReward
+    from rlhf_torchrl.rewards.remote import RemoteReward
 
     r = cfg.reward
     rewards = dict(reward_functions)
@@ -237,14 +237,14 @@ def make_shaper(cfg: DictConfig) -> KLRewardShaper:
 
 
 def make_actors(cfg: DictConfig, policy, reference, critic):
-    from ..modules.assembly import make_actors as actors
+    from rlhf_torchrl.modules.assembly import make_actors as actors
 
     return actors(policy, reference, critic, temperature=cfg.generation.temperature,
                   autocast_dtype=autocast_dtype(cfg), packing=cfg.model.packing)
 
 
 def make_advantage(cfg: DictConfig):
-    """The advantage estimator of ``advantage.estimator`` (:mod:`rlhf_torchrl.advantages`)."""
+    """The advantage estimator of ``advantage.estimator`` (:mod:`rlhf_torchrl.objectives.advantages`)."""
     p = cfg.ppo
     return advantage_module(cfg.advantage.estimator, gamma=p.gamma, lmbda=p.lmbda,
                             whiten_advantages=p.whiten_advantages,
@@ -281,9 +281,9 @@ def make_grad_scaler(cfg: DictConfig, device: torch.device):
 
 def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes, warmup=None):
     """AdamW over the policy, the critic's own trunk and the value head, and its LR schedule
-    (:func:`rlhf_torchrl.optim.make_optimizer`); with ``warmup`` (:func:`make_critic_warmup`) that
+    (:func:`rlhf_torchrl.trainers.optim.make_optimizer`); with ``warmup`` (:func:`make_critic_warmup`) that
     ends on its own, the schedule holds the policy until it has ended."""
-    from ..optim import make_optimizer as optimizer_and_schedule
+    from rlhf_torchrl.trainers.optim import make_optimizer as optimizer_and_schedule
 
     o = cfg.optim
     if warmup is not None and warmup.until is not None:
@@ -299,9 +299,9 @@ def make_optimizer(cfg: DictConfig, policy, critic, sizes: Sizes, warmup=None):
 
 
 def make_critic_warmup(cfg: DictConfig, critic):
-    """The critic warm-up of ``optim.critic_warmup*`` (:class:`~rlhf_torchrl.optim.CriticWarmup`;
+    """The critic warm-up of ``optim.critic_warmup*`` (:class:`~rlhf_torchrl.trainers.optim.CriticWarmup`;
     none without a critic)."""
-    from ..optim import CriticWarmup
+    from rlhf_torchrl.trainers.optim import CriticWarmup
 
     o = cfg.optim
     if critic is None:

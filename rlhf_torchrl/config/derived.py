@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from ..distributed import DataParallel
-from ..modules.models import torch_dtype
-from ..runtime import native_bf16, resolve_device
+from rlhf_torchrl.distributed import DataParallel
+from rlhf_torchrl.modules.models import torch_dtype
+from rlhf_torchrl.runtime import native_bf16, resolve_device
 
 #: ``ppo.tis_cap`` when null and the old log-probs are recomputed with other kernels or newer
 #: weights than the sampler's (:func:`tis_cap`); verl's default threshold, and the setting the
@@ -55,7 +55,7 @@ def autocast_dtype(cfg: DictConfig) -> torch.dtype | None:
 
 def values_from_sampling(cfg: DictConfig, parallel: DataParallel, *, critic: bool) -> bool:
     """Whether a shared-trunk critic's old values are read off the sampling pass
-    (:class:`~rlhf_torchrl.sampling.ValueRecorder`): when the old log-probs are recorded while
+    (:class:`~rlhf_torchrl.collectors.sampling.ValueRecorder`): when the old log-probs are recorded while
     sampling and the trained model itself samples (the transformers backend, no copy under
     ``collection.overlap`` > 0, no Ray workers, no FSDP2, whose shared trunk runs inside the
     sharded model). Elsewhere the critic computes them.
@@ -73,7 +73,7 @@ def values_from_sampling(cfg: DictConfig, parallel: DataParallel, *, critic: boo
 
 def log_probs_from_sampling(cfg: DictConfig, *, autocast: str | None | bool = False,
                             rule_only: bool = False) -> bool:
-    """Old log-probs recorded while sampling, or recomputed (:func:`rlhf_torchrl.on_policy.log_probs_from_sampling`).
+    """Old log-probs recorded while sampling, or recomputed (:func:`rlhf_torchrl.collectors.on_policy.log_probs_from_sampling`).
 
     Args:
         cfg: the composed PPO config.
@@ -82,7 +82,7 @@ def log_probs_from_sampling(cfg: DictConfig, *, autocast: str | None | bool = Fa
         rule_only: what the rule gives with ``generation.log_probs_from_sampling`` null, whatever
             it is set to: whether the sampler's log-probs equal the training forward's.
     """
-    from ..on_policy import log_probs_from_sampling as from_sampling
+    from rlhf_torchrl.collectors.on_policy import log_probs_from_sampling as from_sampling
 
     return from_sampling(backend=cfg.generation.backend, autocast=cfg.model.autocast if autocast is False else autocast,
                          dtype=cfg.model.dtype, overlap=cfg.collection.overlap,
@@ -131,12 +131,12 @@ def partial_rollout_tokens(cfg: DictConfig) -> int | None:
 
 
 def on_policy_tolerance(cfg: DictConfig) -> float:
-    """The on-policy check's tolerance (:func:`rlhf_torchrl.on_policy.on_policy_tolerance`).
+    """The on-policy check's tolerance (:func:`rlhf_torchrl.collectors.on_policy.on_policy_tolerance`).
 
     Args:
         cfg: the composed PPO config.
     """
-    from ..on_policy import on_policy_tolerance as tolerance
+    from rlhf_torchrl.collectors.on_policy import on_policy_tolerance as tolerance
 
     engine = cfg.vllm.dtype if cfg.generation.backend == "vllm" else None
     return tolerance(autocast=cfg.model.autocast, dtype=cfg.model.dtype,

@@ -8,10 +8,9 @@ import os
 import torch
 from omegaconf import DictConfig
 
-from ..modules import load_causal_lm
-from . import validation
-from .checks import check_output_dir, check_remote_rewards
-from .components import (
+from rlhf_torchrl.config import validation
+from rlhf_torchrl.config.checks import check_output_dir, check_remote_rewards
+from rlhf_torchrl.config.components import (
     make_device,
     make_reward_functions,
     make_reward_probe,
@@ -19,8 +18,9 @@ from .components import (
     make_tokenizer,
     stop_token_ids,
 )
-from .inputs import hold_out, make_prompts, new_evaluator
-from .model_checks import check_models, check_sequence_length
+from rlhf_torchrl.config.inputs import hold_out, make_prompts, new_evaluator
+from rlhf_torchrl.config.model_checks import check_models, check_sequence_length
+from rlhf_torchrl.modules import load_causal_lm
 
 
 def evaluate_policy(cfg: DictConfig) -> dict:
@@ -31,7 +31,7 @@ def evaluate_policy(cfg: DictConfig) -> dict:
     Args:
         cfg: the composed PPO config.
     """
-    from ..evaluation import format_metrics, rollout_samples
+    from rlhf_torchrl.trainers.evaluation import format_metrics, rollout_samples
 
     validation.validate(cfg)
     check_output_dir(cfg)

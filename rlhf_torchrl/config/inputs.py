@@ -8,11 +8,12 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..data import LengthCheck, load_prompts
-from ..errors import ConfigError
-from ..prompt_sets import CHECK_ALL_UP_TO, PromptMixture, PromptSet
-from .components import make_tools
-from .derived import eval_prompt_count
+from rlhf_torchrl.config.components import make_tools
+from rlhf_torchrl.config.derived import eval_prompt_count
+from rlhf_torchrl.data import load_prompts
+from rlhf_torchrl.data.prompt_sets import CHECK_ALL_UP_TO, PromptMixture, PromptSet
+from rlhf_torchrl.data.prompts import LengthCheck
+from rlhf_torchrl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ def system_prompt(cfg: DictConfig, tools: dict | None = None) -> str | None:
         tools: the loaded ``env.tools`` (:func:`~rlhf_torchrl.config.components.make_tools`;
             None: loaded here).
     """
-    from ..tools import describe_tools
+    from rlhf_torchrl.envs.tools import describe_tools
 
     prompt = cfg.data.system_prompt
     if cfg.env.tools and cfg.env.describe_tools:
@@ -111,7 +112,7 @@ def _what_fits(n: int, held_out: int, per_batch: int, cfg: DictConfig) -> str:
 
 def split_eval_prompts(cfg: DictConfig, prompts) -> tuple:
     """(training prompts, held-out evaluation prompts): the last ``eval.num_prompts`` rows (of
-    each source of a mixture, shared by weight: :meth:`~rlhf_torchrl.prompt_sets.PromptMixture.hold_out`).
+    each source of a mixture, shared by weight: :meth:`~rlhf_torchrl.data.prompt_sets.PromptMixture.hold_out`).
 
     Args:
         cfg: the composed PPO config.
@@ -146,18 +147,18 @@ def make_evaluator(cfg: DictConfig, held_out, tokenizer, scorer, stop_ids, devic
 
 def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device,
                   tools: dict | None = None):
-    """An :class:`~rlhf_torchrl.evaluation.Evaluator` of ``prompts`` with the ``eval.*`` settings.
+    """An :class:`~rlhf_torchrl.trainers.evaluation.Evaluator` of ``prompts`` with the ``eval.*`` settings.
 
     Args:
         cfg: the composed PPO config.
         prompts (Sequence): the held-out prompts.
         tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
-        scorer (rlhf_torchrl.scoring.Scorer): scores the responses.
+        scorer (rlhf_torchrl.rewards.scoring.Scorer): scores the responses.
         stop_ids (list[int]): the ids that end a response.
         device (torch.device): where the evaluation samples.
         tools: the loaded ``env.tools`` of its episodes (None: loaded here).
     """
-    from ..evaluation import Evaluator
+    from rlhf_torchrl.trainers.evaluation import Evaluator
 
     e = cfg.eval
     judge = e.judge or ("reward_model" if cfg.reward.model or cfg.reward.remote_url else None)

@@ -9,10 +9,10 @@ import os
 
 from omegaconf import DictConfig
 
-from ..data import templated_length
-from ..errors import ConfigError
-from ..prompt_sets import PromptMixture, PromptSet
-from .derived import response_budget
+from rlhf_torchrl.config.derived import response_budget
+from rlhf_torchrl.data.prompt_sets import PromptMixture, PromptSet
+from rlhf_torchrl.data.prompts import templated_length
+from rlhf_torchrl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ def _model_config(setting: str, name: str):
     read, before any weights are."""
     from transformers import AutoConfig
 
-    from ..modules.models import resolve_model_path
+    from rlhf_torchrl.modules.models import resolve_model_path
 
     path = resolve_model_path(name)
     if path.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(path)):

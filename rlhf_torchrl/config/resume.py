@@ -11,8 +11,8 @@ import shutil
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError
-from .derived import eval_prompt_count
+from rlhf_torchrl.config.derived import eval_prompt_count
+from rlhf_torchrl.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,12 @@ def resume_path(cfg: DictConfig) -> str | None:
     Args:
         cfg: the composed PPO config.
     """
-    from ..checkpoint import CHECKPOINTS, is_checkpoint, latest_checkpoint, verify_checkpoint
+    from rlhf_torchrl.trainers.checkpoint import (
+        CHECKPOINTS,
+        is_checkpoint,
+        latest_checkpoint,
+        verify_checkpoint,
+    )
 
     resume, out = str(cfg.resume), cfg.output_dir
     metrics = os.path.join(out, "metrics.jsonl")
@@ -104,7 +109,7 @@ def finished_run(cfg: DictConfig) -> dict | None:
     Args:
         cfg: the composed PPO config.
     """
-    from ..checkpoint import list_checkpoints
+    from rlhf_torchrl.trainers.checkpoint import list_checkpoints
 
     path = os.path.join(cfg.output_dir, "report.json")
     if str(cfg.resume) != "auto" or not os.path.isfile(path):

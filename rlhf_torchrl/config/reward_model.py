@@ -9,8 +9,8 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..reward_model import RewardModel
-from .reward_model_schema import validate_reward_model
+from rlhf_torchrl.config.reward_model_schema import validate_reward_model
+from rlhf_torchrl.rewards.reward_model import RewardModel
 
 log = logging.getLogger(__name__)
 
@@ -22,13 +22,13 @@ def train_reward_model(cfg: DictConfig) -> dict:
     Args:
         cfg: the composed reward-model config (``reward_model.yaml``).
     """
-    from ..reward_training import (
+    from rlhf_torchrl.rewards.training import (
         init_reward_head,
         load_preference_pairs,
         preference_metrics,
         reward_offset,
     )
-    from ..reward_training import (
+    from rlhf_torchrl.rewards.training import (
         train_reward_model as fit_reward_model,
     )
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from ..errors import ConfigError
-from .validation import _INF, DTYPES, check_choices_and_ranges
+from rlhf_torchrl.config.validation import _INF, DTYPES, check_choices_and_ranges
+from rlhf_torchrl.errors import ConfigError
 
 
 @dataclass

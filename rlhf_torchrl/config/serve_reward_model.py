@@ -8,22 +8,22 @@ import importlib.util
 import torch
 from omegaconf import DictConfig
 
-from ..errors import ConfigError
-from ..reward_model import RewardModel
-from ..runtime import resolve_device
-from .model_checks import check_reward_model
-from .reward_model_schema import validate_serve_reward_model
+from rlhf_torchrl.config.model_checks import check_reward_model
+from rlhf_torchrl.config.reward_model_schema import validate_serve_reward_model
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.rewards.reward_model import RewardModel
+from rlhf_torchrl.runtime import resolve_device
 
 
 def serve_reward_model(cfg: DictConfig) -> None:
     """Serve the reward model of ``cfg`` (``serve_reward_model.yaml``) over HTTP until
-    interrupted (:func:`rlhf_torchrl.reward_server.serve`).
+    interrupted (:func:`rlhf_torchrl.rewards.server.serve`).
 
     Args:
         cfg: the composed config (``serve_reward_model.yaml``).
     """
-    from ..remote_rewards import bearer_token
-    from ..reward_server import serve
+    from rlhf_torchrl.rewards.remote import bearer_token
+    from rlhf_torchrl.rewards.server import serve
 
     validate_serve_reward_model(cfg)
     if importlib.util.find_spec("starlette") is None or importlib.util.find_spec("uvicorn") is None:

@@ -8,14 +8,14 @@ import math
 
 from omegaconf import DictConfig
 
-from ..advantages import ESTIMATORS
-from ..distributed import STRATEGIES
-from ..errors import ConfigError
-from ..functional import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
-from ..modules.packing import PACKING
-from ..optim import SCHEDULES, WARMUP_SIGNALS
-from ..sandbox import KINDS as SANDBOXES
-from ..trackers import LOGGERS
+from rlhf_torchrl.distributed import STRATEGIES
+from rlhf_torchrl.envs.sandbox import KINDS as SANDBOXES
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.functional import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
+from rlhf_torchrl.modules.packing import PACKING
+from rlhf_torchrl.objectives.advantages import ESTIMATORS
+from rlhf_torchrl.record.trackers import LOGGERS
+from rlhf_torchrl.trainers.optim import SCHEDULES, WARMUP_SIGNALS
 
 DTYPES = ("float32", "bfloat16", "float16")
 #: setting -> its allowed values (None among them: null is allowed), from the modules that define

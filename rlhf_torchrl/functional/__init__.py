@@ -4,7 +4,7 @@ Conventions: response tensors are ``(B, R)``, right-padded; ``mask`` is True (or
 response tokens. Prompts are ``(B, P)``, left-padded. Nothing here knows about TensorDicts.
 """
 
-from .advantages import (
+from rlhf_torchrl.functional.advantages import (
     explained_variance,
     gae,
     group_index,
@@ -14,7 +14,7 @@ from .advantages import (
     length_adaptive_lmbda,
     returns_to_go,
 )
-from .kl import (
+from rlhf_torchrl.functional.kl import (
     K3_LOSS_BOUND,
     KL_ESTIMATORS,
     check_kl_estimator,
@@ -22,11 +22,11 @@ from .kl import (
     kl_estimate,
     per_token_rewards,
 )
-from .log_probs import (
+from rlhf_torchrl.functional.log_probs import (
     entropy_from_logits,
     log_probs_from_logits,
 )
-from .losses import (
+from rlhf_torchrl.functional.losses import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
     aggregation_size,
@@ -36,7 +36,7 @@ from .losses import (
     positive_nll,
     positive_nll_weights,
 )
-from .masks import (
+from rlhf_torchrl.functional.masks import (
     has_holes,
     last_token_index,
     last_token_mask,
@@ -48,7 +48,7 @@ from .masks import (
     truncate_after_stop,
     unpack,
 )
-from .off_policy import (
+from rlhf_torchrl.functional.off_policy import (
     OFF_POLICY_CORRECTIONS,
     check_off_policy_correction,
     off_policy_log_weight,

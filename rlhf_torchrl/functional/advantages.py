@@ -6,8 +6,14 @@ from __future__ import annotations
 import torch
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
-from ..errors import ConfigError
-from .masks import has_holes, last_token_mask, masked_var, packing_order, unpack
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.functional.masks import (
+    has_holes,
+    last_token_mask,
+    masked_var,
+    packing_order,
+    unpack,
+)
 
 
 def gae(

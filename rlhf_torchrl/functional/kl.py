@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
-from .masks import last_token_index
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.functional.masks import last_token_index
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 #: the per-token bound on the k3 term of the loss (verl's ``kl_penalty="low_var_kl"`` clamps it to

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
+from rlhf_torchrl.errors import ConfigError
 
 
 def log_probs_from_logits(

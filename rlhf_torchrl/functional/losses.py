@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
+from rlhf_torchrl.errors import ConfigError
 
 #: ``ppo.loss_aggregation``'s modes, verl's ``loss_agg_mode`` names with underscores
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from ..errors import ConfigError
-from .masks import masked_mean
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.functional.masks import masked_mean
 
 #: ``ppo.off_policy_correction``'s choices
 OFF_POLICY_CORRECTIONS = ("tis", "mis", "icepop", "seq_mask_tis")

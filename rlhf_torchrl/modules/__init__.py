@@ -1,8 +1,8 @@
 """Models: loading, the token-level actor and critic, and the old quantities they compute."""
 
-from .actor import ResponseTokenDistribution, TokenLevelActor
-from .critic import TokenCritic, make_critic
-from .models import (
+from rlhf_torchrl.modules.actor import ResponseTokenDistribution, TokenLevelActor
+from rlhf_torchrl.modules.critic import TokenCritic, make_critic
+from rlhf_torchrl.modules.models import (
     SMOLLM2,
     byte_tokenizer,
     disable_dropout,
@@ -14,8 +14,8 @@ from .models import (
     match_vocab,
     resolve_model_path,
 )
-from .old_quantities import compute_old_quantities
-from .sequences import model_inputs
+from rlhf_torchrl.modules.old_quantities import compute_old_quantities
+from rlhf_torchrl.modules.sequences import model_inputs
 
 __all__ = [
     "SMOLLM2",

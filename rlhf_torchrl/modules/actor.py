@@ -24,17 +24,17 @@ from tensordict.nn import TensorDictModuleBase
 from torch import nn
 from torch.distributions import Distribution
 
-from .. import functional as F
-from .. import keys as K
-from ..errors import ConfigError
-from ..runtime import autocast
-from .compiled import compiled_region
-from .models import lm_head_in_fp32
-from .packing import head_inputs, packed_logits, packing_for, rows_for, to_rows
-from .sequences import IN_KEYS, model_inputs
+from rlhf_torchrl import functional as F
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.modules.compiled import compiled_region
+from rlhf_torchrl.modules.models import lm_head_in_fp32
+from rlhf_torchrl.modules.packing import head_inputs, packed_logits, packing_for, rows_for, to_rows
+from rlhf_torchrl.modules.sequences import IN_KEYS, model_inputs
+from rlhf_torchrl.runtime import autocast
 
 if TYPE_CHECKING:
-    from .critic import TokenCritic
+    from rlhf_torchrl.modules.critic import TokenCritic
 
 
 class ResponseTokenDistribution(Distribution):
@@ -158,7 +158,7 @@ class TokenLevelActor(TensorDictModuleBase):
         packing: bool | str = False,
     ):
         super().__init__()
-        from .lora import is_peft, trunk
+        from rlhf_torchrl.modules.lora import is_peft, trunk
 
         if temperature <= 0:
             raise ConfigError(f"temperature must be > 0, got {temperature}.")

@@ -11,11 +11,11 @@ import copy
 
 import torch
 
-from .actor import TokenLevelActor
-from .compiled import compile_layers
-from .critic import make_critic
-from .lora import add_lora
-from .models import load_causal_lm
+from rlhf_torchrl.modules.actor import TokenLevelActor
+from rlhf_torchrl.modules.compiled import compile_layers
+from rlhf_torchrl.modules.critic import make_critic
+from rlhf_torchrl.modules.lora import add_lora
+from rlhf_torchrl.modules.models import load_causal_lm
 
 
 def make_models(policy: str, tokenizer, *, reference: str | None = None, dtype: str = "float32",

@@ -8,14 +8,14 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
 
-from .. import keys as K
-from ..errors import ConfigError
-from ..runtime import autocast
-from ..safe_loading import refusing_code
-from .actor import HiddenStateHandoff
-from .compiled import compiled_region
-from .packing import packed_hidden, packing_for, rows_for, to_rows
-from .sequences import IN_KEYS, model_inputs
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.modules.actor import HiddenStateHandoff
+from rlhf_torchrl.modules.compiled import compiled_region
+from rlhf_torchrl.modules.packing import packed_hidden, packing_for, rows_for, to_rows
+from rlhf_torchrl.modules.sequences import IN_KEYS, model_inputs
+from rlhf_torchrl.runtime import autocast
+from rlhf_torchrl.safe_loading import refusing_code
 
 
 class TokenCritic(TensorDictModuleBase):
@@ -127,8 +127,8 @@ def make_critic(
             follows the policy's. None: full fine-tuning.
         packing: packed forwards (:class:`TokenCritic`).
     """
-    from .lora import add_lora, trunk
-    from .models import (
+    from rlhf_torchrl.modules.lora import add_lora, trunk
+    from rlhf_torchrl.modules.models import (
         disable_dropout,
         fuse_activations,
         match_vocab,

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..errors import ConfigError, MissingDependencyError
+from rlhf_torchrl.errors import ConfigError, MissingDependencyError
 
 
 def add_lora(

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import ConfigError, MissingDependencyError
-from ..safe_loading import refusing_code
+from rlhf_torchrl.errors import ConfigError, MissingDependencyError
+from rlhf_torchrl.safe_loading import refusing_code
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def lm_head_in_fp32(model: nn.Module) -> nn.Module:
     Args:
         model: a causal LM, changed in place.
     """
-    from .lora import hf_model
+    from rlhf_torchrl.modules.lora import hf_model
 
     head = hf_model(model).get_output_embeddings()
     if type(head) is nn.Linear and not isinstance(head.forward, functools.partial):

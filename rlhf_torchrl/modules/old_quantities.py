@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from .. import keys as K
-from .actor import TokenLevelActor
-from .critic import TokenCritic
-from .sequences import model_input_keys
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.modules.actor import TokenLevelActor
+from rlhf_torchrl.modules.critic import TokenCritic
+from rlhf_torchrl.modules.sequences import model_input_keys
 
 
 @torch.no_grad()

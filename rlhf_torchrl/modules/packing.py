@@ -45,8 +45,8 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from .. import keys as K
-from ..errors import ConfigError
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.errors import ConfigError
 
 #: ``model.packing``: off (the padded forward), on (packed wherever the layout allows it), or
 #: auto (packed where :class:`SequenceCost` estimates it at most :data:`AUTO_SAVING` of the padded)
@@ -218,7 +218,7 @@ def pack_rows(td: TensorDictBase, *, cost: SequenceCost, one_row: bool = False,
     Shapes: reads (B, P) prompt tokens/mask, left-padded, and (B, R) response tokens/masks,
     right-padded (observation tokens between turns attended).
     """
-    from .sequences import response_attention
+    from rlhf_torchrl.modules.sequences import response_attention
 
     prompt_mask, response_mask = td.get(K.PROMPT_MASK).bool(), td.get(K.RESPONSE_MASK).bool()
     n_prompt, n_response = prompt_mask.shape[1], response_mask.shape[1]
@@ -294,7 +294,7 @@ def uses_varlen_attention(model: nn.Module) -> bool:
     Args:
         model: the model.
     """
-    from .lora import hf_model
+    from rlhf_torchrl.modules.lora import hf_model
 
     return "flash" in str(getattr(hf_model(model).config, "_attn_implementation", "") or "")
 
@@ -309,7 +309,7 @@ def head_inputs(model: nn.Module, select=None):
         model: a causal LM.
         select (Callable | None): hidden -> hidden, replaces the head's input first (None: kept).
     """
-    from .lora import hf_model
+    from rlhf_torchrl.modules.lora import hf_model
 
     kept = []
 
@@ -369,7 +369,7 @@ def packing_unsupported(model: nn.Module, autocast_dtype: torch.dtype | None = N
         model: the model to probe.
         autocast_dtype: the autocast it runs under (None: none).
     """
-    from ..runtime import autocast
+    from rlhf_torchrl.runtime import autocast
 
     checked = _CHECKED.setdefault(model, {})
     if autocast_dtype in checked:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from .. import functional as F
-from .. import keys as K
+from rlhf_torchrl import functional as F
+from rlhf_torchrl import keys as K
 
 IN_KEYS = [K.PROMPT_TOKENS, K.PROMPT_MASK, K.RESPONSE_TOKENS, K.RESPONSE_MASK]
 OPTIONAL_IN_KEYS = [K.OBSERVATION_MASK]  # multi-turn episodes: tokens the environment wrote

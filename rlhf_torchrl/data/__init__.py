@@ -1,0 +1,12 @@
+"""Data: the prompts a run answers and the rollouts it collects.
+
+``prompts``: a prompt and the dataset fields that travel with it; ``readers``: one reader per form
+the field stores prompts in; ``prompt_sets``: rows made into prompts, mixtures of sources, and
+:func:`load_prompts`; ``rollout``: the dense rollout TensorDict every stage reads; ``trajectory``:
+the same rollout in TorchRL's trajectory layout (the token view).
+"""
+
+from rlhf_torchrl.data.prompt_sets import PromptSet, load_prompts
+from rlhf_torchrl.data.prompts import Prompt
+
+__all__ = ["Prompt", "PromptSet", "load_prompts"]

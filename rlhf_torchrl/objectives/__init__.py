@@ -1,0 +1,6 @@
+"""Objectives: the PPO loss and what it consumes.
+
+``ppo``: the token-level PPO loss over TorchRL's ``ClipPPOLoss``; ``advantages``: the advantage
+estimators; ``kl_shaping``: the per-token reward from the KL to the reference; ``loss_inputs``: the
+keys the loss takes, checked. The pure tensor math is :mod:`rlhf_torchrl.functional`'s.
+"""

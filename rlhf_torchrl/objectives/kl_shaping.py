@@ -1,0 +1,133 @@
+"""Per-token rewards: ``r[t] = -kl_coef * KL[t]`` on response tokens plus the score at the last
+one (:class:`KLRewardShaper`), with a constant or adaptive ``kl_coef`` (:func:`make_kl_controller`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+
+from rlhf_torchrl import functional as F
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.errors import ConfigError
+
+
+class FixedKLController:
+    """A constant KL coefficient (same interface as TorchRL's ``AdaptiveKLController``).
+
+    Args:
+        init_kl_coef: the coefficient.
+    """
+
+    def __init__(self, init_kl_coef: float):
+        self.coef = init_kl_coef
+
+    def update(self, kl_values=None) -> float:
+        return self.coef
+
+
+def make_kl_controller(kl_coef: float, target: float | None = None, horizon: int = 10000):
+    """Constant ``kl_coef``, or TorchRL's ``AdaptiveKLController`` when ``target`` is set.
+
+    Adaptive (Ziegler et al. 2019, §2.2): ``e = clip(KL / target - 1, -0.2, 0.2)``,
+    ``kl_coef *= 1 + e * n / horizon`` with ``n`` the number of samples in the batch. TorchRL's
+    ``update`` expects the per-sample KL *rewards* ``-kl_coef * KL``, which
+    :class:`KLRewardShaper` passes.
+
+    Args:
+        kl_coef: the (initial) KL coefficient.
+        target: the KL per response, in nats, the adaptive controller aims for (None: constant).
+        horizon: the adaptive controller's horizon, in samples.
+    """
+    if target is None:
+        return FixedKLController(kl_coef)
+    from torchrl.data.llm.utils import AdaptiveKLController
+
+    if kl_coef <= 0:
+        raise ConfigError("The adaptive KL controller needs kl_coef > 0 to start from.")
+    return AdaptiveKLController(init_kl_coef=kl_coef, target=target, horizon=horizon)
+
+
+class KLRewardShaper(TensorDictModuleBase):
+    """Per-token rewards from scores and the KL to the reference.
+
+    ``KL[t] = estimator(log_prob[t], ref_log_prob[t])`` on response tokens,
+    ``r[t] = -kl_coef * KL[t] + score * [t == last]``. Optionally whitens (``whiten_scores``, mean
+    kept) and clips (``score_clip``) the scores first. Writes ``("kl", "response")`` (B, R),
+    ``("next", "reward")``, ``("next", "non_score_reward")``, ``("next", "done")``,
+    ``("next", "terminated")`` (B, R, 1), ready for GAE. A multi-turn rollout's
+    ``"turn_reward"`` (B, R) (the tools' rewards, each at the last token of its turn) is added to
+    the reward. Also writes ``"shaped_score"`` (B,): the reward without its KL part, summed over
+    the response (the whitened, clipped score plus the turn rewards), which the group baselines
+    compare.
+
+    Args:
+        kl_controller (FixedKLController | torchrl.data.llm.utils.AdaptiveKLController): owns
+            ``kl_coef`` (:func:`make_kl_controller`).
+        kl_estimator: ``k1``, ``k2`` or ``k3`` (:func:`~rlhf_torchrl.functional.kl_estimate`).
+        whiten_scores: whiten the scores over the batch first, keeping their mean.
+        score_clip: clip the scores to ``[-score_clip, score_clip]`` first (None: no clip).
+
+    Unlike TorchRL's ``KLRewardTransform``, the score enters once, at the last response token, and
+    nothing is put on prompt tokens.
+    """
+
+    def __init__(
+        self,
+        kl_controller,
+        *,
+        kl_estimator: str = "k1",
+        whiten_scores: bool = False,
+        score_clip: float | None = None,
+    ):
+        super().__init__()
+        self.kl_estimator = F.check_kl_estimator(kl_estimator)
+        self.kl_controller = kl_controller
+        self.whiten_scores = whiten_scores
+        self.score_clip = score_clip
+        self.in_keys = [K.LOG_PROB, K.REF_LOG_PROB, K.RESPONSE_MASK, K.SCORE]
+        self.out_keys = [K.KL, K.REWARD, K.NON_SCORE_REWARD, K.DONE, K.TERMINATED, K.SHAPED_SCORE]
+
+    @property
+    def kl_coef(self) -> float:
+        return float(self.kl_controller.coef)
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        K.require(td, *self.in_keys, what="KLRewardShaper")
+        mask = td.get(K.RESPONSE_MASK)
+        score = td.get(K.SCORE)
+        if self.whiten_scores and score.numel() > 1:
+            score = F.masked_whiten(score, torch.ones_like(score, dtype=torch.bool), shift_mean=False)
+        if self.score_clip is not None:
+            score = score.clamp(-self.score_clip, self.score_clip)
+        kl = F.kl_estimate(td.get(K.LOG_PROB), td.get(K.REF_LOG_PROB), self.kl_estimator) * mask
+        reward, non_score = F.per_token_rewards(score, kl, mask, self.kl_coef)
+        shaped_score = torch.where(mask.any(-1), score, torch.zeros_like(score))  # as in the reward
+        turn_reward = td.get(K.TURN_REWARD, None)
+        if turn_reward is not None:  # a multi-turn episode: the tools' rewards, turn by turn
+            turn_reward = torch.where(mask, turn_reward, torch.zeros_like(turn_reward))
+            reward = reward + turn_reward
+            shaped_score = shaped_score + turn_reward.sum(-1)
+        done = F.last_token_mask(mask).unsqueeze(-1)
+        # summed here, not recovered as reward - KL: (s + k) - k rounds, and equal scores must stay
+        # equal for the group baselines and the group filter
+        td.set(K.SHAPED_SCORE, shaped_score)
+        td.set(K.KL, kl)
+        td.set(K.REWARD, reward.unsqueeze(-1))
+        td.set(K.NON_SCORE_REWARD, non_score.unsqueeze(-1))
+        td.set(K.DONE, done)
+        td.set(K.TERMINATED, done.clone())
+        return td
+
+    def update_kl_coef(self, td: TensorDictBase) -> float:
+        """Adapt ``kl_coef`` to the KL of this rollout (no-op for a constant coefficient).
+
+        Args:
+            td: the shaped rollout, with ``("kl", "response")``.
+        """
+        per_sample = td.get(K.NON_SCORE_REWARD).squeeze(-1).sum(-1)  # -kl_coef * KL(seq)
+        if not math.isfinite(float(per_sample.sum())):
+            return self.kl_coef
+        return float(self.kl_controller.update(per_sample.tolist()))

@@ -1,0 +1,267 @@
+"""Sequence scores: each response's one number.
+
+- :func:`load_reward_function`: a reward function named by dotted path or file, checked on first use.
+- :class:`Scorer`: combines reward models and functions with weights, applies the missing-EOS
+  penalty, writes ``"score"`` (a TensorDict module).
+
+Reward function contract: ``fn(prompts: list[str], responses: list[str], ...) -> list[float]``
+(or a 1-D tensor/array), one finite float per response. ``prompts`` are the prompts as the policy
+saw them (chat template applied), ``responses`` the decoded responses without special tokens. More
+parameters are filled by name: ``tensordict`` receives the rollout TensorDict (keys in
+:mod:`rlhf_torchrl.keys`); any other name receives that dataset column, one value per response
+(``fn(prompts, responses, answer)`` gets each row's ``answer``); ``**kwargs`` receives every
+column. A reward never receives ``None`` in place of a rollout.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import traceback
+from collections.abc import Callable, Sequence
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.errors import ConfigError, MissingDependencyError, MissingFileError
+
+RewardFn = Callable[..., Sequence[float]]
+
+
+def load_reward_function(path: str) -> RewardFn:
+    """Import ``package.module.function`` (or ``package.module:function``).
+
+    Args:
+        path: ``package.module.function`` or ``package.module:function``.
+    """
+    return load_callable(path, what="Reward function")
+
+
+def load_callable(path: str, *, what: str = "Function") -> Callable:
+    """The function ``path`` names: ``package.module.name`` or ``package.module:name`` (the module
+    importable: installed, or its folder on ``PYTHONPATH``), or a Python file and a name in it,
+    ``./my_rewards.py:name`` (relative to the working directory).
+
+    Args:
+        path: where the function is, in one of the forms above.
+        what: what the function is, named in errors (e.g. ``"Reward function"``).
+
+    Example:
+        >>> load_callable("rlhf_torchrl.rewards.functions.gsm8k_correct").__name__
+        'gsm8k_correct'
+    """
+    module_name, sep, attr = path.partition(":")
+    if sep and module_name.endswith(".py"):
+        return _load_from_file(path, module_name, attr, what)
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(
+            f"{what} {path!r} is not a dotted path: write it as 'package.module.function' (or "
+            "'package.module:function'), or name a file and a function in it: './my_rewards.py:function'."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"{what} {path!r}: cannot import module {module_name!r} ({e}). The module must be "
+            "importable: install its package (pip install -e .), or put the folder that holds it "
+            "on PYTHONPATH (PYTHONPATH=. for one in the working directory); or name the file: "
+            f"'./{module_name.replace('.', '/')}.py:{attr}'."
+        ) from e
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise MissingDependencyError(f"{what} {path!r}: module {module_name!r} has no callable {attr!r}.")
+    return fn
+
+
+def _load_from_file(path: str, file: str, attr: str, what: str) -> Callable:
+    """``attr`` of the Python file ``file``, run once as a module of its own (named after the
+    file: ``rlhf_torchrl_user_<name>_<hash>``, so that pickle finds it in this process), whose folder
+    also goes on ``sys.path`` for its imports."""
+    import hashlib
+    import sys
+
+    full = os.path.abspath(os.path.expanduser(file))
+    if not os.path.isfile(full):
+        raise MissingFileError(f"{what} {path!r}: there is no file {full} (a file path is taken "
+                               "from the working directory).")
+    stem = os.path.splitext(os.path.basename(full))[0]
+    name = f"rlhf_torchrl_user_{stem}_{hashlib.sha1(full.encode()).hexdigest()[:8]}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, full)
+        module = importlib.util.module_from_spec(spec)
+        folder = os.path.dirname(full)
+        if folder not in sys.path:
+            sys.path.append(folder)  # the file's own imports of its neighbours
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    fn = getattr(module, attr, None) if attr else None
+    if fn is None or not callable(fn):
+        raise MissingDependencyError(f"{what} {path!r}: {file} has no function {attr!r}.")
+    return fn
+
+
+def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase) -> dict:
+    """The keyword arguments ``fn`` asks for by name, read from the rollout ``td``.
+
+    ``tensordict`` gets the rollout, a dataset column's name gets that column (one value per row),
+    ``**kwargs`` gets every column; a required parameter that is none of these is an error naming
+    the columns there are.
+
+    Args:
+        name: the reward's name, for errors.
+        fn: the reward function.
+        td: the rollout, with its texts and dataset columns.
+    """
+    params = _parameters(fn)
+    if params is None:  # no signature to read (some builtins): the two lists only
+        return {}
+    columns = set(td.get(K.DATA).keys()) if K.DATA in td.keys() else set()
+    wanted = {}
+    for param in list(params.values())[2:]:
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            wanted.update({c: c for c in columns if c not in wanted})
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        elif param.name == "tensordict" or param.name in columns:
+            wanted[param.name] = param.name
+        elif param.default is inspect.Parameter.empty:
+            raise ConfigError(
+                f"Reward {name!r} asks for {param.name!r}, which is not a dataset column: the "
+                f"prompts carry {sorted(columns) or 'no columns'}. A reward function takes "
+                "(prompts, responses), then by name 'tensordict' (the rollout) and dataset columns."
+            )
+    return {k: td if k == "tensordict" else td.get((K.DATA, k)).tolist() for k in wanted}
+
+
+class RewardError(RuntimeError):
+    """A reward function raised; the message names it and the line that raised."""
+
+
+def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None,
+                 finite: bool = True) -> torch.Tensor:
+    """``fn`` on the rows of ``td`` as a (B,) float tensor; a wrong type or count is an error, and
+    so is a NaN/inf when ``finite`` (otherwise the value is left for the divergence guards, which
+    name it and stop or skip the iteration: :class:`Scorer`'s ``allow_non_finite``)."""
+    prompts = td.get(K.PROMPT_TEXT).tolist()
+    responses = td.get(K.RESPONSE_TEXT).tolist()
+    kwargs = reward_arguments(name, fn, td)
+    try:
+        out = fn(prompts, responses, **kwargs)
+    except RewardError:  # says what went wrong already (a remote reward's service, say)
+        raise
+    except Exception as e:
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise RewardError(f"Reward {name!r} raised {type(e).__name__}: {e} (at {where.filename}:"
+                          f"{where.lineno}, in {where.name})") from e
+    try:
+        out = torch.as_tensor(out, dtype=torch.float32, device=device).reshape(-1)
+    except (TypeError, ValueError, RuntimeError):
+        got = type(out).__name__
+        if isinstance(out, (list, tuple)) and out:
+            got += f" of {', '.join(sorted({type(v).__name__ for v in out}))}"
+        raise RewardError(
+            f"Reward {name!r} must return one float per response (a list, array or 1-D tensor); "
+            f"got {got}."
+        ) from None
+    if out.numel() != len(responses):
+        raise ConfigError(
+            f"Reward {name!r} returned {out.numel()} values for {len(responses)} responses: "
+            "it must return exactly one float per response."
+        )
+    if finite and not torch.isfinite(out).all():
+        bad = (~torch.isfinite(out)).nonzero().flatten()[:5].tolist()
+        raise ConfigError(
+            f"Reward {name!r} returned non-finite values (NaN or inf) at rows {bad}: "
+            "return finite floats (e.g. 0.0 for unscorable responses)."
+        )
+    return out
+
+
+def _parameters(fn) -> dict[str, inspect.Parameter] | None:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+class Scorer(TensorDictModuleBase):
+    """One scalar per response: a weighted sum of reward models and functions.
+
+    ``score = sum_i w_i * reward_i(prompts, responses) - missing_eos_penalty * [no stop token]``.
+    Reads the prompt/response text and ``has_stop_token``; writes ``"raw_score"`` (before the
+    penalty), ``"score"`` (B,) and, for logging, one ``("scores", name)`` entry per reward.
+
+    A reward that returns NaN or inf is refused, naming it and the rows
+    (:class:`~rlhf_torchrl.errors.ConfigError`); with ``allow_non_finite`` the value is kept, for a
+    trainer whose divergence guards name it, save the rollout and stop or skip the iteration
+    (:func:`~rlhf_torchrl.trainers.guards.check_finite`; the recipe's ``guards.non_finite``).
+
+    Args:
+        rewards: name to ``(reward, weight)``, a reward being a :class:`RewardModel` or a function
+            of ``(prompts, responses, ...)`` (:func:`reward_arguments`) returning one float per
+            response.
+        missing_eos_penalty: subtracted from the score of a response without a stop token (None or
+            0: none).
+        allow_non_finite: keep NaN or inf scores for the trainer's divergence guards instead of
+            refusing them.
+
+    Example:
+        >>> scorer = Scorer({"vader": (vader_compound, 1.0)}, missing_eos_penalty=1.0)
+        >>> scorer(rollout)["score"].shape  # (B,)
+    """
+
+    def __init__(
+        self,
+        rewards: dict[str, tuple[RewardFn, float]],
+        *,
+        missing_eos_penalty: float | None = None,
+        allow_non_finite: bool = False,
+    ):
+        super().__init__()
+        if not rewards:
+            raise ConfigError(
+                "No reward given: set a reward model (reward.model) and/or reward functions "
+                "(reward.functions=[package.module.fn])."
+            )
+        self.rewards = dict(rewards)
+        self.missing_eos_penalty, self.allow_non_finite = missing_eos_penalty, allow_non_finite
+        self.in_keys = [K.PROMPT_TEXT, K.RESPONSE_TEXT, K.HAS_STOP]
+        self.out_keys = [K.RAW_SCORE, K.SCORE] + [("scores", n) for n in self.rewards]
+
+    def check(self, probe: TensorDictBase) -> None:
+        """Call every reward once on a small rollout, so a broken one fails before any work.
+        Raises the same clear errors as scoring, naming the reward.
+
+        Args:
+            probe: a small rollout with the layout of a real one (e.g.
+                :func:`~rlhf_torchrl.data.rollout.probe_rollout`: real prompts and their dataset
+                fields, made-up responses).
+        """
+        for name, (fn, _) in self.rewards.items():
+            _call_reward(name, fn, probe)
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        K.require(td, *self.in_keys, what="Scorer")
+        device = td.get(K.HAS_STOP).device  # scores live with the rollout (a text reward's go there)
+        total = torch.zeros(td.shape[0], device=device)
+        for name, (fn, weight) in self.rewards.items():
+            value = _call_reward(name, fn, td, device, finite=not self.allow_non_finite)
+            td.set(("scores", name), value)
+            total = total + weight * value
+        td.set(K.RAW_SCORE, total)
+        score = total
+        if self.missing_eos_penalty:
+            score = score - self.missing_eos_penalty * (~td.get(K.HAS_STOP)).float()
+        td.set(K.SCORE, score)
+        return td

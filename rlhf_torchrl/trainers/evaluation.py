@@ -1,0 +1,172 @@
+"""Evaluation on held-out prompts: score, task accuracy, win rate against the reference, length,
+distinct-n.
+
+:class:`Evaluator` samples one response per held-out prompt from a model at a low temperature
+(the same TorchRL collector as training, its own random streams), scores them with the run's
+:class:`~rlhf_torchrl.rewards.scoring.Scorer`, and compares them with the reference policy's responses
+to the same prompts (sampled once and kept: the reference is frozen).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_torchrl import keys as K
+from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
+
+_EVAL_BATCH = 2**40  # the batch index of the evaluation's row streams
+
+
+def distinct_n(responses: list[str], n: int) -> float:
+    """Distinct n-grams over all n-grams of the responses (whitespace tokens): 1.0 when no
+    n-gram repeats, near 0 when every response says the same thing (Li et al. 2016).
+
+    Args:
+        responses: the response texts.
+        n: the n-gram length, in whitespace tokens.
+    """
+    grams = [tuple(words[i : i + n]) for r in responses
+             for words in [r.split()] for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def win_rate(scores: torch.Tensor, reference_scores: torch.Tensor) -> float:
+    """Share of prompts where the policy's response scores higher than the reference's; a tie
+    counts one half.
+
+    Args:
+        scores: (N,) the policy's scores, one per prompt.
+        reference_scores: (N,) the reference's, for the same prompts.
+    """
+    wins = (scores > reference_scores).float() + 0.5 * (scores == reference_scores).float()
+    return float(wins.mean())
+
+
+class Evaluator:
+    """Responses to ``prompts`` at ``temperature``, scored and compared with the reference's.
+
+    Args:
+        prompts (Sequence): the held-out prompts, as
+            :func:`~rlhf_torchrl.collectors.make_generation_env` takes them.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        scorer (rlhf_torchrl.rewards.scoring.Scorer): scores the responses.
+        max_new_tokens: the response budget, in tokens.
+        temperature: the sampling temperature.
+        stop_token_ids (Sequence[int]): the ids that end a response.
+        seed: the sampling streams' seed (the same responses for the same weights).
+        judge: the ``("scores", name)`` entry the win rate compares (the reward model's, where
+            there is one); None: the total score.
+        accuracy: the entry of a verifiable reward (1 for a correct answer) reported as
+            ``eval/accuracy`` (None: none).
+        device (torch.device | str | None): where prompts are tokenised and rollouts placed
+            (None: the model's device).
+        episode: the keyword arguments of :class:`~rlhf_torchrl.collectors.MultiTurnCollector`
+            (``tools``, ``max_turns``, ...) for episodes with tools, as in training; then
+            ``eval/turns_per_episode`` and ``eval/tool_calls_per_episode`` are reported too.
+            None: single responses.
+    """
+
+    def __init__(self, prompts, tokenizer, scorer, *, max_new_tokens: int, temperature: float,
+                 stop_token_ids, seed: int = 0, judge: str | None = None,
+                 accuracy: str | None = None, device=None, episode: dict | None = None):
+        self.prompts, self.tokenizer, self.scorer = list(prompts), tokenizer, scorer
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.stop_token_ids, self.seed, self.device = list(stop_token_ids), seed, device
+        self.judge, self.accuracy, self.episode = judge, accuracy, episode
+        self._reference = None
+
+    @torch.no_grad()
+    def sample(self, model):
+        """One scored response per prompt from ``model`` (a causal LM), in prompt order.
+
+        Args:
+            model (torch.nn.Module): a causal LM.
+        """
+        n = len(self.prompts)
+        env = make_generation_env(self.prompts, self.tokenizer, batch_size=n, shuffle=False)
+        policy = make_generation_policy(model, self.tokenizer, max_new_tokens=self.max_new_tokens,
+                                        temperature=self.temperature,
+                                        stop_token_ids=self.stop_token_ids, device=self.device)
+        # streams of their own: the training batches are indexed from 0, evaluation far above
+        collector = RolloutCollector(env, policy, tokenizer=self.tokenizer, batch_size=n,
+                                     stop_token_ids=self.stop_token_ids, seed=self.seed,
+                                     device=self.device, start_batch=_EVAL_BATCH)
+        if self.episode:
+            from rlhf_torchrl.collectors import MultiTurnCollector
+
+            collector = MultiTurnCollector(collector, policy, tokenizer=self.tokenizer,
+                                           max_new_tokens=self.max_new_tokens, **self.episode)
+        was_training = model.training
+        model.eval()
+        try:
+            rollout = next(iter(collector))
+        finally:
+            collector.shutdown()
+            model.train(was_training)
+        self.scorer(rollout)
+        return rollout
+
+    def _judged(self, rollout) -> torch.Tensor:
+        if self.judge is not None:
+            return rollout.get(("scores", self.judge))
+        return rollout.get(K.SCORE)
+
+    def set_reference(self, model) -> None:
+        """Sample (once) the reference policy's responses the win rate compares with.
+
+        Args:
+            model (torch.nn.Module): the reference causal LM.
+        """
+        self._reference = self.sample(model)
+
+    def __call__(self, model) -> tuple[dict[str, float], object]:
+        """``eval/...`` metrics of ``model`` and its rollout; ``eval/win_rate`` once
+        :meth:`set_reference` has run."""
+        rollout = self.sample(model)
+        responses = rollout.get(K.RESPONSE_TEXT).tolist()
+        metrics = {
+            "eval/score": float(rollout.get(K.SCORE).mean()),
+            "eval/response_length": float(rollout.get(K.RESPONSE_MASK).sum(-1).float().mean()),
+            "eval/distinct_1": distinct_n(responses, 1),
+            "eval/distinct_2": distinct_n(responses, 2),
+        }
+        if K.TURNS in rollout.keys(True):
+            metrics["eval/turns_per_episode"] = float(rollout.get(K.TURNS).double().mean())
+            metrics["eval/tool_calls_per_episode"] = float(rollout.get(K.TOOL_CALLS).double().mean())
+        if self.accuracy is not None:
+            # correct = full marks (a checker's partial credit is not a correct answer)
+            correct = rollout.get(("scores", self.accuracy)) >= 1.0
+            metrics["eval/accuracy"] = float(correct.float().mean())
+        if self._reference is not None:
+            metrics["eval/win_rate"] = win_rate(self._judged(rollout), self._judged(self._reference))
+            metrics["eval/reference_score"] = float(self._reference.get(K.SCORE).mean())
+        return metrics, rollout
+
+
+def rollout_samples(rollout, n: int | None = None) -> list[dict]:
+    """``{"prompt", "question", "response", "score"}`` of the first ``n`` rows of a rollout (all:
+    None): the prompt as the policy read it (chat template applied) and, for reading, the last
+    user message alone (the prompt again where the rollout has no messages); a multi-turn
+    episode's response is its whole transcript, tool messages included.
+
+    Args:
+        rollout (tensordict.TensorDictBase): a scored rollout with its texts.
+        n: the rows to take (None: all).
+    """
+    text = K.EPISODE_TEXT if K.EPISODE_TEXT in rollout.keys(True) else K.RESPONSE_TEXT
+    prompts, responses = rollout.get(K.PROMPT_TEXT).tolist(), rollout.get(text).tolist()
+    scores = rollout.get(K.SCORE).tolist()
+    questions = prompts
+    if K.PROMPT_MESSAGES in rollout.keys(True):
+        questions = [m[-1]["content"] for m in rollout.get(K.PROMPT_MESSAGES).tolist()]
+    return [{"prompt": p, "question": q, "response": r, "score": s}
+            for p, q, r, s in list(zip(prompts, questions, responses, scores))[:n]]
+
+
+def format_metrics(metrics: dict) -> str:
+    """``score 0.348, win_rate 0.656, ...``: eval metrics on one line.
+
+    Args:
+        metrics: name to value.
+    """
+    return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in metrics.items())
