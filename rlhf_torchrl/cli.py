@@ -210,6 +210,26 @@ def _hydra_app(fn, config_name: str, job: str, args: list[str]) -> None:
     app()
 
 
+def registered_lines(cfg) -> list[str]:
+    """What each registry holds (:mod:`rlhf_torchrl.registry`), the config's ``plugins`` imported
+    first: one line per entry, under the setting that selects it."""
+    from omegaconf import OmegaConf
+
+    from rlhf_torchrl.registry import REGISTRIES, builtin_entries, load_plugins
+
+    builtin_entries()
+    plugins = load_plugins(OmegaConf.select(cfg, "plugins", default=None))
+    lines = [f"registered (rlhf_torchrl.registry{'; plugins: ' + ', '.join(plugins) if plugins else ''}; "
+             "add your own with plugins=[my_pkg.module]):", ""]
+    for setting, registry in REGISTRIES.items():
+        lines.append(f"{setting}:")
+        for name, doc in registry.describe():
+            doc = doc if len(doc) <= 72 else doc[:69].rsplit(" ", 1)[0] + " ..."
+            lines.append(f"  {name}".ljust(20) + f"  {doc}")
+        lines.append("")
+    return lines
+
+
 def _ppo_help(overrides: list[str]) -> str:
     """The settings of ``rlhf-torchrl ppo [overrides] --help``: with ``task=...`` that task's."""
     from omegaconf import OmegaConf
@@ -241,6 +261,7 @@ def _ppo_help(overrides: list[str]) -> str:
             doc = doc if len(doc) <= 72 else doc[:69].rsplit(" ", 1)[0] + " ..."
             lines.append(f"  {key}={shown}".ljust(40) + f"  {doc}")
         lines.append("")
+    lines += registered_lines(cfg)
     lines += ["examples:",
               "  rlhf-torchrl ppo task=arithmetic ppo.batch_size=16",
               "  rlhf-torchrl ppo model.policy=Qwen/Qwen2.5-0.5B-Instruct task=gsm8k device=cuda",

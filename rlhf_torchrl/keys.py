@@ -105,6 +105,9 @@ VALUE_TARGET = "value_target"
 # (B,) float64, written into each minibatch before it is split (TokenPPOLoss.prepare_minibatch):
 # each response's weight in the positive-example NLL term (functional.positive_nll_weights).
 POSITIVE_NLL_WEIGHT = "positive_nll_weight"
+# (B, R) bool, written into each minibatch before it is split by the covariance entropy controls
+# (objectives.policy_losses.clip_cov and kl_cov): the tokens they act on.
+COV_SELECTED = "cov_selected"
 
 # (B, R) int64, token_view's steps only (rlhf_torchrl.data.trajectory): the response position each
 # time step of the view comes from (its policy tokens in order, then the other positions).

@@ -21,16 +21,21 @@ import sys
 
 from rlhf_torchrl.benchmarks.common import add_out_arg, make_parser
 from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.objectives.advantages import ADVANTAGE_ESTIMATORS
 
-#: the estimators, in the order they run
-ESTIMATORS = ("rloo", "gae", "grpo", "reinforce_pp")
-#: the overrides of each estimator's runs (gae: the preset as it is)
-SETTINGS = {
-    "gae": [],
-    "reinforce_pp": ["advantage.estimator=reinforce_pp"],
-    "grpo": ["advantage.estimator=grpo", "generation.samples_per_prompt=4"],
-    "rloo": ["advantage.estimator=rloo", "generation.samples_per_prompt=4"],
-}
+#: the registered estimators, in the order they run
+ESTIMATORS = tuple(ADVANTAGE_ESTIMATORS)
+#: the responses per prompt of the estimators that compare a prompt's responses
+GROUP_SIZE = 4
+
+
+def settings(estimator: str) -> list[str]:
+    """The overrides of an estimator's runs: the estimator, and groups of :data:`GROUP_SIZE`
+    where it compares responses to the same prompt."""
+    groups = ADVANTAGE_ESTIMATORS.get(estimator).compares_groups
+    return [f"advantage.estimator={estimator}",
+            *([f"generation.samples_per_prompt={GROUP_SIZE}"] if groups else [])]
+
 #: no checkpoints and no saved policy (3.8 GB a SmolLM2 run): the figures are in report.json
 RUN_SETTINGS = ["logging.progress_bar=false", "resume=never", "checkpoint.every=0",
                 "logging.save_model=false"]
@@ -44,7 +49,7 @@ def run_name(task: str, estimator: str, seed: int, tag: str = "") -> str:
 def command(task: str, estimator: str, seed: int, run_dir: str, extra: list[str]) -> list[str]:
     """The ``rlhf-torchrl ppo`` command of one run, through this interpreter."""
     return [sys.executable, "-c", "from rlhf_torchrl.cli import main; main()", "ppo",
-            f"task={task}", f"seed={seed}", *SETTINGS[estimator], *extra, f"output_dir={run_dir}",
+            f"task={task}", f"seed={seed}", *settings(estimator), *extra, f"output_dir={run_dir}",
             f"hydra.run.dir={run_dir}", *RUN_SETTINGS]
 
 

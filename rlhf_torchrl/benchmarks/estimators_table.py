@@ -18,8 +18,10 @@ import statistics
 
 from rlhf_torchrl.benchmarks.common import add_out_arg, finish, make_parser
 from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.objectives.advantages import ADVANTAGE_ESTIMATORS
 
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
+#: the registered estimators (a plugin's too, once imported)
+ESTIMATORS = tuple(ADVANTAGE_ESTIMATORS)
 
 
 def run_figures(path: str, held_out: str) -> dict:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlhf_torchrl.collectors.asynchronous import AsyncCollector, ModelCopy
-from rlhf_torchrl.collectors.backends.transformers import make_generation_policy
+from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
 from rlhf_torchrl.collectors.base import RolloutCollector
 from rlhf_torchrl.collectors.sampling import check_full_distribution
 from rlhf_torchrl.collectors.weight_sync import SyncedCollector, WeightSync
@@ -75,9 +75,10 @@ class CollectorSpec:
         top_k: keep the ``k`` likeliest tokens (0: all).
         top_p: nucleus sampling's mass (1.0: all).
         seed: the sampling streams' seed.
-        backend: ``transformers`` (the trained model, or with ``overlap`` a copy of it, samples)
-            or ``vllm`` (an engine given ``vllm``'s settings).
-        vllm: the engine's settings, with ``backend="vllm"``.
+        backend: a name in :data:`~rlhf_torchrl.collectors.backends.GENERATION_BACKENDS`:
+            ``transformers`` (the trained model, or with ``overlap`` a copy of it, samples) or
+            ``vllm`` (an engine given ``vllm``'s settings).
+        vllm: the engine's settings (the backend's ``engine_spec``; None: it has none).
         overlap: None: synchronous; ``N >= 0``: a background thread samples ``N`` updates ahead.
         record_entropy: the sampler records exact entropies (log-probs are always recorded).
         autocast_dtype: ``bfloat16``/``float16`` generation (None: the model's dtype).
@@ -198,30 +199,9 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
                               rank=rank, world_size=world, start_batch=first,
                               samples_per_prompt=spec.samples_per_prompt)
     check_full_distribution(spec.top_k, spec.top_p)  # PPO trains on full-distribution samples
-    sync = None
-    if spec.backend == "vllm":
-        gen_policy = make_vllm_policy(spec, policy, tokenizer, device)
-        sync = WeightSync(policy, gen_policy.model)
-        log.info("vLLM engine loaded the policy's weights in %.2f s", sync(0))
-    else:
-        from rlhf_torchrl.modules.models import torch_dtype
-
-        sampling_model = policy
-        if spec.overlap:  # the trainer updates the policy while the copy samples
-            copy_ = ModelCopy(policy)
-            sync, sampling_model = WeightSync(policy, copy_), copy_.model
-        gen_policy = make_generation_policy(
-            sampling_model, tokenizer, max_new_tokens=spec.max_new_tokens,
-            temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p,
-            stop_token_ids=list(spec.stop_token_ids),
-            # always recorded: the old log-probs (unless recomputed) and the on-policy check's reference
-            record_log_probs=True, record_entropy=spec.record_entropy, device=device,
-            autocast_dtype=torch_dtype(spec.autocast_dtype) if spec.autocast_dtype else None,
-            samples_per_prompt=spec.samples_per_prompt,
-            value_head=value_head if sampling_model is policy else None,
-            static_cache_len=spec.static_cache_len,
-        )
-        gen_policy.generate_kwargs.update(parallel.generate_kwargs())
+    backend = GENERATION_BACKENDS.get(spec.backend)
+    gen_policy, sync = backend.make_policy(spec, policy, tokenizer, device, parallel=parallel,
+                                           value_head=value_head)
     local = spec.batch_size // world
     if spec.partial_rollout_tokens is not None:
         from rlhf_torchrl.collectors.partial import PartialRolloutCollector
@@ -245,37 +225,6 @@ def make_collector(spec: CollectorSpec, prompts, tokenizer, policy, *, device=No
             max_turns=spec.max_turns, max_new_tokens=spec.max_new_tokens,
             max_tokens=spec.max_tokens, tool_timeout=spec.tool_timeout)
     return in_background(collector, sync)
-
-
-def make_vllm_policy(spec: CollectorSpec, policy, tokenizer, device: torch.device):
-    """A vLLM engine with the policy's architecture, behind TorchRL's generation wrapper; its
-    weights are pushed by the collector's weight sync (:func:`make_collector`).
-
-    Args:
-        spec: how to sample (``spec.vllm``: the engine's settings).
-        policy (transformers.PreTrainedModel): the trained policy, whose config the engine copies.
-        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
-        device: where the engine runs.
-    """
-    from rlhf_torchrl.collectors.backends.vllm import (
-        VLLMGenerator,
-        make_vllm_engine,
-        make_vllm_generation_policy,
-    )
-
-    v = spec.vllm
-    sleep = device.type == "cuda" if v.sleep is None else bool(v.sleep)
-    engine = make_vllm_engine(
-        policy, tokenizer, dtype=v.dtype, seed=spec.seed, device=device,
-        max_model_len=v.max_model_len, gpu_memory_utilization=v.gpu_memory_utilization,
-        kv_cache_gb=v.kv_cache_gb, enforce_eager=v.enforce_eager, sleep_mode=sleep,
-        tensor_parallel_size=v.tensor_parallel_size, workdir=v.workdir,
-    )
-    generator = VLLMGenerator(engine, temperature=spec.temperature, top_k=spec.top_k,
-                              top_p=spec.top_p, sleep_between_batches=sleep,
-                              samples_per_prompt=spec.samples_per_prompt)
-    return make_vllm_generation_policy(generator, tokenizer, max_new_tokens=spec.max_new_tokens,
-                                       stop_token_ids=list(spec.stop_token_ids))
 
 
 def make_ray_collector(spec: CollectorSpec, prompts: Sequence, tokenizer, *, device=None,

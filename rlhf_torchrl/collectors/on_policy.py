@@ -119,7 +119,8 @@ def log_probs_from_sampling(*, backend: str = "transformers", autocast: str | No
     PPO, Hilton et al. 2021: the trust region is anchored at the policy being updated).
 
     Args:
-        backend: ``transformers`` or ``vllm``.
+        backend: a name in :data:`~rlhf_torchrl.collectors.backends.GENERATION_BACKENDS`: only
+            one whose ``log_probs_match_training`` can record the old log-probs.
         autocast: the autocast dtype's name (None: none).
         dtype: the weights' dtype.
         overlap: the sampler's updates ahead (None: synchronous).
@@ -130,7 +131,10 @@ def log_probs_from_sampling(*, backend: str = "transformers", autocast: str | No
     """
     if setting is not None:
         return bool(setting)
-    return (not low_precision(autocast=autocast, dtype=dtype) and backend == "transformers"
+    from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
+
+    return (not low_precision(autocast=autocast, dtype=dtype)
+            and GENERATION_BACKENDS.get(backend).log_probs_match_training
             and not overlap and not partial_rollout and not compiled)
 
 

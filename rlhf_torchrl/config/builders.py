@@ -13,6 +13,7 @@ import logging
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
 from rlhf_torchrl.collectors.factory import make_collector
 from rlhf_torchrl.config import validation
 from rlhf_torchrl.config.checks import (
@@ -164,7 +165,8 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     )
     trainer.register_hook("threads", ThreadTuning(threads))
     if g.check_on_policy:
-        separate = bool(c.ray_workers) or g.backend == "vllm" or c.overlap is not None
+        pushed = GENERATION_BACKENDS.get(g.backend).recheck_after_push
+        separate = bool(c.ray_workers) or pushed or c.overlap is not None
         trainer.register_hook("on_policy_check", OnPolicyCheck(
             num_rows=g.on_policy_rows, atol=on_policy_tolerance(cfg),
             recheck_after_push=separate and not c.overlap))

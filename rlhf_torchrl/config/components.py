@@ -4,13 +4,13 @@ explicit keyword arguments (tokenizer, models, rewards, tools, collector spec, l
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig
 
-from rlhf_torchrl.collectors.factory import CollectorSpec, VLLMSpec
+from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
+from rlhf_torchrl.collectors.factory import CollectorSpec
 from rlhf_torchrl.config.derived import (
     autocast_dtype,
     log_probs_from_sampling,
@@ -28,7 +28,7 @@ from rlhf_torchrl.objectives.advantages import needs_critic
 from rlhf_torchrl.objectives.kl_shaping import KLRewardShaper, make_kl_controller
 from rlhf_torchrl.objectives.ppo import make_ppo_loss
 from rlhf_torchrl.rewards.reward_model import RewardModel
-from rlhf_torchrl.rewards.scoring import Scorer, load_reward_function
+from rlhf_torchrl.rewards.scoring import Scorer
 from rlhf_torchrl.runtime import ThreadTuner, resolve_device
 from rlhf_torchrl.trainers.update import make_minibatch_buffer
 
@@ -48,9 +48,7 @@ def critic_free(cfg: DictConfig) -> bool:
 
 def make_device(cfg: DictConfig) -> torch.device:
     device = resolve_device(cfg.device)
-    if cfg.generation.backend == "vllm" and cfg.vllm.sleep and device.type != "cuda":
-        raise ConfigError(f"vllm.sleep frees GPU memory while training: it needs CUDA (device is "
-                         f"{device}). Set vllm.sleep=false.")
+    GENERATION_BACKENDS.get(cfg.generation.backend).check(cfg, device)
     return device
 
 
@@ -68,21 +66,21 @@ def make_thread_tuner(cfg: DictConfig) -> ThreadTuner:
 
 
 def make_reward_functions(cfg: DictConfig) -> dict:
-    """Import the reward functions, and the remote ones of their URLs (fails before any model is
-    loaded)."""
-    from rlhf_torchrl.rewards.remote import is_url, url_name
+    """The reward functions of ``reward.functions``, each read by its kind
+    (:func:`~rlhf_torchrl.rewards.kinds.reward_kind`: a Python function, a URL, a plugin's kind),
+    made before any model is loaded; name -> (function, weight)."""
+    from rlhf_torchrl.rewards.kinds import reward_kind
 
-    paths = list(cfg.reward.functions or [])
-    weights = cfg.reward.function_weights or [1.0] * len(paths)
-    if len(set(paths)) != len(paths):
-        raise ConfigError(f"reward.functions lists a function twice: {paths}. Use its weight instead.")
-    # metrics are named after the function; the full path only where two share a name
-    short = [url_name(p) if is_url(p) else p.replace(":", ".").rsplit(".", 1)[-1] for p in paths]
-    names = [n if short.count(n) == 1 else url_name(p, full=True) if is_url(p) else p
-             for n, p in zip(short, paths)]
-    return {name: (remote_reward(cfg, path, name) if is_url(path) else load_reward_function(path),
-                   float(w))
-            for name, path, w in zip(names, paths, weights)}
+    specs = list(cfg.reward.functions or [])
+    weights = cfg.reward.function_weights or [1.0] * len(specs)
+    if len(set(specs)) != len(specs):
+        raise ConfigError(f"reward.functions lists a function twice: {specs}. Use its weight instead.")
+    kinds = [reward_kind(s) for s in specs]
+    # metrics are named after the function; the full name only where two share one
+    short = [k.short_name(s) for k, s in zip(kinds, specs)]
+    names = [n if short.count(n) == 1 else k.full_name(s) for n, k, s in zip(short, kinds, specs)]
+    return {name: (kind.build(spec, name, cfg), float(w))
+            for name, kind, spec, w in zip(names, kinds, specs, weights)}
 
 
 def remote_reward(cfg: DictConfig, url: str, name: str):
@@ -94,12 +92,9 @@ def remote_reward(cfg: DictConfig, url: str, name: str):
         url: the scoring endpoint.
         name: the reward's name.
     """
-    from rlhf_torchrl.rewards.remote import RemoteReward
+    from rlhf_torchrl.rewards.kinds import RemoteRewardKind
 
-    r = cfg.reward
-    return RemoteReward(url, name=name, token_env=r.remote_token_env, timeout=r.remote_timeout,
-                        retries=r.remote_retries, batch_size=r.remote_batch_size,
-                        concurrency=r.remote_concurrency, label_column=r.remote_label_column)
+    return RemoteRewardKind.build(url, name, cfg)
 
 
 def make_tools(cfg: DictConfig) -> dict:
@@ -172,7 +167,7 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
         cfg: the composed PPO config.
         stop_ids (list[int]): the ids that end a response (:func:`stop_token_ids`).
     """
-    g, c, v = cfg.generation, cfg.collection, cfg.vllm
+    g, c = cfg.generation, cfg.collection
     return CollectorSpec(
         batch_size=cfg.ppo.batch_size, max_new_tokens=g.max_new_tokens,
         stop_token_ids=tuple(stop_ids), temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
@@ -186,12 +181,7 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
         tool_timeout=cfg.env.tool_timeout, python_sandbox=python_sandbox(cfg),
         partial_rollout_tokens=partial_rollout_tokens(cfg),
         static_cache_len=(cfg.data.max_prompt_length + g.max_new_tokens) if g.compile else None,
-        vllm=VLLMSpec(
-            max_model_len=v.max_model_len or cfg.data.max_prompt_length + g.max_new_tokens,
-            dtype=v.dtype or cfg.model.dtype, gpu_memory_utilization=v.gpu_memory_utilization,
-            kv_cache_gb=v.kv_cache_gb, enforce_eager=v.enforce_eager, sleep=v.sleep,
-            tensor_parallel_size=v.tensor_parallel_size,
-            workdir=os.path.join(cfg.output_dir, "vllm_engine")) if g.backend == "vllm" else None,
+        vllm=GENERATION_BACKENDS.get(g.backend).engine_spec(cfg),
     )
 
 
@@ -264,7 +254,8 @@ def make_loss(cfg: DictConfig, actor, critic):
                          positive_nll_coef=p.positive_nll_coef,
                          positive_nll_threshold=p.positive_nll_threshold,
                          off_policy_correction=p.off_policy_correction,
-                         off_policy_low=p.off_policy_low)
+                         off_policy_low=p.off_policy_low, policy_loss=p.policy_loss,
+                         policy_loss_args=dict(p.policy_loss_args or {}))
 
 
 def make_replay_buffer(cfg: DictConfig, sizes: Sizes):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
+from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
 from rlhf_torchrl.distributed import DataParallel
 from rlhf_torchrl.modules.models import torch_dtype
 from rlhf_torchrl.runtime import native_bf16, resolve_device
@@ -67,7 +68,8 @@ def values_from_sampling(cfg: DictConfig, parallel: DataParallel, *, critic: boo
     """
     c = cfg.collection
     return (critic and cfg.value_model.init == "shared" and log_probs_from_sampling(cfg)
-            and cfg.generation.backend == "transformers" and not parallel.fsdp
+            and GENERATION_BACKENDS.get(cfg.generation.backend).samples_with_trained_model
+            and not parallel.fsdp
             and not c.ray_workers and not c.overlap)
 
 
@@ -138,7 +140,7 @@ def on_policy_tolerance(cfg: DictConfig) -> float:
     """
     from rlhf_torchrl.collectors.on_policy import on_policy_tolerance as tolerance
 
-    engine = cfg.vllm.dtype if cfg.generation.backend == "vllm" else None
+    engine = GENERATION_BACKENDS.get(cfg.generation.backend).sampler_dtype(cfg)
     return tolerance(autocast=cfg.model.autocast, dtype=cfg.model.dtype,
                      setting=cfg.generation.on_policy_tolerance, sampler_dtype=engine)
 

@@ -283,6 +283,8 @@ class PPO:
     tis_cap: float | None = MISSING
     off_policy_correction: str = MISSING
     off_policy_low: float | None = MISSING
+    policy_loss: str = MISSING
+    policy_loss_args: dict[str, Any] = field(default_factory=dict)
     kl_loss_coef: float = MISSING
     positive_nll_coef: float = MISSING
     positive_nll_threshold: float = MISSING
@@ -390,6 +392,7 @@ class PPOConfig:
     reuse_freed_memory: bool = MISSING
     output_dir: str = MISSING
     resume: str = MISSING
+    plugins: list[str] = field(default_factory=list)
     distributed: Distributed = field(default_factory=Distributed)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     model: Model = field(default_factory=Model)

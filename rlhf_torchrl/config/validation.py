@@ -8,13 +8,16 @@ import math
 
 from omegaconf import DictConfig
 
+from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
 from rlhf_torchrl.distributed import STRATEGIES
 from rlhf_torchrl.envs.sandbox import KINDS as SANDBOXES
 from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.functional import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
 from rlhf_torchrl.modules.packing import PACKING
-from rlhf_torchrl.objectives.advantages import ESTIMATORS
+from rlhf_torchrl.objectives.advantages import ADVANTAGE_ESTIMATORS
+from rlhf_torchrl.objectives.policy_losses import POLICY_LOSSES
 from rlhf_torchrl.record.trackers import LOGGERS
+from rlhf_torchrl.registry import Registry, load_plugins
 from rlhf_torchrl.trainers.optim import SCHEDULES, WARMUP_SIGNALS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -30,13 +33,14 @@ CHOICES = {
     "model.packing": PACKING,
     "reward.model_dtype": DTYPES,
     "value_model.init": ("shared", "policy", "reward_model", "model"),
-    "generation.backend": ("transformers", "vllm"),
+    "generation.backend": GENERATION_BACKENDS,
     "env.python_sandbox": SANDBOXES,
     "vllm.dtype": (None, *DTYPES),
     "ppo.kl_estimator": KL_ESTIMATORS,
     "ppo.loss_aggregation": LOSS_AGGREGATIONS,
     "ppo.off_policy_correction": OFF_POLICY_CORRECTIONS,
-    "advantage.estimator": ESTIMATORS,
+    "advantage.estimator": ADVANTAGE_ESTIMATORS,
+    "ppo.policy_loss": POLICY_LOSSES,
     "optim.lr_schedule": SCHEDULES,
     "optim.critic_warmup_until": (None, *WARMUP_SIGNALS),
     "guards.non_finite": ("stop", "skip"),
@@ -154,6 +158,7 @@ def validate(cfg: DictConfig) -> None:
     if missing:
         raise ConfigError(f"{', '.join(sorted(missing))} must be set: the task (task=...) sets it, "
                          "or give it on the command line, e.g. data.source=prompts.jsonl.")
+    load_plugins(OmegaConf.select(cfg, "plugins", default=None))  # their entries are choices
     check_choices_and_ranges(cfg, CHOICES, RANGES)
     for i, entry in enumerate(OmegaConf.select(cfg, "data.sources") or []):
         for key, bounds in SOURCE_RANGES.items():
@@ -173,7 +178,9 @@ def check_choices_and_ranges(cfg: DictConfig, choices: dict, ranges: dict) -> No
 
     for key, allowed in choices.items():
         value = OmegaConf.select(cfg, key)
-        if value not in allowed:
+        if isinstance(allowed, Registry):  # its own line, which names plugins=[...]
+            allowed.get(value)
+        elif value not in allowed:
             shown = ", ".join("null" if a is None else str(a).lower() if isinstance(a, bool)
                               else a for a in allowed)
             raise ConfigError(f"{key}={value!r} is not one of the allowed values: {shown}.")

@@ -35,6 +35,10 @@ from rlhf_torchrl.functional.losses import (
     dual_clip,
     positive_nll,
     positive_nll_weights,
+    random_subset,
+    sequence_log_ratio,
+    token_covariance,
+    top_k_tokens,
 )
 from rlhf_torchrl.functional.masks import (
     has_holes,
@@ -89,6 +93,10 @@ __all__ = [
     "position_ids_from_mask",
     "positive_nll",
     "positive_nll_weights",
+    "random_subset",
+    "sequence_log_ratio",
+    "token_covariance",
+    "top_k_tokens",
     "returns_to_go",
     "truncate_after_stop",
     "unpack",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.functional.masks import masked_mean
 
 #: ``ppo.loss_aggregation``'s modes, verl's ``loss_agg_mode`` names with underscores
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
@@ -228,3 +229,63 @@ def positive_nll_weights(positive: torch.Tensor, mask: torch.Tensor, mode: str =
     n_positive = keep.sum().clamp_min(1).double()
     size = aggregation_size(mask, mode, constant)
     return positive.bool().double() * size / n_positive
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) each response's length-normalised log-ratio, ``mean_t (log pi - log pi_old)`` over its
+    valid tokens (0 for a response without any): the log of GSPO's sequence ratio ``s_i``.
+
+    Args:
+        log_ratio: (B, R) per-token ``log pi - log pi_old``.
+        mask: (B, R) the valid response tokens.
+    """
+    m = mask.to(log_ratio.dtype)
+    return (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)
+
+
+def token_covariance(log_prob: torch.Tensor, advantage: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """(B, R) each valid token's share of the covariance of log-prob and advantage,
+    ``(log pi_t - mean log pi) (A_t - mean A)``, the means over the valid tokens (0 on padding):
+    what Clip-Cov and KL-Cov rank tokens by (Cui et al. 2025).
+
+    Args:
+        log_prob: (B, R) the tokens' log-probs.
+        advantage: (B, R) their advantages.
+        mask: (B, R) the valid response tokens.
+    """
+    cov = (log_prob - masked_mean(log_prob, mask)) * (advantage - masked_mean(advantage, mask))
+    return torch.where(mask, cov, torch.zeros_like(cov))
+
+
+def random_subset(eligible: torch.Tensor, count: int,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """A bool mask of ``min(count, eligible.sum())`` of the ``True`` entries of ``eligible``,
+    chosen uniformly at random (from ``generator``, or torch's default one).
+
+    Args:
+        eligible: a bool tensor.
+        count: how many to choose.
+        generator: the random stream (None: torch's default).
+    """
+    flat = eligible.flatten().nonzero().squeeze(-1)
+    chosen = flat[torch.randperm(len(flat), generator=generator, device=flat.device)[:count]]
+    out = torch.zeros(eligible.numel(), dtype=torch.bool, device=eligible.device)
+    out[chosen] = True
+    return out.view_as(eligible)
+
+
+def top_k_tokens(score: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
+    """A bool mask of the ``min(count, mask.sum())`` valid tokens of highest ``score`` (ties:
+    the first in row-major order).
+
+    Args:
+        score: (B, R) a score per token.
+        mask: (B, R) the valid tokens.
+        count: how many to choose.
+    """
+    masked = torch.where(mask, score, torch.full_like(score, -torch.inf)).flatten()
+    k = min(count, int(mask.sum()))
+    out = torch.zeros(masked.numel(), dtype=torch.bool, device=score.device)
+    out[torch.topk(masked, k, sorted=False).indices] = True
+    return out.view_as(score)

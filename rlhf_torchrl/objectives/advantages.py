@@ -24,10 +24,16 @@ the KL penalty in the loss instead (``kl_coef=0``), ``N = 0``, and GRPO and RLOO
 token of a response the same advantage, as in their papers. The critic-free estimators need no
 value model and write no ``"value_target"``: the loss then has no value term.
 
-A new estimator is any module with this contract (``examples/custom_advantage.py``).
+A new estimator is any module with this contract (``examples/custom_advantage.py``), registered
+in :data:`ADVANTAGE_ESTIMATORS` to be a value of ``advantage.estimator``: its class attributes
+``needs_critic`` (it reads ``"state_value"``: a value model is built) and ``compares_groups`` (it
+baselines responses to the same prompt: ``generation.samples_per_prompt >= 2``) answer what the
+run must provide, and its ``__init__`` receives the ``advantage.*`` settings it names.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from tensordict import TensorDictBase
@@ -36,13 +42,14 @@ from tensordict.nn import TensorDictModuleBase
 from rlhf_torchrl import functional as F
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.registry import Registry
 
-#: the estimators of ``advantage.estimator``; all but ``gae`` are critic-free
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp")
-#: the estimators that compare responses to the same prompt (``samples_per_prompt >= 2``)
-GROUP_ESTIMATORS = ("grpo", "rloo")
+#: the values of ``advantage.estimator``: each a TensorDict module class writing ``"advantage"``
+ADVANTAGE_ESTIMATORS: Registry[type[TensorDictModuleBase]] = Registry(
+    "advantage.estimator", "advantage estimator")
 
 
+@ADVANTAGE_ESTIMATORS.register("gae")
 class ResponseGAE(TensorDictModuleBase):
     """GAE over response tokens; writes ``"advantage"`` and ``"value_target"`` (B, R, 1).
 
@@ -68,6 +75,7 @@ class ResponseGAE(TensorDictModuleBase):
     """
 
     needs_critic = True
+    compares_groups = False
 
     def __init__(self, *, gamma: float = 1.0, lmbda: float = 0.95, whiten_advantages: bool = True,
                  lmbda_critic: float | None = None, lmbda_length_alpha: float | None = None):
@@ -102,6 +110,7 @@ class ResponseGAE(TensorDictModuleBase):
 
 class _CriticFree(TensorDictModuleBase):
     needs_critic = False
+    compares_groups = False
     required = (K.REWARD, K.RESPONSE_MASK)  # the in_keys a rollout must hold (the others: optional)
 
     def __init__(self):
@@ -122,6 +131,7 @@ class _GroupBaseline(_CriticFree):
     """A score baseline within each group of responses to one prompt, plus the KL credit."""
 
     required = (*_CriticFree.required, K.GROUP)
+    compares_groups = True
 
     def __init__(self):
         super().__init__()
@@ -136,6 +146,7 @@ class _GroupBaseline(_CriticFree):
         return group_scores(td), F.returns_to_go(_kl_part(td), mask), mask
 
 
+@ADVANTAGE_ESTIMATORS.register("grpo")
 class GRPOAdvantage(_GroupBaseline):
     """GRPO's group-relative advantage (Shao et al. 2024), or Dr. GRPO's (Liu et al. 2025).
 
@@ -168,6 +179,7 @@ class GRPOAdvantage(_GroupBaseline):
         return self._write(td, relative.unsqueeze(-1) + kl_to_go, mask)
 
 
+@ADVANTAGE_ESTIMATORS.register("rloo")
 class RLOOAdvantage(_GroupBaseline):
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024).
 
@@ -185,6 +197,7 @@ class RLOOAdvantage(_GroupBaseline):
         return self._write(td, relative.unsqueeze(-1) + kl_to_go, mask)
 
 
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
 class ReinforcePPAdvantage(_CriticFree):
     """REINFORCE++ (Hu 2025): returns-to-go of the shaped per-token rewards, whitened over all
     valid tokens of the batch (the batch is the baseline). Needs no groups. Reads
@@ -206,34 +219,25 @@ class ReinforcePPAdvantage(_CriticFree):
         return self._write(td, adv, mask)
 
 
-def make_advantage(estimator: str = "gae", *, gamma: float = 1.0, lmbda: float = 0.95,
-                   whiten_advantages: bool = True, scale_by_std: bool = True,
-                   lmbda_critic: float | None = None,
-                   lmbda_length_alpha: float | None = None) -> TensorDictModuleBase:
-    """The module of ``estimator`` (:data:`ESTIMATORS`); each setting reaches the estimators
-    that use it and is ignored by the others.
+def make_advantage(estimator: str = "gae", **settings) -> TensorDictModuleBase:
+    """The module of ``estimator`` (a name in :data:`ADVANTAGE_ESTIMATORS`); each setting reaches
+    the estimators whose ``__init__`` takes it and is ignored by the others.
 
     Args:
-        estimator: ``gae`` (:class:`ResponseGAE`, needs a critic), ``grpo``, ``rloo`` or
-            ``reinforce_pp``.
-        gamma: the discount (GAE and REINFORCE++).
-        lmbda: GAE's lambda.
-        whiten_advantages: whiten GAE's advantages over the batch's valid tokens.
-        scale_by_std: divide GRPO's advantages by the group's score std (False: Dr. GRPO).
-        lmbda_critic: GAE's lambda for the value targets (None: ``lmbda``).
-        lmbda_length_alpha: VAPO's length-adaptive policy lambda's ``alpha`` (None: ``lmbda``).
+        estimator: ``gae`` (:class:`ResponseGAE`, needs a critic), ``grpo``, ``rloo``,
+            ``reinforce_pp``, or one registered by a plugin.
+        **settings: the ``advantage.*`` settings: ``gamma`` (the discount: GAE and REINFORCE++),
+            ``lmbda`` (GAE's lambda), ``whiten_advantages`` (whiten GAE's advantages over the
+            batch's valid tokens), ``scale_by_std`` (divide GRPO's advantages by the group's
+            score std; False: Dr. GRPO), ``lmbda_critic`` (GAE's lambda for the value targets;
+            None: ``lmbda``), ``lmbda_length_alpha`` (VAPO's length-adaptive policy lambda's
+            ``alpha``; None: ``lmbda``).
     """
-    if estimator == "gae":
-        return ResponseGAE(gamma=gamma, lmbda=lmbda, whiten_advantages=whiten_advantages,
-                           lmbda_critic=lmbda_critic, lmbda_length_alpha=lmbda_length_alpha)
-    if estimator == "grpo":
-        return GRPOAdvantage(scale_by_std=scale_by_std)
-    if estimator == "rloo":
-        return RLOOAdvantage()
-    if estimator == "reinforce_pp":
-        return ReinforcePPAdvantage(gamma=gamma)
-    raise ConfigError(f"Unknown advantage estimator {estimator!r}: choose one of "
-                      f"{', '.join(ESTIMATORS)}.")
+    cls = ADVANTAGE_ESTIMATORS.get(estimator)
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return cls(**settings)
+    return cls(**{k: v for k, v in settings.items() if k in params})
 
 
 def _kl_part(td: TensorDictBase) -> torch.Tensor:
@@ -256,13 +260,16 @@ def needs_critic(advantage) -> bool:
 
 def compares_groups(advantage) -> bool:
     """Whether ``advantage`` baselines each response against the responses to the same prompt
-    (``"group"`` in its ``in_keys``: GRPO, RLOO, a group estimator of your own): where a group of
-    equal scores has no signal, and DAPO's filter (:func:`informative_groups`) means something.
+    (GRPO, RLOO, a group estimator of your own): where a group of equal scores has no signal, and
+    DAPO's filter (:func:`informative_groups`) means something. A module's (or class's)
+    ``compares_groups``, else whether ``"group"`` is one of its ``in_keys``.
 
     Args:
-        advantage (torch.nn.Module): an advantage module (:func:`make_advantage`'s or your own).
+        advantage (torch.nn.Module | type): an advantage module (:func:`make_advantage`'s or your
+            own), or its class.
     """
-    return K.GROUP in list(getattr(advantage, "in_keys", []))
+    flag = getattr(advantage, "compares_groups", None)
+    return bool(flag) if flag is not None else K.GROUP in list(getattr(advantage, "in_keys", []))
 
 
 # ---- groups ------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from rlhf_torchrl import functional as F
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.errors import ConfigError, MissingDependencyError
 from rlhf_torchrl.objectives.loss_inputs import loss_input_keys
+from rlhf_torchrl.objectives.policy_losses import PolicyLoss, SurrogateInputs, make_policy_loss
 
 #: the torchrl release TokenPPOLoss is tested against (pyproject.toml pins it)
 TESTED_TORCHRL = "0.14.1"
@@ -110,6 +111,11 @@ class TokenPPOLoss(ClipPPOLoss):
         positive_nll_threshold: the ``"score"`` at or above which a response is positive.
         off_policy_correction: ``tis``, ``mis``, ``icepop`` or ``seq_mask_tis``.
         off_policy_low: the off-policy weight's lower bound (None: the correction's default).
+        policy_loss: the per-token policy loss: a name in
+            :data:`~rlhf_torchrl.objectives.policy_losses.POLICY_LOSSES` (``ppo``: ``ClipPPOLoss``'s
+            clipped surrogate; ``gspo``, ``cispo``, ``clip_cov``, ``kl_cov``, a plugin's) or a
+            :class:`~rlhf_torchrl.objectives.policy_losses.PolicyLoss`.
+        policy_loss_args: the named policy loss's settings (``ppo.policy_loss_args``).
         **kwargs: ``ClipPPOLoss``'s keyword arguments, except ``reduction`` (always ``"none"``
             here).
 
@@ -145,7 +151,8 @@ class TokenPPOLoss(ClipPPOLoss):
                  dual_clip: float | None = None, loss_aggregation: str = "token_mean",
                  loss_aggregation_constant: float | None = None, positive_nll_coef: float = 0.0,
                  positive_nll_threshold: float = 1.0, off_policy_correction: str = "tis",
-                 off_policy_low: float | None = None, **kwargs):
+                 off_policy_low: float | None = None, policy_loss: str | PolicyLoss = "ppo",
+                 policy_loss_args: dict | None = None, **kwargs):
         if kwargs.pop("reduction", None) not in (None, "none"):
             raise ConfigError("TokenPPOLoss averages its losses as loss_aggregation says "
                               f"({', '.join(F.LOSS_AGGREGATIONS)}), not with reduction=.")
@@ -156,6 +163,9 @@ class TokenPPOLoss(ClipPPOLoss):
             raise ConfigError(f"positive_nll_coef must be >= 0 (VAPO uses 0.1), got {positive_nll_coef}.")
         if tis_cap is not None:
             F.check_off_policy_correction(off_policy_correction, tis_cap, off_policy_low)
+        if not isinstance(policy_loss, PolicyLoss):
+            policy_loss = make_policy_loss(policy_loss, policy_loss_args)
+        policy_loss.check(loss_aggregation=loss_aggregation, dual_clip=dual_clip)
         super().__init__(*args, reduction="none", **kwargs)  # per-token loss_*, reduced in forward
         self.tis_cap = tis_cap
         self.off_policy_correction, self.off_policy_low = off_policy_correction, off_policy_low
@@ -164,6 +174,7 @@ class TokenPPOLoss(ClipPPOLoss):
         self.loss_aggregation = loss_aggregation
         self.loss_aggregation_constant = loss_aggregation_constant
         self.positive_nll_coef, self.positive_nll_threshold = positive_nll_coef, positive_nll_threshold
+        self.policy_loss = policy_loss
         self._seen: dict[str, torch.Tensor] = {}  # per-token quantities of the current call
 
     def prepare_minibatch(self, td):
@@ -178,7 +189,7 @@ class TokenPPOLoss(ClipPPOLoss):
         """
         if self.positive_nll_coef:
             td.set(K.POSITIVE_NLL_WEIGHT, self._positive_weights(td))
-        return td
+        return self.policy_loss.prepare_minibatch(td)
 
     def _positive_weights(self, td):
         return F.positive_nll_weights(td.get(K.SCORE) >= self.positive_nll_threshold,
@@ -192,6 +203,8 @@ class TokenPPOLoss(ClipPPOLoss):
         out = super().forward(tensordict)  # per-token loss_* entries, 0 on padding
         mask = tensordict.get(K.RESPONSE_MASK)  # (B, R)
         losses = {k: out.get(k).reshape(mask.shape) for k in out.keys() if k.startswith("loss_")}
+        losses["loss_objective"], extra = self._policy_loss(tensordict, losses["loss_objective"])
+        out.update(extra)
         if self.dual_clip is not None:
             adv = tensordict.get(self.tensor_keys.advantage).reshape(mask.shape)
             weight = self._seen.get("is_weight")
@@ -209,6 +222,19 @@ class TokenPPOLoss(ClipPPOLoss):
         out.update(self._diagnostics(tensordict, self._seen))
         self._seen = {}
         return out
+
+    def _policy_loss(self, td, clipped) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Each token's policy loss (B, R), 0 on padding, from the registered policy loss (PPO's:
+        ``ClipPPOLoss``'s ``clipped`` as it is), and that loss's own diagnostics."""
+        mask = td.get(K.RESPONSE_MASK)
+        weight = self._seen.get("is_weight")
+        low, high = (float(b.exp()) for b in self._clip_bounds)
+        loss, extra = self.policy_loss.per_token(SurrogateInputs(
+            log_weight=self._seen["surrogate_log_weight"].reshape(mask.shape),
+            advantage=td.get(self.tensor_keys.advantage).reshape(mask.shape), mask=mask,
+            clip_low=low, clip_high=high, is_weight=None if weight is None else weight.reshape(mask.shape),
+            clipped_loss=clipped, tensordict=td))
+        return torch.where(mask, loss, torch.zeros_like(loss)), extra
 
     def _kl_to_reference(self, td, log_weight) -> tuple[torch.Tensor, torch.Tensor]:
         """Per token ``kl_loss_coef * min(k3, 10)`` (B, R), k3 = ``(r - 1) - log r``, ``r = pi_ref
@@ -241,10 +267,14 @@ class TokenPPOLoss(ClipPPOLoss):
 
     def _log_weight(self, tensordict, adv_shape):
         log_weight, dist, kl_approx, log_is_weight = super()._log_weight(tensordict, adv_shape)
-        self._seen["log_ratio"] = log_weight.detach().squeeze(-1)  # (B, R)
         if self.kl_loss_coef or self.positive_nll_coef:
             self._seen["log_weight"] = log_weight  # with its gradient: the new log-probs of the
             # KL and NLL terms
+        mask = tensordict.get(K.RESPONSE_MASK)
+        # the ratio the surrogate is taken of (GSPO: the response's), clipped by ClipPPOLoss
+        log_weight = self.policy_loss.log_weight(log_weight.reshape(mask.shape), mask).view_as(log_weight)
+        self._seen["surrogate_log_weight"] = log_weight
+        self._seen["log_ratio"] = log_weight.detach().squeeze(-1)  # (B, R)
         if self.tis_cap is not None:  # the sampler's log-probs: required (loss_input_keys)
             # the sampled tokens came from the behaviour policy, the ratio is taken against the
             # recomputed old policy; ClipPPOLoss weights both surrogate terms by exp(log_is_weight),
@@ -325,6 +355,8 @@ def make_ppo_loss(
     positive_nll_threshold: float = 1.0,
     off_policy_correction: str = "tis",
     off_policy_low: float | None = None,
+    policy_loss: str = "ppo",
+    policy_loss_args: dict | None = None,
 ):
     """TorchRL's ``ClipPPOLoss`` for token-level PPO (a :class:`TokenPPOLoss`).
 
@@ -379,6 +411,10 @@ def make_ppo_loss(
             (:func:`~rlhf_torchrl.functional.off_policy_log_weight`, each with its formula).
         off_policy_low: the weight's lower bound (None: none for ``tis`` and ``mis``,
             ``1 / tis_cap`` for ``icepop`` and ``seq_mask_tis``).
+        policy_loss: the per-token policy loss, a name in
+            :data:`~rlhf_torchrl.objectives.policy_losses.POLICY_LOSSES` (``ppo``: the clipped
+            surrogate above; ``gspo``, ``cispo``, ``clip_cov``, ``kl_cov``).
+        policy_loss_args: its settings (its ``__init__``'s keyword arguments).
     """
     if tis_cap is not None and tis_cap <= 0:
         raise ConfigError(f"tis_cap must be > 0 (or None), got {tis_cap}.")
@@ -412,6 +448,8 @@ def make_ppo_loss(
         positive_nll_threshold=positive_nll_threshold,
         off_policy_correction=off_policy_correction,
         off_policy_low=off_policy_low,
+        policy_loss=policy_loss,
+        policy_loss_args=policy_loss_args,
     )
     keys = {"value": K.VALUE, "value_target": K.VALUE_TARGET} if critic is not None else {}
     loss.set_keys(action=K.RESPONSE_TOKENS, sample_log_prob=K.LOG_PROB, advantage=K.ADVANTAGE,

