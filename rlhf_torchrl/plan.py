@@ -396,7 +396,10 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     R = g.max_new_tokens * max(1, cfg.env.max_turns)
     T = P + R
     rows = p.batch_size // world
-    critic_kind = None if cfg.advantage.estimator != "gae" else cfg.value_model.init
+    from rlhf_torchrl.objectives.advantages import ADVANTAGE_ESTIMATORS
+
+    needs_critic = ADVANTAGE_ESTIMATORS.get(cfg.advantage.estimator).needs_critic
+    critic_kind = cfg.value_model.init if needs_critic else None
 
     held: dict[str, float] = {}
     trained = _lora_params(shape, cfg.lora.r) if cfg.lora.r else shape.params
@@ -442,11 +445,13 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     if g.compile:  # the static cache is kept for the next batch: every phase holds it
         held["static KV cache"] = generation.pop("KV cache")
     engine_awake = 0.0
-    if g.backend == "vllm":  # the engine takes its share of the device: weights and KV cache
-        share = cfg.vllm.gpu_memory_utilization * profile.memory_gb * GIB
-        generation = {"vLLM engine": share}
-        asleep = cfg.vllm.sleep if cfg.vllm.sleep is not None else profile.name != "cpu"
-        engine_awake = 0.0 if asleep else share  # sleep mode frees it while the trainer runs
+    from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
+
+    backend = GENERATION_BACKENDS.get(g.backend)
+    engine = backend.engine_memory(cfg, profile.memory_gb * GIB, cuda=profile.name != "cpu")
+    if engine is not None:  # the engine takes its share of the device: weights and KV cache
+        generation = {f"{backend.label} engine": engine[0]}
+        engine_awake = engine[1]  # what it keeps while the trainer runs (sleep mode: nothing)
     # the old quantities: a forward batch's fp32 logits at the response positions, ~3 copies
     # (logits, their exponentials, the entropies)
     fb = min(p.forward_batch_size, rows)
@@ -477,7 +482,7 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
             phase["FSDP2 gathered layers"] = gathered
 
     if engine_awake:
-        old["vLLM engine"] = update["vLLM engine"] = engine_awake
+        old[f"{backend.label} engine"] = update[f"{backend.label} engine"] = engine_awake
     # from the second iteration on every phase holds the moments and the gradients
     phases = {}
     for name, transient in (("generation", generation), ("old_quantities", old),
