@@ -54,7 +54,8 @@ _STATS = ("policy/clipfrac_avg", "policy/approxkl_avg", "loss/policy_avg", "loss
           "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "policy/tis_weight_avg",
           "policy/tis_capped_frac", "policy/kl_to_ref_avg", "policy/clipfrac_high_avg",
           "policy/clipfrac_low_avg", "policy/dual_clipfrac_avg", "loss/positive_nll_avg",
-          "policy/positive_token_frac", "loss/value_critic_passes_avg", "policy/is_masked_frac")
+          "policy/positive_token_frac", "loss/value_critic_passes_avg", "policy/is_masked_frac",
+          "policy/cispo_truncated_frac", "policy/cov_selected_frac")
 #: metric <- the first of these a loss returns: :class:`~rlhf_torchrl.objectives.ppo.TokenPPOLoss`'s
 #: TRL-style diagnostic, then plain ``ClipPPOLoss``'s own (which averages over every position,
 #: pads included)
@@ -69,7 +70,10 @@ _DIAGNOSTICS = {"policy/clipfrac_avg": ("pg_clipfrac", "clip_fraction"),
                 "policy/clipfrac_low_avg": ("pg_clipfrac_low",),
                 "policy/dual_clipfrac_avg": ("pg_clipfrac_dual",),
                 "loss/positive_nll_avg": ("positive_nll",),
-                "policy/positive_token_frac": ("positive_token_frac",)}
+                "policy/positive_token_frac": ("positive_token_frac",),
+                # the registered policy losses' own (objectives.policy_losses)
+                "policy/cispo_truncated_frac": ("cispo_truncated_frac",),
+                "policy/cov_selected_frac": ("cov_selected_frac",)}
 #: the metrics of the critic-only passes (averaged over their optimiser steps; the others over
 #: the PPO epochs' steps)
 _CRITIC_PASS_STATS = ("loss/value_critic_passes_avg",)
