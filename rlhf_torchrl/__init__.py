@@ -1,6 +1,6 @@
 """PPO-based RLHF for language models as a composable TorchRL pipeline."""
 
-from rlhf_torchrl import functional, keys
+from rlhf_torchrl import deprecated, functional, keys
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
 from rlhf_torchrl.data.rollout import to_rollout
 from rlhf_torchrl.data.trajectory import merge_token_view, token_view
@@ -20,6 +20,8 @@ from rlhf_torchrl.trainers.ppo import PPOTrainer
 from rlhf_torchrl.trainers.update import UpdateSettings, ppo_update
 
 __version__ = "0.1.0"
+
+deprecated.install()  # the flat layout's module names, for one release
 
 __all__ = [
     "GRPOAdvantage",

@@ -215,9 +215,12 @@ def registered_lines(cfg) -> list[str]:
     first: one line per entry, under the setting that selects it."""
     from omegaconf import OmegaConf
 
-    from rlhf_torchrl.registry import REGISTRIES, builtin_entries, load_plugins
+    import rlhf_torchrl.collectors.backends  # noqa: F401 - the built-in entries register
+    import rlhf_torchrl.objectives.advantages  # noqa: F401
+    import rlhf_torchrl.objectives.policy_losses  # noqa: F401
+    import rlhf_torchrl.rewards.kinds  # noqa: F401
+    from rlhf_torchrl.registry import REGISTRIES, load_plugins
 
-    builtin_entries()
     plugins = load_plugins(OmegaConf.select(cfg, "plugins", default=None))
     lines = [f"registered (rlhf_torchrl.registry{'; plugins: ' + ', '.join(plugins) if plugins else ''}; "
              "add your own with plugins=[my_pkg.module]):", ""]

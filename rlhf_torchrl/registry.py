@@ -129,10 +129,3 @@ def load_plugins(modules) -> list[str]:
         loaded.append(str(name))
     return loaded
 
-
-def builtin_entries() -> None:
-    """Import the modules whose entries are built in, so that every registry is complete."""
-    import rlhf_torchrl.collectors.backends  # noqa: F401
-    import rlhf_torchrl.objectives.advantages  # noqa: F401
-    import rlhf_torchrl.objectives.policy_losses  # noqa: F401
-    import rlhf_torchrl.rewards.kinds  # noqa: F401

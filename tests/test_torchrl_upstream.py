@@ -278,3 +278,33 @@ def test_torchrl_cispo_keeps_the_gradient_of_clipped_tokens():
     (grad,) = torch.autograd.grad(objective.sum(), log_weight)
     assert float(grad[1]) != 0  # inside the clip: a gradient, as in PPO
     assert float(grad[0]) != 0  # past the clip: CISPO's sg(min(r, 1 + eps)) A grad log pi
+
+
+def test_the_private_torchrl_api_we_use_is_the_tested_one(monkeypatch):
+    """Every private TorchRL part the library uses is checked; a renamed one, a changed signature,
+    a property turned method, each refused in one line naming it and the tested version."""
+    from torchrl.objectives import ClipPPOLoss
+
+    from rlhf_torchrl.errors import MissingDependencyError
+    from rlhf_torchrl.upstream import PRIVATE_API, TESTED_TORCHRL, check_private_api
+
+    check_private_api()  # the installed torchrl is the tested one
+    used = {attr for *_, attr, _ in PRIVATE_API}
+    assert {"_log_weight", "_clip_bounds", "_AcceptedKeys", "_load_from_dataloader", "_rng"} <= used
+
+    def changed(self, tensordict):  # TorchRL's main branch shape: no adv_shape
+        return tensordict
+
+    cases = [(("_log_weight", changed), r"ClipPPOLoss\._log_weight, which in the installed torchrl "
+                                        r".* takes \(self, tensordict\), not \(self, tensordict, adv_shape\)"),
+             (("_clip_bounds", lambda self: (0.0, 0.0)), r"ClipPPOLoss\._clip_bounds, .* is a function, "
+                                                         r"not a property")]
+    for (attr, value), message in cases:
+        monkeypatch.setattr(ClipPPOLoss, attr, value)
+        with pytest.raises(MissingDependencyError,
+                           match=rf"^rlhf_torchrl needs torchrl {TESTED_TORCHRL} .*{message}"):
+            check_private_api()
+        monkeypatch.undo()
+    table = (("torchrl.objectives", "ClipPPOLoss", "_gone", ("self",)),)
+    with pytest.raises(MissingDependencyError, match=r"ClipPPOLoss\._gone, which .* is gone"):
+        check_private_api(table)

@@ -10,3 +10,10 @@ from rlhf_torchrl.data.prompt_sets import PromptSet, load_prompts
 from rlhf_torchrl.data.prompts import Prompt
 
 __all__ = ["Prompt", "PromptSet", "load_prompts"]
+
+
+def __getattr__(name: str):
+    """The other names of the old ``rlhf_torchrl/data.py`` (now :mod:`.prompts`), for one release."""
+    from rlhf_torchrl.deprecated import forward
+
+    return forward(__name__, "rlhf_torchrl.data", "rlhf_torchrl.data.prompts", name)

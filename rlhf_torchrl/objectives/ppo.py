@@ -20,9 +20,8 @@ from rlhf_torchrl import keys as K
 from rlhf_torchrl.errors import ConfigError, MissingDependencyError
 from rlhf_torchrl.objectives.loss_inputs import loss_input_keys
 from rlhf_torchrl.objectives.policy_losses import PolicyLoss, SurrogateInputs, make_policy_loss
+from rlhf_torchrl.upstream import TESTED_TORCHRL, check_private_api
 
-#: the torchrl release TokenPPOLoss is tested against (pyproject.toml pins it)
-TESTED_TORCHRL = "0.14.1"
 
 
 def _log_weight_arities(loss_cls: type) -> tuple[set[int], set[int]]:
@@ -53,7 +52,7 @@ def check_torchrl_contract(loss_cls: type = ClipPPOLoss) -> None:
     TorchRL's main branch, where the override would fail inside the first update or hand the
     surrogate the wrong values. Checked when this module is imported, from the source of
     ``_log_weight`` and of ``forward`` (what each returns and unpacks); where the source cannot be
-    read, the version must be :data:`TESTED_TORCHRL`.
+    read, the version must be :data:`~rlhf_torchrl.upstream.TESTED_TORCHRL`.
 
     Args:
         loss_cls: the class whose ``_log_weight`` is overridden (``ClipPPOLoss``).
@@ -73,6 +72,7 @@ def check_torchrl_contract(loss_cls: type = ClipPPOLoss) -> None:
 
 
 check_torchrl_contract()
+check_private_api()
 
 
 class TokenPPOLoss(ClipPPOLoss):
