@@ -542,6 +542,18 @@ def test_config_keys_reach_the_loss(tmp_path, tiny_llama_dir):
     loss = components.make_loss(cfg, actor, None)
     assert (loss.off_policy_correction, loss.off_policy_low, loss.tis_cap) == ("seq_mask_tis", 0.9, 1.5)
     assert components.make_loss(compose(sampled_elsewhere), actor, None).off_policy_correction == "tis"
+    # the policy loss and its own settings; one line where they cannot go together
+    cfg = compose([*base, "ppo.policy_loss=clip_cov", "++ppo.policy_loss_args={ratio: 0.01, high: 3}"])
+    checks.check_config(cfg)
+    loss = components.make_loss(cfg, actor, None)
+    assert (loss.policy_loss.name, loss.policy_loss.ratio, loss.policy_loss.high) == ("clip_cov", 0.01, 3.0)
+    assert components.make_loss(compose(base), actor, None).policy_loss.name == "ppo"
+    for bad, message in (("ppo.policy_loss=gspo", "gspo is defined for ppo.loss_aggregation="
+                                                   "seq_mean_token_mean .now token_mean.: set it"),
+                         ("ppo.policy_loss=sppo", "ppo.policy_loss='sppo' is not a registered policy loss"),
+                         ("++ppo.policy_loss_args={eps: 1}", "eps is not a setting of ppo.policy_loss=ppo")):
+        with pytest.raises(ConfigError, match=message):
+            checks.check_config(compose([*base, bad]))
     with pytest.raises(ConfigError, match=r"ppo.off_policy_correction=icepop weights the loss .* set "
                                           r"its upper bound ppo.tis_cap"):
         checks.check_off_policy_correction(compose([*base, "ppo.off_policy_correction=icepop"]))
