@@ -32,6 +32,8 @@ def run(fn, cfg):
     """``fn(cfg)``; a :data:`USER_ERRORS` error is a message about the input or the run, not
     about this code: printed as ``Error: ...``, exit status 1 (``RLHF_TORCHRL_TRACEBACK=1``
     re-raises it with its traceback)."""
+    from rlhf_torchrl.trainers.interrupt import RunInterrupted
+
     quiet_third_party_bars()
     try:
         return fn(cfg)
@@ -40,6 +42,18 @@ def run(fn, cfg):
             raise
         print(f"Error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except RunInterrupted as stop:  # Ctrl-C or SIGTERM: a checkpoint, and the command that goes on
+        if os.environ.get("RLHF_TORCHRL_TRACEBACK"):
+            raise
+        print(stop.message, file=sys.stderr, flush=True)
+        sys.exit(stop.exit_status)
+    except KeyboardInterrupt:  # before the first iteration or after the last: nothing to resume
+        if os.environ.get("RLHF_TORCHRL_TRACEBACK"):
+            raise
+        print("Stopped by Ctrl-C outside the training iterations (while loading, or while the "
+              "final policy and report were written): run the command again; with resume=auto "
+              "it continues from the newest checkpoint, if any.", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 def quiet_third_party_bars() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -53,6 +54,7 @@ from rlhf_torchrl.config.model_checks import check_models, check_sequence_length
 from rlhf_torchrl.config.resume import finished_run, resume_path
 from rlhf_torchrl.plan import check_fits
 from rlhf_torchrl.trainers.guards import NonFiniteAction
+from rlhf_torchrl.trainers.interrupt import RunInterrupted
 from rlhf_torchrl.trainers.update import UpdateSettings
 
 log = logging.getLogger(__name__)
@@ -217,5 +219,32 @@ def train(cfg: DictConfig) -> dict:
     trainer = build_trainer(cfg)
     try:
         return trainer.fit()
+    except RunInterrupted as stop:  # the command that goes on, where a checkpoint holds the run
+        from rlhf_torchrl.trainers.checkpoint import list_checkpoints
+
+        if stop.checkpoint is not None or list_checkpoints(cfg.output_dir):
+            stop.message += f" Resume with: {resume_command(cfg)}"
+        raise
     finally:
         trainer.parallel.shutdown()
+
+
+def resume_command(cfg: DictConfig) -> str:
+    """The command that continues the run of ``cfg`` from its newest checkpoint: the same
+    overrides (this command line's, under Hydra), in the same ``output_dir``, ``resume`` left at
+    ``auto``; under torchrun, the same number of processes.
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    import shlex
+
+    from hydra.core.hydra_config import HydraConfig
+
+    given = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    kept = [o for o in given if not o.lstrip("+~").startswith(("resume=", "output_dir=", "hydra."))]
+    args = [*kept, f"output_dir={os.path.abspath(cfg.output_dir)}"]
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    head = (f"torchrun --nproc_per_node={world} -m rlhf_torchrl.cli ppo" if world > 1
+            else "rlhf-torchrl ppo")
+    return " ".join([head, *(shlex.quote(a) for a in args)])

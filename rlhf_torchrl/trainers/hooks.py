@@ -248,13 +248,17 @@ class Checkpointer(TrainerHookBase):
         # [run, resumed_at] of the runs whose checkpoints this one continues, then this run's
         self.lineage: list[list] = []
         self.run_id = uuid.uuid4().hex[:12]
+        self.last_path: str | None = None  # the newest checkpoint this run wrote
 
     def register(self, trainer, name: str = "checkpoint") -> None:
         self.trainer = trainer
         trainer.register_op("checkpoint", self)
 
     def due(self, done: int) -> bool:
-        return bool(self.every) and (done % self.every == 0 or done == self.trainer.num_iterations)
+        """On the schedule, after the last iteration, or after the iteration a stop signal ended
+        (:mod:`~rlhf_torchrl.trainers.interrupt`)."""
+        return bool(self.every) and (done % self.every == 0 or done == self.trainer.num_iterations
+                                     or bool(getattr(self.trainer, "stopping", 0)))
 
     def __call__(self) -> dict | None:
         from rlhf_torchrl.trainers.checkpoint import rng_state, save_checkpoint
@@ -265,7 +269,7 @@ class Checkpointer(TrainerHookBase):
         start = time.perf_counter()
         if not self.lineage or self.lineage[-1][0] != self.run_id:  # (before the state is taken)
             self.lineage.append([self.run_id, t.first_iteration])
-        save_checkpoint(self.output_dir, t.iterations_done, modules=t.trained_modules,
+        self.last_path = save_checkpoint(self.output_dir, t.iterations_done, modules=t.trained_modules,
                         optimizer=t.optimizer, keep=self.keep, parallel=t.parallel,
                         config_yaml=self.config_yaml, trainer_state=t.state_dict(),
                         rollouts=t.pending_rollouts(), rng=rng_state(), lineage=self.lineage)

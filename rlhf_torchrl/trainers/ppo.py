@@ -42,6 +42,7 @@ from rlhf_torchrl.trainers.checkpoint import (
     set_rng_state,
 )
 from rlhf_torchrl.trainers.guards import NonFiniteError, check_finite
+from rlhf_torchrl.trainers.interrupt import InterruptHandler, RunInterrupted, signal_name
 from rlhf_torchrl.trainers.optim import CriticWarmup
 from rlhf_torchrl.trainers.stages import StagedLoop
 from rlhf_torchrl.trainers.update import UpdateSettings, ppo_update
@@ -188,6 +189,8 @@ class PPOTrainer(StagedLoop):
         self.reward_transform = reward_transform
         self.iteration = 0  # the iteration running, 0 first (between iterations: those done)
         self.updated = False  # whether its update has run (iterations_done counts it from then)
+        self.interrupt: InterruptHandler | None = None  # while fit() runs
+        self.stopping = 0  # a stop signal's number, agreed by every process at an iteration's end
         self.first_iteration = 0  # where this process started (a resumed run: the checkpoint's)
         self.pending: list = []  # rollouts sampled ahead, restored from a checkpoint
         self.restored_rng: Mapping | None = None  # a checkpoint's RNG states, set when fit() starts
@@ -226,7 +229,39 @@ class PPOTrainer(StagedLoop):
             # iteration starts from the states the checkpointed run had at that point
             set_rng_state(self.restored_rng)
             self.restored_rng = None
-        while self.iteration < self.num_iterations:
+        where = lambda: f"iteration {self.iteration + 1} of {self.num_iterations}"  # noqa: E731
+        try:
+            with InterruptHandler(where) as self.interrupt:
+                self._iterate(rollouts)
+        except RunInterrupted as stop:  # a second Ctrl-C: at once; the newest checkpoint stays
+            self._shutdown_collector()
+            stop.iteration = self.iterations_done
+            raise
+        self._shutdown_collector()
+        if self.stopping and self.iteration < self.num_iterations:
+            raise self._interrupted()
+        self.run_stage("shutdown")  # the policy saved, the report written
+        self.parallel.barrier()
+        return self.report
+
+    def _shutdown_collector(self) -> None:
+        shutdown = getattr(self.collector, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    def _interrupted(self) -> RunInterrupted:
+        """The stop after a signal's iteration, naming the checkpoint written."""
+        checkpointer = self.hooks.get("checkpoint")
+        path = getattr(checkpointer, "last_path", None)
+        done = f"{self.iterations_done} of {self.num_iterations} iterations"
+        saved = (f"checkpoint {path}" if path is not None else
+                 "no checkpoint (checkpoints are off: checkpoint.every=0), so it cannot resume")
+        return RunInterrupted(f"Stopped by {signal_name(self.stopping)} after {done}: {saved}.",
+                              signum=self.stopping, iteration=self.iterations_done, checkpoint=path)
+
+    def _iterate(self, rollouts) -> None:
+        """The iterations left, until the last or a stop signal's."""
+        while self.iteration < self.num_iterations and not self.stopping:
             self.metrics, start = {}, time.perf_counter()
             self.run_stage("pre_collect")  # thread tuning
             self.actor.model.eval()
@@ -249,12 +284,6 @@ class PPOTrainer(StagedLoop):
             # 7. Log: the global batch's statistics (the same on every process).
             self.log_iteration(batch, stats, start)
             self.iteration, self.updated = self.iteration + 1, False
-        shutdown = getattr(self.collector, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-        self.run_stage("shutdown")  # the policy saved, the report written
-        self.parallel.barrier()
-        return self.report
 
     def old_quantities(self, rollout: TensorDictBase) -> None:
         """Phase 3: old log-probs (unless recorded while sampling), reference log-probs, values.
@@ -358,6 +387,9 @@ class PPOTrainer(StagedLoop):
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["episode"] = self.iterations_done * batch.shape[0]
         self.run_stage("post_steps_log", batch)  # evaluation, the KL ceiling, the report's samples
+        # a stop signal (Ctrl-C, SIGTERM) on any process: every process checkpoints this iteration
+        interrupt = getattr(self, "interrupt", None)
+        self.stopping = self.parallel.max_int(interrupt.requested or 0) if interrupt else 0
         # a background sampler of the trained model itself (overlap=0) waits: under FSDP2 its
         # forwards and a sharded checkpoint are both collectives (AsyncCollector.paused)
         with getattr(self.collector, "paused", nullcontext)():
