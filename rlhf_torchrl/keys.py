@@ -73,6 +73,10 @@ ENTROPY = ("entropy", "response")
 # (B, R) float32, multi-turn episodes: rewards the tools gave (a tool's outcome), each at the last
 # token of the assistant turn that made the call; added to the per-token reward.
 TURN_REWARD = "turn_reward"
+# (B, R) float32, process rewards: a reward's value for each reasoning step at the step's last
+# response token (weighted and summed over the rewards that give values per step); added to the
+# per-token reward, and kept out of SCORE.
+STEP_REWARD = "step_reward"
 # (B,) int64, multi-turn episodes: assistant turns, tool calls made, tool calls that failed (an
 # error or a timeout), and why the episode ended (an index into
 # rlhf_torchrl.data.rollout.END_REASONS).
@@ -135,6 +139,8 @@ def written_by(key) -> str:
                             "a loss with tis_cap weighs each token by their ratio",
         VALUE: "the critic's pass (compute_old_quantities(critic=...))",
         SCORE: "the scorer (Scorer)",
+        STEP_REWARD: "the scorer (Scorer(steps=StepRewards(tokenizer)), a reward that returns "
+                     "values per step)",
         KL: shaper, REWARD: shaper, NON_SCORE_REWARD: shaper, DONE: shaper, TERMINATED: shaper,
         SHAPED_SCORE: shaper,
         ADVANTAGE: "the advantage estimator (ResponseGAE, make_advantage)",

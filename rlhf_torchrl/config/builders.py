@@ -126,7 +126,8 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     stop_ids = stop_token_ids(cfg, tokenizer)
     advantage = advantage if advantage is not None else make_advantage(cfg)
     values_sampled = values_from_sampling(cfg, parallel, critic=needs_critic(advantage))
-    scorer = make_scorer(cfg, reward_functions, device, stop_text=tokenizer.decode(stop_ids[:1]))
+    scorer = make_scorer(cfg, reward_functions, device, stop_text=tokenizer.decode(stop_ids[:1]),
+                         tokenizer=tokenizer)
     check_rewards(cfg, scorer, prompts, tokenizer, stop_ids, with_values=values_sampled)
     policy, reference, critic = make_models(cfg, tokenizer, device, critic=needs_critic(advantage))
     # FSDP2 shards the models before the optimiser sees their parameters (no-op otherwise)

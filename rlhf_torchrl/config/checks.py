@@ -20,7 +20,7 @@ from rlhf_torchrl import functional as F
 from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
 from rlhf_torchrl.collectors.sampling import check_full_distribution
 from rlhf_torchrl.config import validation
-from rlhf_torchrl.config.components import critic_free, make_reward_probe
+from rlhf_torchrl.config.components import critic_free, make_reward_probe, step_split
 from rlhf_torchrl.config.derived import log_probs_from_sampling, partial_rollout_tokens, tis_cap
 from rlhf_torchrl.data.prompt_sets import PromptMixture
 from rlhf_torchrl.envs.prompt_env import check_group_sizes
@@ -204,6 +204,7 @@ def check_config(cfg: DictConfig) -> Sizes:
             "served), and/or reward.functions (dotted paths or URLs)."
         )
     check_remote_rewards(cfg)
+    step_split(cfg)  # a process reward's step delimiter or marker (an empty one, a bad regex)
     weights = cfg.reward.function_weights
     if weights is not None and len(weights) != len(cfg.reward.functions or []):
         raise ConfigError(

@@ -194,12 +194,23 @@ def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids, with_values
                          multi_turn=bool(cfg.env.tools))
 
 
+def step_split(cfg: DictConfig):
+    """How process rewards cut a response into steps (``reward.step_delimiter``,
+    ``reward.step_marker``): a :class:`~rlhf_torchrl.rewards.steps.StepSplit`, checked."""
+    from rlhf_torchrl.rewards.steps import StepSplit
+
+    return StepSplit(cfg.reward.step_delimiter, cfg.reward.step_marker)
+
+
 def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device,
-                stop_text: str = "") -> Scorer:
+                stop_text: str = "", tokenizer=None) -> Scorer:
     """The :class:`~rlhf_torchrl.rewards.scoring.Scorer` of ``reward_functions`` and the reward model
     (``reward.model``, or the one served at ``reward.remote_url``); ``stop_text``: the policy's
-    stop token, which remote rewards append to OpenRLHF's ``query`` where a response stopped."""
+    stop token, which remote rewards append to OpenRLHF's ``query`` where a response stopped;
+    ``tokenizer``: the policy's, which places a process reward's step values on tokens
+    (:class:`~rlhf_torchrl.rewards.steps.StepRewards`; None: no step rewards)."""
     from rlhf_torchrl.rewards.remote import RemoteReward
+    from rlhf_torchrl.rewards.steps import StepRewards
 
     r = cfg.reward
     rewards = dict(reward_functions)
@@ -216,7 +227,9 @@ def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device,
         if isinstance(fn, RemoteReward):
             fn.stop_text = stop_text
     # a NaN score is left for the guards: named, the rollout saved, stop or skip (guards.non_finite)
-    return Scorer(rewards, missing_eos_penalty=cfg.reward.missing_eos_penalty, allow_non_finite=True)
+    steps = StepRewards(tokenizer, step_split(cfg)) if tokenizer is not None else None
+    return Scorer(rewards, missing_eos_penalty=cfg.reward.missing_eos_penalty, allow_non_finite=True,
+                  steps=steps)
 
 
 def make_shaper(cfg: DictConfig) -> KLRewardShaper:

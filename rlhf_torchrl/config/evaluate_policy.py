@@ -45,7 +45,8 @@ def evaluate_policy(cfg: DictConfig) -> dict:
     _, held_out = hold_out(prompts, cfg.eval.num_prompts)
     check_sequence_length(cfg, list(held_out), tokenizer)
     stop_ids = stop_token_ids(cfg, tokenizer)
-    scorer = make_scorer(cfg, reward_functions, device, stop_text=tokenizer.decode(stop_ids[:1]))
+    scorer = make_scorer(cfg, reward_functions, device, stop_text=tokenizer.decode(stop_ids[:1]),
+                         tokenizer=tokenizer)
     scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids))
     m = cfg.model
     evaluator = new_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device)

@@ -148,6 +148,13 @@ class Reward:
     missing_eos_penalty: float | None = MISSING
     whiten_scores: bool = MISSING
     score_clip: float | None = MISSING
+    step_delimiter: str = MISSING
+    step_marker: str | None = MISSING
+    prm_step_tag: str = MISSING
+    prm_good_token: str = MISSING
+    prm_bad_token: str = MISSING
+    prm_step_separator: str = MISSING
+    prm_prompt_column: str | None = MISSING
 
 
 @dataclass

@@ -24,6 +24,12 @@ the KL penalty in the loss instead (``kl_coef=0``), ``N = 0``, and GRPO and RLOO
 token of a response the same advantage, as in their papers. The critic-free estimators need no
 value model and write no ``"value_target"``: the loss then has no value term.
 
+Process rewards (one value per reasoning step, ``"step_reward"``, each at its step's last token)
+are part of ``("next", "reward")``: GAE credits each step where it ends, and so do REINFORCE++'s
+returns-to-go. The group baselines (GRPO, RLOO) compare one number per response, so they take
+each response's step values summed (``s_i`` includes them): the step rewards still rank the
+responses of a group, but every token of a response gets the same score advantage.
+
 A new estimator is any module with this contract (``examples/custom_advantage.py``), registered
 in :data:`ADVANTAGE_ESTIMATORS` to be a value of ``advantage.estimator``: its class attributes
 ``needs_critic`` (it reads ``"state_value"``: a value model is built) and ``compares_groups`` (it
@@ -277,7 +283,7 @@ def compares_groups(advantage) -> bool:
 def group_scores(td: TensorDictBase) -> torch.Tensor:
     """(B,) each response's score ``s_i`` as the group baselines compare it: its reward without
     the KL part, summed over the response (the score whitened and clipped as the shaper was told,
-    plus a multi-turn episode's turn rewards).
+    plus a multi-turn episode's turn rewards and a process reward's step values).
 
     ``"shaped_score"`` where the shaper wrote it (:class:`~rlhf_torchrl.objectives.kl_shaping.KLRewardShaper`);
     else ``sum_t (r_it - N_it)`` from ``("next", "reward")`` and ``("next", "non_score_reward")``

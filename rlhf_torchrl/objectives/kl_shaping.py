@@ -58,10 +58,11 @@ class KLRewardShaper(TensorDictModuleBase):
     kept) and clips (``score_clip``) the scores first. Writes ``("kl", "response")`` (B, R),
     ``("next", "reward")``, ``("next", "non_score_reward")``, ``("next", "done")``,
     ``("next", "terminated")`` (B, R, 1), ready for GAE. A multi-turn rollout's
-    ``"turn_reward"`` (B, R) (the tools' rewards, each at the last token of its turn) is added to
-    the reward. Also writes ``"shaped_score"`` (B,): the reward without its KL part, summed over
-    the response (the whitened, clipped score plus the turn rewards), which the group baselines
-    compare.
+    ``"turn_reward"`` (B, R) (the tools' rewards, each at the last token of its turn) and a
+    process reward's ``"step_reward"`` (B, R) (each step's value at its last token) are added to
+    the reward as they are (neither whitened nor clipped). Also writes ``"shaped_score"`` (B,):
+    the reward without its KL part, summed over the response (the whitened, clipped score plus
+    the turn and step rewards), which the group baselines compare.
 
     Args:
         kl_controller (FixedKLController | torchrl.data.llm.utils.AdaptiveKLController): owns
@@ -105,11 +106,14 @@ class KLRewardShaper(TensorDictModuleBase):
         kl = F.kl_estimate(td.get(K.LOG_PROB), td.get(K.REF_LOG_PROB), self.kl_estimator) * mask
         reward, non_score = F.per_token_rewards(score, kl, mask, self.kl_coef)
         shaped_score = torch.where(mask.any(-1), score, torch.zeros_like(score))  # as in the reward
-        turn_reward = td.get(K.TURN_REWARD, None)
-        if turn_reward is not None:  # a multi-turn episode: the tools' rewards, turn by turn
-            turn_reward = torch.where(mask, turn_reward, torch.zeros_like(turn_reward))
-            reward = reward + turn_reward
-            shaped_score = shaped_score + turn_reward.sum(-1)
+        # dense rewards: a multi-turn episode's tool rewards (turn by turn) and process rewards
+        # (each step's value at its last token), as they are: not whitened, not clipped
+        for key in (K.TURN_REWARD, K.STEP_REWARD):
+            dense = td.get(key, None)
+            if dense is not None:
+                dense = torch.where(mask, dense, torch.zeros_like(dense))
+                reward = reward + dense
+                shaped_score = shaped_score + dense.sum(-1)
         done = F.last_token_mask(mask).unsqueeze(-1)
         # summed here, not recovered as reward - KL: (s + k) - k rounds, and equal scores must stay
         # equal for the group baselines and the group filter

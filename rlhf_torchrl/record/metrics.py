@@ -23,7 +23,8 @@ def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
 
     ``objective/kl`` is the KL summed over each response, averaged over responses;
     ``objective/non_score_reward`` the summed KL reward; ``objective/rlhf_reward`` = scores +
-    non-score reward; ``objective/entropy`` the summed exact entropy.
+    non-score reward; ``objective/entropy`` the summed exact entropy; ``objective/step_reward``
+    a process reward's step values summed over each response (weighted), averaged.
     """
     mask = td.get(K.RESPONSE_MASK)
     kl = td.get(K.KL).sum(-1)
@@ -46,6 +47,8 @@ def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
             td.get(K.VALUE).squeeze(-1), td.get(K.VALUE_TARGET).squeeze(-1), mask))
     if K.RAW_SCORE in keys:  # a Scorer's score before the missing-EOS penalty
         out["objective/raw_scores"] = float(td.get(K.RAW_SCORE).mean())
+    if K.STEP_REWARD in keys:  # process rewards, beside the score: summed over each response
+        out["objective/step_reward"] = float(td.get(K.STEP_REWARD).sum(-1).mean())
     if K.ENTROPY in keys:
         out["objective/entropy"] = float((td.get(K.ENTROPY) * mask).sum(-1).mean())
     if "scores" in td.keys():

@@ -3,5 +3,8 @@
 ``scoring``: the scorer that combines reward models and functions; ``reward_model``: a sequence
 classifier as a reward; ``functions``: ready-made reward functions; ``remote``: rewards scored by a
 service over HTTP; ``server``: a reward model served over HTTP; ``training``: reward-model training
-on preference pairs.
+on preference pairs; ``steps``: rewards with one value per reasoning step, placed on tokens;
+``process``: process reward models (the ``prm:`` entries of ``reward.functions``).
 """
+
+from rlhf_torchrl.rewards import process  # noqa: F401 - the prm reward kind registers

@@ -95,6 +95,84 @@ def gsm8k_format(prompts: list[str], responses: list[str]) -> list[float]:
     return [float(re.search(r"####\s*-?\$?\d", r) is not None) for r in responses]
 
 
+# ---- per-step arithmetic (a process reward) -----------------------------------------------------
+_NUM = r"-?\d+(?:\.\d+)?"
+#: ``a op b [op c ...] = d``, the operators + - * / (and × ÷)
+_EQUATION = re.compile(rf"({_NUM}(?:\s*[-+*/×÷]\s*{_NUM})+)\s*=\s*({_NUM})")
+_TERM = re.compile(rf"\s*({_NUM})\s*([-+*/×÷]?)")
+
+
+def evaluate_arithmetic(expression: str) -> float | None:
+    """The value of ``a op b op c ...`` with + - * / (× ÷), multiplication and division first, left
+    to right; None for a division by zero or text that is not such an expression.
+
+    Args:
+        expression: e.g. ``"2 + 3 * 4"`` (14.0).
+    """
+    numbers, ops, at = [], [], 0
+    while at < len(expression):
+        m = _TERM.match(expression, at)
+        if m is None or m.end() == at:
+            return None
+        numbers.append(float(m.group(1)))
+        if m.group(2):
+            ops.append({"×": "*", "÷": "/"}.get(m.group(2), m.group(2)))
+        at = m.end()
+    if not numbers or len(ops) != len(numbers) - 1:
+        return None
+    terms, signs = [numbers[0]], []  # products and quotients first
+    for op, n in zip(ops, numbers[1:]):
+        if op in "*/":
+            if op == "/" and n == 0:
+                return None
+            terms[-1] = terms[-1] * n if op == "*" else terms[-1] / n
+        else:
+            terms.append(n)
+            signs.append(op)
+    value = terms[0]
+    for sign, term in zip(signs, terms[1:]):
+        value = value + term if sign == "+" else value - term
+    return value
+
+
+def arithmetic_steps(prompts: list[str], responses: list[str],
+                     steps: list[list[str]]) -> list[list[float]]:
+    """A per-step verifier (a process reward): is each step's arithmetic right?
+
+    Each step that states equations ``a op b ... = c`` (+ - * / × ÷, decimals, the usual
+    precedence) is checked: ``+1 / m`` if every equation in it holds (within 1e-6), ``-1 / m`` if
+    one does not, with ``m`` the response's steps that state an equation; a step without one
+    (``#### 112``, prose) gets 0. A response's values sum to (right - wrong) / m, in [-1, 1]:
+    more steps do not earn more. Use it beside an outcome reward (``gsm8k_correct``), which
+    checks the final answer.
+
+    Args:
+        prompts: the rendered prompts (unused).
+        responses: the decoded responses (unused: the steps are read).
+        steps: each response's steps (``reward.step_delimiter``: one a line).
+
+    Example:
+        >>> arithmetic_steps([""], [""], [["12 + 7 = 19", "19 - 4 = 16", "#### 16"]])
+        [[0.5, -0.5, 0.0]]
+    """
+    out = []
+    for row in steps:
+        verdicts = []
+        for step in row:
+            equations = _EQUATION.findall(step)
+            if not equations:
+                verdicts.append(None)
+                continue
+            right = True
+            for left, result in equations:
+                value = evaluate_arithmetic(left)
+                right = right and value is not None and abs(value - float(result)) < 1e-6
+            verdicts.append(right)
+        m = sum(v is not None for v in verdicts)
+        out.append([0.0 if v is None else (1.0 if v else -1.0) / m for v in verdicts])
+    return out
+
+
 # ---- reasoning-gym tasks (data.source=reasoning_gym:<task>) -------------------------------------
 def extract_tagged_answer(text: str) -> str:
     """The answer a response gives: inside its last ``<answer>...</answer>`` (reasoning-gym's

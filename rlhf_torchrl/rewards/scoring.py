@@ -11,6 +11,11 @@ parameters are filled by name: ``tensordict`` receives the rollout TensorDict (k
 :mod:`rlhf_torchrl.keys`); any other name receives that dataset column, one value per response
 (``fn(prompts, responses, answer)`` gets each row's ``answer``); ``**kwargs`` receives every
 column. A reward never receives ``None`` in place of a rollout.
+
+Step rewards (process rewards): a function may instead return one list per response, one float
+per step (``[[1.0, -1.0], [], [0.5]]``); ``steps`` then receives each response's steps as the
+run splits them (:class:`~rlhf_torchrl.rewards.steps.StepSplit`), and each value goes to its
+step's last token (:class:`~rlhf_torchrl.rewards.steps.StepRewards`, ``"step_reward"``).
 """
 
 from __future__ import annotations
@@ -111,17 +116,20 @@ def _load_from_file(path: str, file: str, attr: str, what: str) -> Callable:
     return fn
 
 
-def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase) -> dict:
+def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase, steps=None) -> dict:
     """The keyword arguments ``fn`` asks for by name, read from the rollout ``td``.
 
-    ``tensordict`` gets the rollout, a dataset column's name gets that column (one value per row),
-    ``**kwargs`` gets every column; a required parameter that is none of these is an error naming
-    the columns there are.
+    ``tensordict`` gets the rollout, ``steps`` each response's steps (a list of strings per
+    response), a dataset column's name gets that column (one value per row), ``**kwargs`` gets
+    every column; a required parameter that is none of these is an error naming the columns there
+    are.
 
     Args:
         name: the reward's name, for errors.
         fn: the reward function.
         td: the rollout, with its texts and dataset columns.
+        steps (rlhf_torchrl.rewards.steps.StepRewards | None): splits the responses into steps
+            (None: one step a line).
     """
     params = _parameters(fn)
     if params is None:  # no signature to read (some builtins): the two lists only
@@ -133,7 +141,7 @@ def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase) -> dict:
             wanted.update({c: c for c in columns if c not in wanted})
         elif param.kind is inspect.Parameter.VAR_POSITIONAL:
             continue
-        elif param.name == "tensordict" or param.name in columns:
+        elif param.name in ("tensordict", "steps") or param.name in columns:
             wanted[param.name] = param.name
         elif param.default is inspect.Parameter.empty:
             raise ConfigError(
@@ -141,7 +149,14 @@ def reward_arguments(name: str, fn: RewardFn, td: TensorDictBase) -> dict:
                 f"prompts carry {sorted(columns) or 'no columns'}. A reward function takes "
                 "(prompts, responses), then by name 'tensordict' (the rollout) and dataset columns."
             )
-    return {k: td if k == "tensordict" else td.get((K.DATA, k)).tolist() for k in wanted}
+    out = {k: td if k == "tensordict" else td.get((K.DATA, k)).tolist()
+           for k in wanted if k != "steps"}
+    if "steps" in wanted:
+        from rlhf_torchrl.rewards.steps import StepSplit
+
+        split = steps.split if steps is not None else StepSplit()
+        out["steps"] = [split.texts(r) for r in td.get(K.RESPONSE_TEXT).tolist()]
+    return out
 
 
 class RewardError(RuntimeError):
@@ -149,13 +164,17 @@ class RewardError(RuntimeError):
 
 
 def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None,
-                 finite: bool = True) -> torch.Tensor:
-    """``fn`` on the rows of ``td`` as a (B,) float tensor; a wrong type or count is an error, and
-    so is a NaN/inf when ``finite`` (otherwise the value is left for the divergence guards, which
-    name it and stop or skip the iteration: :class:`Scorer`'s ``allow_non_finite``)."""
+                 finite: bool = True, steps=None) -> torch.Tensor:
+    """``fn`` on the rows of ``td`` as a (B,) float tensor, or (B, R) where it returns values per
+    step (placed on tokens by ``steps``, a :class:`~rlhf_torchrl.rewards.steps.StepRewards`); a
+    wrong type or count is an error, and so is a NaN/inf when ``finite`` (otherwise the value is
+    left for the divergence guards, which name it and stop or skip the iteration:
+    :class:`Scorer`'s ``allow_non_finite``)."""
+    from rlhf_torchrl.rewards.steps import is_step_output
+
     prompts = td.get(K.PROMPT_TEXT).tolist()
     responses = td.get(K.RESPONSE_TEXT).tolist()
-    kwargs = reward_arguments(name, fn, td)
+    kwargs = reward_arguments(name, fn, td, steps)
     try:
         out = fn(prompts, responses, **kwargs)
     except RewardError:  # says what went wrong already (a remote reward's service, say)
@@ -164,6 +183,12 @@ def _call_reward(name: str, fn: RewardFn, td: TensorDictBase, device=None,
         where = traceback.extract_tb(e.__traceback__)[-1]
         raise RewardError(f"Reward {name!r} raised {type(e).__name__}: {e} (at {where.filename}:"
                           f"{where.lineno}, in {where.name})") from e
+    if is_step_output(out, name):  # one value per step: each at its step's last token
+        if steps is None:
+            raise ConfigError(f"Reward {name!r} returned values per step, which need the "
+                              "policy's tokenizer to place: Scorer(..., steps=StepRewards(tokenizer)).")
+        placed = steps.to_tokens(name, out, td, finite=finite)
+        return placed if device is None else placed.to(device)
     try:
         out = torch.as_tensor(out, dtype=torch.float32, device=device).reshape(-1)
     except (TypeError, ValueError, RuntimeError):
@@ -202,6 +227,11 @@ class Scorer(TensorDictModuleBase):
     Reads the prompt/response text and ``has_stop_token``; writes ``"raw_score"`` (before the
     penalty), ``"score"`` (B,) and, for logging, one ``("scores", name)`` entry per reward.
 
+    A reward that returns values per step (a list per response) is a process reward: ``steps``
+    places each value on its step's last token, and ``"step_reward"`` (B, R) holds their weighted
+    sum, which the shaper adds to the per-token reward; it is not part of ``"score"``, and its
+    ``("scores", name)`` is each response's sum of step values.
+
     A reward that returns NaN or inf is refused, naming it and the rows
     (:class:`~rlhf_torchrl.errors.ConfigError`); with ``allow_non_finite`` the value is kept, for a
     trainer whose divergence guards name it, save the rollout and stop or skip the iteration
@@ -215,6 +245,9 @@ class Scorer(TensorDictModuleBase):
             0: none).
         allow_non_finite: keep NaN or inf scores for the trainer's divergence guards instead of
             refusing them.
+        steps (rlhf_torchrl.rewards.steps.StepRewards | None): splits responses into steps and
+            places step values on tokens (the policy's tokenizer); needed by a reward that returns
+            values per step.
 
     Example:
         >>> scorer = Scorer({"vader": (vader_compound, 1.0)}, missing_eos_penalty=1.0)
@@ -227,6 +260,7 @@ class Scorer(TensorDictModuleBase):
         *,
         missing_eos_penalty: float | None = None,
         allow_non_finite: bool = False,
+        steps=None,
     ):
         super().__init__()
         if not rewards:
@@ -236,8 +270,11 @@ class Scorer(TensorDictModuleBase):
             )
         self.rewards = dict(rewards)
         self.missing_eos_penalty, self.allow_non_finite = missing_eos_penalty, allow_non_finite
+        self.steps = steps
         self.in_keys = [K.PROMPT_TEXT, K.RESPONSE_TEXT, K.HAS_STOP]
         self.out_keys = [K.RAW_SCORE, K.SCORE] + [("scores", n) for n in self.rewards]
+        if steps is not None:
+            self.out_keys.append(K.STEP_REWARD)
 
     def check(self, probe: TensorDictBase) -> None:
         """Call every reward once on a small rollout, so a broken one fails before any work.
@@ -249,16 +286,24 @@ class Scorer(TensorDictModuleBase):
                 fields, made-up responses).
         """
         for name, (fn, _) in self.rewards.items():
-            _call_reward(name, fn, probe)
+            _call_reward(name, fn, probe, steps=self.steps)
 
     def forward(self, td: TensorDictBase) -> TensorDictBase:
         K.require(td, *self.in_keys, what="Scorer")
         device = td.get(K.HAS_STOP).device  # scores live with the rollout (a text reward's go there)
         total = torch.zeros(td.shape[0], device=device)
+        step_total = None  # (B, R): the process rewards, each step's value at its last token
         for name, (fn, weight) in self.rewards.items():
-            value = _call_reward(name, fn, td, device, finite=not self.allow_non_finite)
+            value = _call_reward(name, fn, td, device, finite=not self.allow_non_finite,
+                                 steps=self.steps)
+            if value.dim() == 2:
+                td.set(("scores", name), value.sum(-1))
+                step_total = weight * value + (0 if step_total is None else step_total)
+                continue
             td.set(("scores", name), value)
             total = total + weight * value
+        if step_total is not None:
+            td.set(K.STEP_REWARD, step_total)
         td.set(K.RAW_SCORE, total)
         score = total
         if self.missing_eos_penalty:
