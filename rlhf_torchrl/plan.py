@@ -31,6 +31,7 @@ GPUs this project was lent; ``docs/scaling.md`` compares the plan with measured 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import time
@@ -143,7 +144,10 @@ def device_profile(device: torch.device, gpu: str | None = None) -> DeviceProfil
         return PROFILES[gpu]
     cached = _read_profiles().get(_device_key(device))
     if cached is not None:
-        return DeviceProfile(**cached)
+        profile = DeviceProfile(**cached)
+        if device.type == "cpu":  # the limits are this process's (ulimit -v, the cgroup's), now
+            profile.memory_gb = _host_memory_gb()
+        return profile
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return next((p for key, p in PROFILES.items() if key in name), PROFILES["H100"])
@@ -152,12 +156,29 @@ def device_profile(device: torch.device, gpu: str | None = None) -> DeviceProfil
 
 
 def save_profile(device: torch.device, profile: DeviceProfile) -> Path:
+    """Cache ``profile`` as ``device``'s, and forget the phases timed on it before (the next plan
+    of each shape times its copies again)."""
     profiles = _read_profiles()
     profiles[_device_key(device)] = asdict(profile)
     path = profile_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(profiles, indent=1))
+    _forget_timings(_device_key(device))
     return path
+
+
+def _forget_timings(device_key: str) -> None:
+    try:
+        cache = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return
+    stale = [k for k in cache if k.startswith(_cache_key("timed", device_key, ""))]
+    if stale:
+        for key in stale:
+            del cache[key]
+        tmp = cache_path().with_name(f"{cache_path().name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, cache_path())
 
 
 def _read_profiles() -> dict:
@@ -202,6 +223,83 @@ def _host_memory_gb() -> float:
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def runtime_bytes() -> int:
+    """What this process holds now (its resident set, ``VmRSS``): on a CPU the run's memory that
+    no model accounts for (Python, torch, transformers and the model's class, this library; in
+    the PPO command's own check, the tokenizer and the prompts as well). 0 where
+    ``/proc/self/status`` cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmRSS:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def _import_model_class(config) -> None:
+    """Import the module of ``config``'s causal-LM class (what loading it will import anyway; the
+    import's memory is the run's too)."""
+    try:
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:  # noqa: BLE001 - a class transformers does not map: counted when built
+        pass
+
+
+# ---- what the plan measured once, kept on disk ------------------------------------------------
+
+
+def cache_path() -> Path:
+    """The plan's measurements by shape and settings (activation counts, timed copies)."""
+    return profile_path().parent / "plan_cache.json"
+
+
+def _config_key(config) -> str:
+    import hashlib
+
+    fields = {k: v for k, v in config.to_dict().items()
+              if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype",
+                           "architectures", "_commit_hash")}
+    return hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _cache_key(*parts) -> str:
+    return "|".join(str(p) for p in parts)
+
+
+#: measure again whatever is asked for, ignoring the cache (``rlhf-torchrl plan --fresh``)
+_FRESH = False
+
+
+def _cache_get(key: str):
+    if _FRESH:
+        return None
+    try:
+        return json.loads(cache_path().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def _cache_put(key: str, value):
+    """Store ``value`` under ``key`` (a file replaced whole: a reader never sees half of it);
+    returns ``value``. Nothing is stored where the cache cannot be written."""
+    path = cache_path()
+    try:
+        try:
+            cache = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        cache[key] = value
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value
 
 
 # ---- activations, counted on a tiny copy of the model's class ----------------------------------
@@ -255,8 +353,19 @@ def layer_activation_bytes(config, autocast: torch.dtype | None,
 
     Counted on 1- and 2-layer copies at head widths 8 and 16 and 32 and 64 tokens: the difference
     between the layer counts is one layer, between the token counts its per-token part, and both
-    grow linearly with the width, which gives them at the real width.
+    grow linearly with the width, which gives them at the real width. The count is kept in
+    :func:`cache_path` per model shape, precision and checkpointing (the next plan of the same
+    shape reads it: no copy is built).
     """
+    key = _cache_key("activations", _config_key(config), str(autocast), bool(gradient_checkpointing))
+    cached = _cache_get(key)
+    if cached is None:
+        cached = _cache_put(key, list(_count_layer_activations(config, autocast,
+                                                               gradient_checkpointing)))
+    return tuple(cached)
+
+
+def _count_layer_activations(config, autocast, gradient_checkpointing) -> tuple[float, float]:
     shape = ModelShape.from_config(config)
     per_token, fixed = {}, {}
     for width in (8, 16):
@@ -282,6 +391,342 @@ def layer_activation_bytes(config, autocast: torch.dtype | None,
     # recomputed); this grows with the width squared, so it is counted, not extrapolated
     weight_copies = 2 * shape.layer_matmul_params if autocast is not None else 0
     return at(per_token), 0.0 if gradient_checkpointing else weight_copies
+
+
+# ---- seconds on this device: each phase's work timed on a one-layer copy ----------------------
+
+#: what a timed copy runs at most, whatever the run's sizes (the rest is scaled): decoding
+#: steps, rows sampled (more: a second, halved batch gives the cost of a row), tokens of a
+#: forward batch or micro-batch (a CPU's matmuls run at their full rate from a few hundred)
+_TIMED_STEPS, _TIMED_ROWS, _TIMED_TOKENS = 16, 16, 512
+
+
+@dataclass(frozen=True)
+class PhaseWork:
+    """The shapes of one process's work per iteration, what :func:`timed_phases` times.
+
+    Args:
+        rows: responses sampled per iteration.
+        prompt: prompt tokens per row (padded).
+        response: response tokens per row.
+        forward_rows: rows per no-grad forward (``ppo.forward_batch_size``).
+        micro_rows: rows per micro-batch of the update.
+        minibatches: minibatches per epoch (an optimiser step each).
+        epochs: passes over the rollout.
+        temperature: the sampling temperature.
+        autocast: the autocast dtype's name (None: the weights' dtype).
+        dtype: the weights' dtype.
+        checkpointing: gradient checkpointing in the update.
+        recompute: the policy recomputes the old log-probs (its forward in ``old_quantities``).
+        sampled_entropy: the sampler records exact entropies.
+        critic: ``separate`` (its own trunk), ``shared`` (a head on the policy's) or None.
+        exact_entropy: the old entropies from the softmax (else the sample estimate).
+        threads: torch's CPU threads.
+        attention: ``model.attn_implementation`` (None: sdpa).
+    """
+
+    rows: int
+    prompt: int
+    response: int
+    forward_rows: int
+    micro_rows: int
+    minibatches: int
+    epochs: int
+    temperature: float
+    autocast: str | None
+    dtype: str
+    checkpointing: bool
+    recompute: bool
+    sampled_entropy: bool
+    critic: str | None
+    exact_entropy: bool
+    threads: int
+    attention: str | None = None
+
+
+def _one_layer_copy(config, dtype: torch.dtype, attention: str | None, amp: bool):
+    """A random one-layer model of ``config``'s class at its own widths and vocabulary (its LM
+    head computing in fp32 under autocast, as the run's does)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_torchrl.modules.models import lm_head_in_fp32
+
+    small = copy.deepcopy(config)
+    for name in ("num_hidden_layers", "n_layer"):
+        if getattr(small, name, None) is not None:
+            setattr(small, name, 1)
+    for name in ("layer_types", "max_window_layers"):
+        if isinstance(getattr(small, name, None), list):
+            setattr(small, name, getattr(small, name)[:1])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small, attn_implementation=attention or "sdpa",
+                                             dtype=dtype)
+    return lm_head_in_fp32(model) if amp else model
+
+
+def _decoder_layer(model) -> torch.nn.Module:
+    base = model.base_model
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers):
+            return layers[0]
+    raise ValueError(f"no decoder layers found in {type(model).__name__}")
+
+
+class _LayerClock:
+    """Seconds spent inside a module's forward calls (hooks before and after each call)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.seconds, self._start = 0.0, None
+        self._hooks = [module.register_forward_pre_hook(self._enter),
+                       module.register_forward_hook(self._leave)]
+
+    def _enter(self, *_):
+        self._start = time.perf_counter()
+
+    def _leave(self, *_):
+        self.seconds += time.perf_counter() - self._start
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _best_of(fn, clocks: list, repeats: int) -> tuple[float, list[float]]:
+    """(seconds, each clock's seconds) of the fastest of ``repeats`` calls of ``fn`` after one
+    more to warm up (kernel selection, the allocator)."""
+    fn()
+    best = None
+    for _ in range(repeats):
+        for clock in clocks:
+            clock.seconds = 0.0
+        start = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+        if best is None or seconds < best[0]:
+            best = (seconds, [clock.seconds for clock in clocks])
+    return best
+
+
+def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 2) -> dict:
+    """Each phase's seconds on this CPU, timed on one-layer copies of the models (their real
+    widths and vocabularies, random weights) doing one process's work of an iteration at the
+    run's shapes, precision, sampler and optimiser, and scaled to the whole:
+
+    - ``generation``: a prefill of the prompts and ``generate`` of up to 16 tokens with the run's
+      sampler (it records the log-probs), for up to 16 rows; the response's ``response`` steps at
+      that pace, and more rows from a second, halved batch (the cost of a row);
+    - ``old_quantities``: a forward batch (up to 512 tokens) of the policy where it recomputes,
+      the critic and the reference, with their log-probs and entropies, times the batches;
+    - ``update``: a micro-batch (up to 512 tokens) of the policy's and critic's forwards and
+      backwards, times the micro-batches, and an optimiser step (clipping, AdamW, zeroing) per
+      minibatch, times the epochs.
+
+    Each is the copy's time plus (layers - 1) times one layer's: the layer is timed inside the
+    copy's calls (hooks around it: generation, old quantities) and, for the update, alone on the
+    inputs the copy gave it (forward and backward; its own step). Returns ``{phase: seconds,
+    "layer": ..., "timed": what was measured}``, kept in :func:`cache_path` per shape, settings
+    and device: only the first plan of a shape times anything (a second or two at SmolLM2-360M's
+    size; the copy's embedding and LM head are the real ones).
+
+    Args:
+        config (transformers.PretrainedConfig): the policy's (and reference's) config.
+        work: the shapes and settings.
+        critic_config: a separate critic's config (None: the policy's).
+        repeats: timed calls per measurement (the fastest counts), after one to warm up.
+    """
+    critic_config = critic_config if critic_config is not None else config
+    key = _cache_key("timed", _device_key(torch.device("cpu")), _config_key(config),
+                     _config_key(critic_config), *asdict(work).values())
+    cached = _cache_get(key)
+    if cached is not None:
+        return cached
+    threads = torch.get_num_threads()
+    torch.set_num_threads(work.threads)
+    try:
+        out = _time_phases(config, critic_config, work, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    return _cache_put(key, out)
+
+
+def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
+    import contextlib
+    import math
+
+    from rlhf_torchrl.functional import entropy_from_logits, log_probs_from_logits
+
+    amp = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(work.autocast)
+    wdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+              "float16": torch.float16}[work.dtype]
+
+    def autocast():
+        return (torch.autocast("cpu", dtype=amp) if amp is not None
+                else contextlib.nullcontext())
+
+    shape = ModelShape.from_config(config)
+    cshape = ModelShape.from_config(critic_config)
+    policy = _one_layer_copy(config, wdtype, work.attention, amp is not None)
+    critic = None
+    if work.critic == "separate":
+        critic = (copy.deepcopy(policy) if _config_key(critic_config) == _config_key(config)
+                  else _one_layer_copy(critic_config, wdtype, work.attention, amp is not None))
+    value_head = torch.nn.Linear(cshape.hidden if critic is not None else shape.hidden, 1,
+                                 dtype=wdtype)
+    P, R, T, V = work.prompt, work.response, work.prompt + work.response, shape.vocab
+    gen = torch.Generator().manual_seed(0)
+    out: dict = {"timed": {}}
+    extra = lambda seconds, layer_s, critic_s=0.0: (  # noqa: E731 - the layers the copies lack
+        seconds + (shape.layers - 1) * layer_s + (cshape.layers - 1) * critic_s)
+
+    # generation: a prefill, then decoding steps drawn by the run's sampler
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    steps = min(R, _TIMED_STEPS)
+    try:
+        from rlhf_torchrl.collectors.sampling import InverseCDFSampler
+
+        sampler = InverseCDFSampler(work.temperature, record=True,
+                                    record_entropy=work.sampled_entropy)
+        processors, sample = LogitsProcessorList([sampler]), False
+    except (ImportError, TypeError):  # (a sampler of another form: transformers' own)
+        sampler, processors, sample = None, None, True
+    settings = GenerationConfig(max_new_tokens=steps, min_new_tokens=steps, do_sample=sample,
+                                temperature=work.temperature if sample else None,
+                                top_k=0 if sample else None, eos_token_id=None, pad_token_id=0)
+    policy.eval()
+    clock = _LayerClock(_decoder_layer(policy))
+
+    def sampled(rows: int) -> float:
+        """The generation of ``rows`` rows: its prefill, then ``R`` steps at the timed steps'
+        pace, each with (layers - 1) more layers."""
+        ids = torch.randint(3, V, (rows, P), generator=gen)
+        mask = torch.ones_like(ids)
+
+        def prefill():
+            with torch.no_grad(), autocast():
+                policy(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+
+        def generation():
+            if sampler is not None:
+                sampler.set_streams(list(range(rows)))  # the run's: a stream per row
+            with torch.no_grad(), autocast():
+                policy.generate(input_ids=ids, attention_mask=mask, generation_config=settings,
+                                logits_processor=processors)
+            if sampler is not None:
+                sampler.pop()
+
+        first, (first_layer,) = _best_of(prefill, [clock], repeats)
+        whole, (whole_layer,) = _best_of(generation, [clock], repeats)
+        step, step_layer = (whole - first) / steps, (whole_layer - first_layer) / steps
+        out["timed"][f"generation_{rows}_rows"] = {"prefill": first, "step": step,
+                                                   "layer_prefill": first_layer,
+                                                   "layer_step": step_layer}
+        return extra(first, first_layer) + R * extra(step, step_layer)
+
+    rows = min(work.rows, _TIMED_ROWS)
+    seconds = sampled(rows)
+    if work.rows > rows:  # linear in the rows beyond: from two batch sizes
+        half = sampled(rows // 2)
+        seconds += (work.rows - rows) * (seconds - half) / (rows - rows // 2)
+    out["generation"] = seconds
+    clock.remove()
+
+    # old quantities: one forward batch of each model that runs, times the batches
+    clocks = [_LayerClock(_decoder_layer(m)) for m in (policy, critic) if m is not None]
+    fb = min(work.forward_rows, work.rows, max(1, math.ceil(_TIMED_TOKENS / T)))
+    batch = torch.randint(3, V, (fb, T), generator=gen)
+    mask = torch.ones_like(batch)
+
+    def log_probs(model, batch=batch, mask=mask):
+        logits = model(input_ids=batch, attention_mask=mask, logits_to_keep=R,
+                       use_cache=False).logits
+        return log_probs_from_logits(logits, batch[:, P:], work.temperature), logits
+
+    def values(trunk, batch=batch, mask=mask):
+        hidden = trunk(input_ids=batch, attention_mask=mask, use_cache=False).last_hidden_state
+        return value_head(hidden[:, P - 1:-1].to(value_head.weight.dtype))
+
+    def old_quantities():
+        with torch.no_grad(), autocast():
+            if work.recompute:
+                _, logits = log_probs(policy)
+                if work.exact_entropy:
+                    entropy_from_logits(logits.float() / work.temperature)
+                del logits
+            if critic is not None:  # (a shared trunk's critic reads the policy's forward)
+                values(critic.base_model)
+            log_probs(policy)  # the reference: the policy's shape
+
+    seconds, layer_s = _best_of(old_quantities, clocks, repeats)
+    out["old_quantities"] = work.rows / fb * extra(seconds, *layer_s)
+    out["timed"]["old_quantities"] = {"rows": fb, "seconds": seconds, "layers": layer_s}
+    for clock in clocks:
+        clock.remove()
+
+    # the update: a micro-batch's forwards and backwards, the optimiser's step (clipping,
+    # AdamW, zeroing), each timed on the copies; a layer's alone
+    from rlhf_torchrl.trainers.optim import adamw
+
+    models = [m for m in (policy, critic) if m is not None]
+    for model in models:
+        model.train()
+        if work.checkpointing:
+            model.config.use_cache = False
+            enable = (getattr(model, "activation_checkpointing_enable", None)
+                      or model.gradient_checkpointing_enable)
+            enable({"use_reentrant": False})
+    params = [p for m in (*models, value_head) for p in m.parameters()]
+    optimizer = adamw(params, lr=0.0)
+    micro = min(work.micro_rows, work.rows, max(1, math.ceil(_TIMED_TOKENS / T)))
+    batch = torch.randint(3, V, (micro, T), generator=gen)
+    mask = torch.ones_like(batch)
+    captured: dict = {}
+
+    def capture(module, args, kwargs):
+        captured.setdefault(module, (args, kwargs))
+
+    hooks = [_decoder_layer(m).register_forward_pre_hook(capture, with_kwargs=True)
+             for m in models]
+
+    def micro_batch():
+        with autocast():
+            lp, logits = log_probs(policy, batch, mask)
+            loss = lp.sum() + entropy_from_logits(logits.float() / work.temperature).sum()
+            if critic is not None:  # (a shared trunk's head reads the policy's forward)
+                loss = loss + values(critic.base_model, batch, mask).float().sum()
+        loss.backward()
+
+    def step(params=params, optimizer=optimizer):
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # (the gradients stay for the next step)
+
+    micro_s, _ = _best_of(micro_batch, [], repeats)
+    step_s, _ = _best_of(step, [], repeats)
+    for hook in hooks:
+        hook.remove()
+    layer_micro, layer_step = [], []
+    for model in models:  # a layer's forward and backward alone, then its step
+        layer = _decoder_layer(model)
+        args, kwargs = captured[layer]
+        hidden = args[0].detach().requires_grad_(True)
+        grad = torch.randn(hidden.shape, generator=gen, dtype=hidden.dtype)
+
+        def forward_backward(layer=layer, args=args, kwargs=kwargs, hidden=hidden, grad=grad):
+            with autocast():
+                result = layer(hidden, *args[1:], **kwargs)
+            (result[0] if isinstance(result, tuple) else result).backward(grad)
+
+        layer_micro.append(_best_of(forward_backward, [], repeats)[0])
+        own = list(layer.parameters())
+        layer_step.append(_best_of(functools.partial(step, own, adamw(own, lr=0.0)), [],
+                                   repeats)[0])
+    out["update"] = work.epochs * (work.rows / micro * extra(micro_s, *layer_micro)
+                                   + work.minibatches * extra(step_s, *layer_step))
+    out["timed"]["update"] = {"rows": micro, "micro_batch": micro_s, "step": step_s,
+                              "layer_micro_batch": layer_micro, "layer_step": layer_step}
+    return out
 
 
 # ---- the plan ----------------------------------------------------------------------------------
@@ -327,14 +772,17 @@ class Plan:
         lines.append(f"  {'total':<25}" + "".join(f"{self.phases[p]['memory_gb']:>16.2f}"
                                                    for p in PHASES))
         lines += ["", f"peak {self.peak_gb:.1f} GiB in {self.peak_phase} "
-                  f"({100 * self.peak_gb / self.device.memory_gb:.0f}% of the device)", "",
-                  "time per iteration        " + "".join(f"{p:>16}" for p in PHASES)]
+                  f"({100 * self.peak_gb / self.device.memory_gb:.0f}% of the device)"]
+        if "seconds" not in self.phases[PHASES[0]]:
+            return "\n".join(lines)
+        lines += ["", "time per iteration        " + "".join(f"{p:>16}" for p in PHASES)]
         lines.append(f"  {'TFLOPs':<25}" + "".join(f"{self.phases[p]['flops'] / 1e12:>16.1f}"
                                                     for p in PHASES))
         lines.append(f"  {'seconds':<25}" + "".join(f"{self.phases[p]['seconds']:>16.2f}"
                                                      for p in PHASES))
         total = sum(self.phases[p]["seconds"] for p in PHASES)
-        lines += [f"  about {total:.1f} s an iteration ({self.device.source})"]
+        how = self.settings.get("times", "FLOPs over the device profile")
+        lines += [f"  about {total:.1f} s an iteration ({how}; {self.device.source})"]
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -362,9 +810,28 @@ def _lora_params(shape: ModelShape, r: int) -> int:
     return r * per_layer * shape.layers
 
 
+def _planned_threads(cfg) -> int:
+    """The run's torch threads: ``threads``, else the cores this process may use (what the
+    run's thread tuner gives on a machine with nothing else running)."""
+    if cfg.get("threads"):
+        return int(cfg.threads)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 1
+
+
 def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = None,
-              prompt_tokens: int | None = None, mean_prompt_tokens: float | None = None) -> Plan:
+              prompt_tokens: int | None = None, mean_prompt_tokens: float | None = None,
+              times: bool = True) -> Plan:
     """The plan of the composed PPO config ``cfg``.
+
+    On a CPU (the plan's device is this host) the memory also counts ``runtime``: what the
+    planning process holds already (:func:`runtime_bytes`; the PPO command's own process in its
+    start-up check), and the seconds are timed on one-layer copies of the models
+    (:func:`timed_phases`) where the run is one process sampling with transformers; elsewhere
+    (a GPU's profile, LoRA, several processes, vLLM, a compiled decode step, packing, several
+    turns) they come from FLOPs over the device's profile.
 
     Args:
         cfg: the composed PPO config (``rlhf_torchrl.config.compose``).
@@ -372,9 +839,12 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
         profile: the device's profile (None: :func:`device_profile` of ``cfg.device``).
         prompt_tokens: the longest prompt in tokens (None: ``data.max_prompt_length``, the bound
             every prompt is checked against): the memory's.
-        mean_prompt_tokens: the mean prompt in tokens, the FLOPs' (None: ``prompt_tokens``).
+        mean_prompt_tokens: the mean prompt in tokens, the FLOPs' and the timed copies'
+            (None: ``prompt_tokens``).
+        times: estimate each phase's FLOPs and seconds (False: the memory alone, what the
+            start-up check needs; ``flops`` and ``seconds`` are then absent).
     """
-    from rlhf_torchrl.config.derived import precision
+    from rlhf_torchrl.config.derived import log_probs_from_sampling, precision
     from rlhf_torchrl.modules.models import torch_dtype
     from rlhf_torchrl.runtime import resolve_device
 
@@ -384,11 +854,12 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     profile = profile or device_profile(device)
     config = _config_of(m.policy)
     shape = ModelShape.from_config(config)
-    if m.autocast == "auto" and profile.name != "cpu":  # planned for a GPU: bf16 there
-        amp = torch.bfloat16 if m.dtype == "float32" else None
+    host = profile.name == "cpu"  # planned for this host's CPU: its process's memory counts
+    if m.autocast == "auto" and not host:  # planned for a GPU: bf16 there
+        amp_name = "bfloat16" if m.dtype == "float32" else None
     else:
-        name = precision(cfg)[0]
-        amp = torch_dtype(name) if name else None
+        amp_name = precision(cfg)[0]
+    amp = torch_dtype(amp_name) if amp_name else None
     fsdp = cfg.distributed.strategy == "fsdp2" and world > 1
     shard = world if fsdp else 1
     wb = _BYTES[m.dtype]
@@ -402,6 +873,9 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     critic_kind = cfg.value_model.init if needs_critic else None
 
     held: dict[str, float] = {}
+    if host:  # the process itself, before any weight: the model's class imported as loading will
+        _import_model_class(config)
+        held["runtime"] = runtime_bytes()
     trained = _lora_params(shape, cfg.lora.r) if cfg.lora.r else shape.params
     held["policy weights"] = shape.params * wb / shard
     if cfg.lora.r:
@@ -492,13 +966,25 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
                         "memory_gb": sum(parts.values()) / GIB}
     components = {k: v / GIB for k, v in {**held, **generation, **old, **update}.items()}
 
+    settings = {"policy": m.policy, "params": shape.params, "world": world,
+                "strategy": "fsdp2" if fsdp else ("ddp" if world > 1 else "one process"),
+                "precision": f"{'bf16 autocast' if amp is not None else m.dtype} over {m.dtype} weights",
+                "rows_per_process": rows, "prompt_tokens": P, "response_tokens": R,
+                "micro_batch_tokens": micro_tokens, "activation_bytes_per_token_layer": per_token,
+                "critic": critic_kind, "lora_r": cfg.lora.r,
+                "gradient_checkpointing": bool(m.gradient_checkpointing)}
+    if not times:
+        return Plan(components=components, phases=phases, device=profile, settings=settings)
+
     # FLOPs and seconds
+    recompute = not log_probs_from_sampling(cfg, autocast=amp_name)
     critic_flops = (lambda n, L, heads: 0.0) if cshape is None else (
         lambda n, L, heads: cshape.forward_flops(n, L, heads))
     Pm = mean_prompt_tokens or P  # FLOPs: micro-batches of similar lengths pad little
     T = Pm + R
     gen_flops = shape.decode_flops(rows, int(Pm), g.max_new_tokens)
-    old_flops = (shape.forward_flops(rows, T, R) * (1 if cfg.lora.r else 2)
+    # the reference's forward, the policy's where it recomputes the old log-probs
+    old_flops = (shape.forward_flops(rows, T, R) * (2 if recompute else 1)
                  + critic_flops(rows, T, 0))
     epochs = p.num_ppo_epochs
     upd_flops = epochs * (training_flops(shape, rows, T, R)
@@ -517,13 +1003,31 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     phases["old_quantities"].update(flops=old_flops,
                                     seconds=compute_s(old_flops, 2 * head_flops))
     phases["update"].update(flops=upd_flops, seconds=compute_s(upd_flops, 3 * epochs * head_flops))
-    settings = {"policy": m.policy, "params": shape.params, "world": world,
-                "strategy": "fsdp2" if fsdp else ("ddp" if world > 1 else "one process"),
-                "precision": f"{'bf16 autocast' if amp is not None else m.dtype} over {m.dtype} weights",
-                "rows_per_process": rows, "prompt_tokens": P, "response_tokens": R,
-                "micro_batch_tokens": micro_tokens, "activation_bytes_per_token_layer": per_token,
-                "critic": critic_kind, "lora_r": cfg.lora.r,
-                "gradient_checkpointing": bool(m.gradient_checkpointing)}
+    settings["times"] = "FLOPs over the device profile"
+    timeable = (host and device.type == "cpu" and world == 1 and not cfg.lora.r
+                and g.backend == "transformers" and not g.compile and not m.packing
+                and not m.compile and cfg.env.max_turns <= 1 and not cfg.collection.overlap
+                and not cfg.collection.ray_workers and not cfg.collection.partial_rollout
+                # (a run that cannot fit is not timed: its copies may not fit either)
+                and max(ph["memory_gb"] for ph in phases.values()) <= 0.95 * profile.memory_gb)
+    if timeable:
+        work = PhaseWork(
+            rows=rows, prompt=max(1, round(Pm)), response=R, forward_rows=p.forward_batch_size,
+            micro_rows=micro_rows, minibatches=p.num_mini_batches, epochs=epochs,
+            temperature=float(g.temperature),
+            autocast=amp_name, dtype=m.dtype, checkpointing=bool(m.gradient_checkpointing),
+            recompute=recompute, sampled_entropy=not recompute and bool(cfg.logging.exact_entropy),
+            critic=None if critic_kind is None else ("shared" if cshape is None else "separate"),
+            exact_entropy=bool(cfg.logging.exact_entropy), threads=_planned_threads(cfg),
+            attention=m.attn_implementation)
+        try:
+            timed = timed_phases(config, work, cconfig if cshape is not None else None)
+        except Exception as error:  # noqa: BLE001 - a class the copies cannot run: FLOPs then
+            settings["times"] += f" (timing the copies failed: {type(error).__name__}: {error})"
+        else:
+            for phase in PHASES:
+                phases[phase]["seconds"] = timed[phase]
+            settings["times"] = "timed on one-layer copies on this CPU"
     return Plan(components=components, phases=phases, device=profile, settings=settings)
 
 
@@ -558,7 +1062,7 @@ def check_fits(cfg, prompt_tokens: int | None = None) -> Plan | None:
     from rlhf_torchrl.errors import ConfigError
 
     try:
-        plan = make_plan(cfg, prompt_tokens=prompt_tokens)
+        plan = make_plan(cfg, prompt_tokens=prompt_tokens, times=False)
     except Exception as error:  # noqa: BLE001 - a plan is advice; the run does not need one
         logging.getLogger(__name__).warning("No memory plan for this run (%s: %s); it goes on "
                                             "unchecked.", type(error).__name__, error)
@@ -588,7 +1092,8 @@ def main(argv: list[str]) -> None:
                     f"packaged shape ({', '.join(sorted(p.stem for p in SHAPES_DIR.glob('*.json')))}).")
     parser.add_argument("--profile-device", action="store_true",
                         help="measure this device's matmul FLOP/s and bandwidth (a few seconds) "
-                             "and cache them for later plans")
+                             "and cache them for later plans (on a CPU the phases are timed "
+                             "again too)")
     parser.add_argument("--gpu", choices=sorted(PROFILES), default=None,
                         help="plan for this GPU's profile instead of this machine's device")
     parser.add_argument("--world-size", type=int, default=None,
@@ -596,9 +1101,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=None,
                         help="the longest prompt in tokens (default: data.max_prompt_length, the "
                              "bound; the PPO command's own check uses the prompt set's longest)")
+    parser.add_argument("--mean-prompt-tokens", type=float, default=None,
+                        help="the mean prompt in tokens, the time estimate's (default: "
+                             "--prompt-tokens)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="measure the activation counts and, on a CPU, the timed copies "
+                             "again instead of reading them from the plan's cache")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("overrides", nargs="*", help="the PPO run's overrides")
     args = parser.parse_intermixed_args(argv)
+    global _FRESH
+    _FRESH = args.fresh
     overrides = list(args.overrides)
     if args.gpu and not any(o.startswith("device=") for o in overrides):
         overrides.append("device=cpu")  # planned for, not used
@@ -610,7 +1123,8 @@ def main(argv: list[str]) -> None:
               f"{profile.fp32_flops / 1e12:.1f} TFLOP/s, {profile.bandwidth / 1e9:.0f} GB/s; "
               f"saved to {save_profile(device, profile)}")
     profile = device_profile(device, args.gpu)
-    plan = make_plan(cfg, world=args.world_size, profile=profile, prompt_tokens=args.prompt_tokens)
+    plan = make_plan(cfg, world=args.world_size, profile=profile, prompt_tokens=args.prompt_tokens,
+                     mean_prompt_tokens=args.mean_prompt_tokens)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1, default=float))
     else:

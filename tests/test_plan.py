@@ -101,7 +101,7 @@ def test_the_ppo_command_stops_under_a_memory_limit(tmp_path, tiny_llama_dir):
     heavy = ["ppo.batch_size=64", "ppo.forward_batch_size=64", "ppo.num_mini_batches=1",
              "data.limit=128",
              "generation.max_new_tokens=256", "value_model.init=policy"]
-    plan = make_plan(_cfg(tmp_path, tiny_llama_dir, *heavy))
+    plan = make_plan(_cfg(tmp_path, tiny_llama_dir, *heavy), times=False)
     assert 6 < plan.peak_gb < 20
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)); "
             "from rlhf_torchrl.cli import main; main(sys.argv[1:])")
@@ -125,3 +125,130 @@ def test_plan_command_prints_the_table_and_json(capsys):
     main(["model.policy=qwen2.5-0.5b", "--gpu", "H100", "--json"])
     plan = json.loads(capsys.readouterr().out)
     assert plan["peak_phase"] in ("generation", "old_quantities", "update")
+
+
+def test_on_a_cpu_the_plan_counts_the_process_itself(tmp_path, tiny_llama_dir):
+    """On this CPU every phase holds ``runtime``, what the planning process holds (its resident
+    set, the model's class imported); each phase's total is the sum of what it holds. A plan
+    for a GPU has no runtime (the process is on the host, not on the device)."""
+    from rlhf_torchrl.plan import GIB, PROFILES, runtime_bytes
+
+    with open("/proc/self/status") as f:
+        resident = int(next(x for x in f if x.startswith("VmRSS:")).split()[1]) * 1024
+    assert abs(runtime_bytes() - resident) < 64 * 2**20
+    cfg = _cfg(tmp_path, tiny_llama_dir, "value_model.init=policy")
+    before = runtime_bytes()
+    plan = make_plan(cfg, times=False)
+    runtime = plan.components["runtime"] * GIB
+    assert before * 0.9 < runtime < runtime_bytes() * 1.1
+    for phase in plan.phases.values():
+        assert phase["held"]["runtime"] == plan.components["runtime"]
+        assert phase["memory_gb"] == pytest.approx(sum(phase["held"].values()))
+        assert "seconds" not in phase and "flops" not in phase  # times=False: memory alone
+    assert plan.peak_gb > runtime / GIB
+    assert "runtime" not in make_plan(cfg, profile=PROFILES["H100"], times=False).components
+
+
+def test_the_old_quantities_count_the_policy_only_where_it_recomputes(tmp_path):
+    """FLOPs of the old quantities: the reference's forward, the policy's too where the old
+    log-probs are recomputed (bf16 autocast), not where the sampler recorded them (fp32), and a
+    separate critic's trunk; counted by hand from the shape."""
+    from transformers import AutoConfig
+
+    from rlhf_torchrl.plan import PROFILES
+
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(SHAPES_DIR / "qwen2.5-0.5b.json"))
+    rows, P, R = 8, 100, 6  # _cfg: ppo.batch_size=4 ... overridden here
+    base = ["ppo.batch_size=8", "ppo.forward_batch_size=8", "value_model.init=policy",
+            "generation.max_new_tokens=6"]
+    critic = rows * (2 * shape.layers * shape.layer_matmul_params * (P + R)
+                     + 2 * shape.layers * shape.heads * shape.head_dim * (P + R) ** 2)
+    one = shape.forward_flops(rows, P + R, R)
+    for autocast, forwards in (("null", 1), ("bfloat16", 2)):
+        cfg = _cfg(tmp_path, "qwen2.5-0.5b", *base, f"model.autocast={autocast}")
+        plan = make_plan(cfg, profile=PROFILES["H100"], prompt_tokens=P)
+        assert plan.phases["old_quantities"]["flops"] == pytest.approx(forwards * one + critic)
+
+
+def _work(**changes):
+    from rlhf_torchrl.plan import PhaseWork
+
+    settings = dict(rows=4, prompt=6, response=3, forward_rows=2, micro_rows=1, minibatches=2,
+                    epochs=2, temperature=0.7, autocast=None, dtype="float32",
+                    checkpointing=False, recompute=True, sampled_entropy=False,
+                    critic="separate", exact_entropy=True, threads=1)
+    return PhaseWork(**{**settings, **changes})
+
+
+def test_timed_phases_add_the_missing_layers_to_the_one_layer_copy(tmp_path, monkeypatch):
+    """Each phase's seconds from the one-layer copy's and one layer's, against a clock whose
+    readings are set by hand (every timed call still runs once): generation, a prefill and 16
+    steps timed, scaled to the response's 32 steps, and for 40 rows from 16 and 8; the old
+    quantities, a forward batch times the batches; the update, a micro-batch times the
+    micro-batches and a step per minibatch, times the epochs. The second plan of the same shape
+    reads them from the cache; --fresh times them again."""
+    from transformers import LlamaConfig
+
+    import rlhf_torchrl.plan as plan
+
+    monkeypatch.setenv("RLHF_TORCHRL_CACHE", str(tmp_path))
+    readings = iter([(0.5, [0.02]), (2.1, [0.34]),  # 16 rows: prefill; prefill + 16 steps
+                     (0.3, [0.01]), (1.1, [0.17]),  # 8 rows
+                     (2.0, [0.2, 0.3]),  # old quantities: the copies; the policy's, critic's layer
+                     (3.0, []), (0.4, []),  # the update: a micro-batch on the copies; a step
+                     (0.05, []), (0.01, []),  # the policy's layer: forward + backward, its step
+                     (0.07, []), (0.02, [])])  # the critic's
+    calls = []
+
+    def clock(fn, clocks, repeats):
+        fn()
+        calls.append(getattr(fn, "__name__", None) or fn.func.__name__)
+        return next(readings)
+
+    monkeypatch.setattr(plan, "_best_of", clock)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    # 40 rows of 6 + 32 tokens; forward batches of 8 (5), micro-batches of 4 (10 an epoch)
+    work = _work(rows=40, response=32, forward_rows=8, micro_rows=4, minibatches=5, epochs=2)
+    timed = plan.timed_phases(config, work)
+    assert calls == ["prefill", "generation", "prefill", "generation", "old_quantities",
+                     "micro_batch", "step", "forward_backward", "step", "forward_backward", "step"]
+    at = {16: (0.5 + 3 * 0.02) + 32 * ((2.1 - 0.5) + 3 * (0.34 - 0.02)) / 16,
+          8: (0.3 + 3 * 0.01) + 32 * ((1.1 - 0.3) + 3 * (0.17 - 0.01)) / 16}
+    assert timed["generation"] == pytest.approx(at[16] + 24 * (at[16] - at[8]) / 8)
+    assert timed["old_quantities"] == pytest.approx(5 * (2.0 + 3 * 0.2 + 3 * 0.3))
+    assert timed["update"] == pytest.approx(2 * (10 * (3.0 + 3 * 0.05 + 3 * 0.07)
+                                                 + 5 * (0.4 + 3 * 0.01 + 3 * 0.02)))
+    monkeypatch.setattr(plan, "_one_layer_copy", lambda *a: pytest.fail("not from the cache"))
+    assert plan.timed_phases(config, work) == timed
+    monkeypatch.setattr(plan, "_FRESH", True)
+    with pytest.raises(pytest.fail.Exception, match="not from the cache"):
+        plan.timed_phases(config, work)
+
+
+def test_timed_phases_run_the_copies_for_real(tmp_path, monkeypatch):
+    """Unclocked: the copies sample, run the old quantities and an update (bf16 autocast, a
+    shared critic, gradient checkpointing); every phase takes time."""
+    from transformers import LlamaConfig
+
+    import rlhf_torchrl.plan as plan
+
+    monkeypatch.setenv("RLHF_TORCHRL_CACHE", str(tmp_path))
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    for work in (_work(), _work(autocast="bfloat16", critic="shared", checkpointing=True,
+                                recompute=False, sampled_entropy=True)):
+        timed = plan.timed_phases(config, work, repeats=1)
+        assert all(timed[p] > 0 for p in ("generation", "old_quantities", "update"))
+        assert timed["timed"]["update"]["layer_micro_batch"][0] > 0
+
+
+def test_the_start_up_check_times_nothing(tmp_path, tiny_llama_dir, monkeypatch):
+    """check_fits plans the memory alone (the seconds cost a timed copy): the PPO command's
+    start-up never times anything."""
+    import rlhf_torchrl.plan as plan
+
+    monkeypatch.setattr(plan, "timed_phases", lambda *a, **k: pytest.fail("timed at start-up"))
+    checked = check_fits(_cfg(tmp_path, tiny_llama_dir, "value_model.init=policy"))
+    assert checked is not None and "seconds" not in checked.phases["update"]
+    assert "peak" in checked.table() and "seconds" not in checked.table()
