@@ -66,6 +66,19 @@ def test_steps_split_by_marker_by_hand():
     assert split.texts("no marker at all") == ["no marker at all"]
 
 
+def test_step_split_from_the_command_line(tmp_path):
+    """A command line cannot type a newline: reward.step_delimiter='\\n\\n' is a blank line."""
+    from rlhf_torchrl.config import compose
+    from rlhf_torchrl.config.components import step_split
+
+    cfg = compose([f"output_dir={tmp_path}", r"reward.step_delimiter='\n\n'",
+                   r"reward.step_marker=null"])
+    assert step_split(cfg).texts("a\nb\n\nc") == ["a\nb", "c"]
+    cfg = compose([f"output_dir={tmp_path}", r"reward.step_marker='Step \d+:'"])
+    assert step_split(cfg).texts("Step 1: a Step 2: b") == ["Step 1: a", "Step 2: b"]
+    assert step_split(compose([f"output_dir={tmp_path}"])) == StepSplit("\n")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(delimiter=""), "reward.step_delimiter is empty"),
     (dict(marker="Step ("), "reward.step_marker='Step \\(' is not a regular expression"),
@@ -96,6 +109,20 @@ def test_token_text_ends_match_the_prefix_loop_on_multi_byte_text(tokenizer):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         decoded = tokenizer.decode(ids, skip_special_tokens=True)
         assert token_text_ends(tokenizer, ids) == _ends_by_prefixes(tokenizer, ids, decoded), text
+    # the windowed decoding serves these texts (one batch of windows, no prefix decoding)
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def batch_decode(self, seqs, **kwargs):
+            calls.append(max(map(len, seqs)))
+            return tokenizer.batch_decode(seqs, **kwargs)
+
+    ids = tokenizer(MULTI_BYTE[0], add_special_tokens=False)["input_ids"]
+    token_text_ends(Counting(), ids)
+    assert len(ids) > 20 and calls == [9]  # windows of at most 8 + 1 tokens
     # a character split over tokens counts from the token that completes it: ✓ is 2-3 tokens here
     ids = tokenizer("a✓b", add_special_tokens=False)["input_ids"]
     assert len(ids) > 3 and token_text_ends(tokenizer, ids)[-2:] == [2, 3]

@@ -197,9 +197,9 @@ def make_reward_probe(cfg: DictConfig, prompts, tokenizer, stop_ids, with_values
 def step_split(cfg: DictConfig):
     """How process rewards cut a response into steps (``reward.step_delimiter``,
     ``reward.step_marker``): a :class:`~rlhf_torchrl.rewards.steps.StepSplit`, checked."""
-    from rlhf_torchrl.rewards.steps import StepSplit
+    from rlhf_torchrl.rewards.steps import StepSplit, unescape
 
-    return StepSplit(cfg.reward.step_delimiter, cfg.reward.step_marker)
+    return StepSplit(unescape(cfg.reward.step_delimiter), cfg.reward.step_marker)
 
 
 def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device,

@@ -318,6 +318,7 @@ class ProcessRewardKind(RewardKind):
 
     @classmethod
     def build(cls, spec: str, name: str, cfg):
+        from rlhf_torchrl.rewards.steps import unescape
         from rlhf_torchrl.runtime import resolve_device
 
         path, r = spec[len("prm:"):], cfg.reward
@@ -327,5 +328,5 @@ class ProcessRewardKind(RewardKind):
         return ProcessRewardModel.from_pretrained(
             path, dtype=r.model_dtype, name=name, step_tag=r.prm_step_tag,
             good_token=r.prm_good_token, bad_token=r.prm_bad_token,
-            step_separator=r.prm_step_separator, prompt_column=r.prm_prompt_column,
+            step_separator=unescape(r.prm_step_separator), prompt_column=r.prm_prompt_column,
             batch_size=r.model_batch_size, device=resolve_device(cfg.device), offload=r.offload)

@@ -110,6 +110,16 @@ class StepSplit:
         return [text[s:e] for s, e in self.spans(text)]
 
 
+def unescape(text: str) -> str:
+    """``text`` with the escapes a command line cannot type as characters made the characters:
+    ``\\n`` a newline, ``\\t`` a tab (``reward.step_delimiter='\\n\\n'``: a blank line).
+
+    Args:
+        text: a setting's value as given.
+    """
+    return text.replace("\\n", "\n").replace("\\t", "\t")
+
+
 def is_step_output(out, name: str = "reward") -> bool:
     """Whether a reward function's return value gives values per step: a list (or tuple) whose
     every element is a list, tuple or 1-D array/tensor (one per response). A mix of floats and
