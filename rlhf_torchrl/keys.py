@@ -92,6 +92,9 @@ RAW_SCORE = "raw_score"
 # the shaper whitened and clipped it, plus a multi-turn episode's turn rewards. What the group
 # baselines and the group filter compare (written once, not recovered by subtracting the KL).
 SHAPED_SCORE = "shaped_score"
+# sub-keys (B,) float32: per-row statistics a reward writes for logging, each logged as
+# reward/<sub-key>, its mean over the batch (e.g. a judge's "judge_parse_fail_frac").
+REWARD_STATS = "reward_stats"
 
 # (B, R, 1) float32: per-token reward -kl_coef * KL[t] (+ score at the last response token).
 REWARD = ("next", "reward")

@@ -1005,7 +1005,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     phases["update"].update(flops=upd_flops, seconds=compute_s(upd_flops, 3 * epochs * head_flops))
     settings["times"] = "FLOPs over the device profile"
     timeable = (host and device.type == "cpu" and world == 1 and not cfg.lora.r
-                and g.backend == "transformers" and not g.compile and not m.packing
+                and GENERATION_BACKENDS.get(g.backend).samples_with_trained_model
+                and not g.compile and not m.packing
                 and not m.compile and cfg.env.max_turns <= 1 and not cfg.collection.overlap
                 and not cfg.collection.ray_workers and not cfg.collection.partial_rollout
                 # (a run that cannot fit is not timed: its copies may not fit either)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -92,11 +93,13 @@ def type_name(tp) -> str:
 
 
 def flatten(node, prefix: str = "") -> dict:
-    """Dotted keys of a nested dict, in file order; dicts that are values stay whole."""
+    """Dotted keys of a nested dict, in file order; dicts that are values stay whole (a section's
+    groups, ``reward.judge``, are opened: the schema's nested dataclasses)."""
     out = {}
     for key, value in node.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and not prefix and key not in ("defaults",):
+        if isinstance(value, dict) and (not prefix and key not in ("defaults",)
+                                        or dotted in _schema_groups()):
             out.update(flatten(value, dotted + "."))
         else:
             out[dotted] = value
@@ -138,6 +141,22 @@ def _documented(docs: dict[str, str], key: str, source: str, warn) -> str:
         return md(docs[key])
     warn(f"config reference: setting {key!r} has no comment in {source}")
     return "**(undocumented)**"
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_groups() -> frozenset[str]:
+    """The dotted names of the groups within sections (the schema's dataclasses below the top)."""
+    from rlhf_torchrl.config.schema import PPOConfig
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                if prefix:
+                    yield f"{prefix}{f.name}"
+                yield from walk(tp, f"{prefix}{f.name}.")
+
+    return frozenset(walk(PPOConfig, ""))
 
 
 def _schema_types() -> dict[str, object]:

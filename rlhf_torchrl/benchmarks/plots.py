@@ -256,9 +256,52 @@ def compare(plt, payload: dict):
     return fig
 
 
+def judge_sentiment(plt, payload: dict):
+    """Per reward (the judge's p(yes), VADER), its held-out mean before and after training on
+    each arm, averaged over the seeds."""
+    runs = payload.get("runs") or {}
+    if not runs:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.4))
+    for ax, (key, title) in zip(axes, (("eval_judge", "held-out judge p(yes)"),
+                                        ("eval_vader", "held-out VADER"))):
+        series = {}
+        for i, when in enumerate(("before", "after")):
+            series[when] = [sum(f[key][i] or 0.0 for f in seeds.values()) / len(seeds)
+                            for seeds in runs.values()]
+        _grouped_bars(ax, [f"trained on {arm}" for arm in runs], series)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    return fig
+
+
+def distillation(plt, payload: dict):
+    """Held-out VADER against updates, per arm: each seed thin, the arm's mean thick."""
+    runs = payload.get("runs") or {}
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for (arm, seeds), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green")):
+        points: dict[int, list[float]] = {}
+        for f in seeds.values():
+            xs, ys = zip(*f["curve"])
+            ax.plot(xs, ys, color=color, alpha=0.3, linewidth=1)
+            for x, y in f["curve"]:
+                points.setdefault(x, []).append(y)
+        xs = sorted(points)
+        ax.plot(xs, [sum(points[x]) / len(points[x]) for x in xs], color=color, linewidth=2.5,
+                label=f"trained on {arm} (mean of {len(seeds)})")
+    ax.set(xlabel="updates", ylabel="held-out VADER",
+           title="Sentiment: a student taught by a PPO-trained teacher, and PPO on the reward")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=8)
+    return fig
+
+
 #: benchmark name -> its drawing function
 PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": backends,
          "scaling": scaling, "vs_trl": vs_trl, "gpu_suite": gpu_suite,
          "real_sizes": real_sizes,
          "estimators": estimators_table, "estimators_table": estimators_table, "data_loading": data_loading,
-         "reward_server": reward_server, "partial_rollout": partial_rollout, "compare": compare}
+         "reward_server": reward_server, "partial_rollout": partial_rollout, "compare": compare,
+         "judge_sentiment": judge_sentiment}

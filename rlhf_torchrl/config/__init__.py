@@ -81,13 +81,13 @@ def setting_docs(config_name: str = "ppo") -> dict[str, str]:
 
 
 def yaml_comments(path: str) -> dict[str, str]:
-    """The comment after each setting of a config file (two levels: ``key`` or ``section.key``),
-    by dotted key; "" for a setting without one.
+    """The comment after each setting of a config file (``key``, ``section.key`` or, in a group
+    within a section, ``section.group.key``), by dotted key; "" for a setting without one.
 
     Args:
         path: the YAML file.
     """
-    docs, section = {}, None
+    docs, section, group = {}, None, None
     with open(path, encoding="utf-8") as f:
         for line in f:
             stripped = line.strip()
@@ -96,9 +96,14 @@ def yaml_comments(path: str) -> dict[str, str]:
             key, rest = stripped.split(":", 1)
             comment = rest.split(" # ", 1)[1].strip() if " # " in rest else ""
             if not line.startswith(" "):  # a top-level key: a setting or a section
-                section = key
+                section, group = key, None
                 if rest.split("#", 1)[0].strip():
                     docs[key], section = comment, None
             elif section is not None and line.startswith("  ") and not line.startswith("   "):
                 docs[f"{section}.{key}"] = comment
+                # a group within the section (reward.judge): its settings are one level deeper
+                group = None if rest.split("#", 1)[0].strip() else key
+            elif section is not None and group is not None and line.startswith("    ") \
+                    and not line.startswith("     "):
+                docs[f"{section}.{group}.{key}"] = comment
     return docs

@@ -28,6 +28,7 @@ from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.objectives.advantages import ADVANTAGE_ESTIMATORS
 from rlhf_torchrl.objectives.policy_losses import make_policy_loss
 from rlhf_torchrl.record.trackers import check_logger
+from rlhf_torchrl.rewards.kinds import reward_kind
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,8 @@ def check_config(cfg: DictConfig) -> Sizes:
             "served), and/or reward.functions (dotted paths or URLs)."
         )
     check_remote_rewards(cfg)
+    for spec in cfg.reward.functions or []:  # each kind's own settings (a judge's), nothing loaded
+        reward_kind(spec).check(spec, cfg)
     step_split(cfg)  # a process reward's step delimiter or marker (an empty one, a bad regex)
     weights = cfg.reward.function_weights
     if weights is not None and len(weights) != len(cfg.reward.functions or []):

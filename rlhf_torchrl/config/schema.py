@@ -123,6 +123,43 @@ class Lora:
 
 
 @dataclass
+class Judge:
+    """Types of the ``reward.judge.*`` settings (the ``judge`` entry of ``reward.functions``).
+
+    Each field is the setting of that name, described with its default and allowed values in the
+    :doc:`configuration reference </configuration>` (from ``ppo.yaml``'s comments, which
+    ``rlhf-torchrl ppo --help`` shows too); :func:`~rlhf_torchrl.config.validation.validate` checks the choices and ranges.
+    """
+
+    backend: str = MISSING
+    model: str | None = MISSING
+    url: str | None = MISSING
+    token_env: str | None = MISSING
+    mode: str = MISSING
+    scoring: str = MISSING
+    rubric: str | None = MISSING
+    system_prompt: str | None = MISSING
+    parse_regex: str | None = MISSING
+    score_min: float = MISSING
+    score_max: float = MISSING
+    options: list[str] = MISSING
+    max_new_tokens: int = MISSING
+    temperature: float = MISSING
+    reference: str | None = MISSING
+    both_orders: bool = MISSING
+    batch_size: int = MISSING
+    concurrency: int = MISSING
+    timeout: float = MISSING
+    retries: int = MISSING
+    dtype: str = MISSING
+    chat_template: str | None = MISSING
+    gpu_memory_utilization: float = MISSING
+    kv_cache_gb: float = MISSING
+    max_model_len: int | None = MISSING
+    max_parse_fail_frac: float = MISSING
+
+
+@dataclass
 class Reward:
     """Types of the ``reward.*`` settings.
 
@@ -155,6 +192,7 @@ class Reward:
     prm_bad_token: str = MISSING
     prm_step_separator: str = MISSING
     prm_prompt_column: str | None = MISSING
+    judge: Judge = field(default_factory=Judge)
 
 
 @dataclass

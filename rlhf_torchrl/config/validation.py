@@ -18,6 +18,9 @@ from rlhf_torchrl.objectives.advantages import ADVANTAGE_ESTIMATORS
 from rlhf_torchrl.objectives.policy_losses import POLICY_LOSSES
 from rlhf_torchrl.record.trackers import LOGGERS
 from rlhf_torchrl.registry import Registry, load_plugins
+from rlhf_torchrl.rewards.judge import JUDGE_BACKENDS
+from rlhf_torchrl.rewards.judge import MODES as JUDGE_MODES
+from rlhf_torchrl.rewards.judge import SCORINGS as JUDGE_SCORINGS
 from rlhf_torchrl.trainers.optim import SCHEDULES, WARMUP_SIGNALS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -32,6 +35,10 @@ CHOICES = {
     "model.autocast": (None, "auto", "bfloat16", "float16"),
     "model.packing": PACKING,
     "reward.model_dtype": DTYPES,
+    "reward.judge.backend": JUDGE_BACKENDS,
+    "reward.judge.mode": JUDGE_MODES,
+    "reward.judge.scoring": JUDGE_SCORINGS,
+    "reward.judge.dtype": DTYPES,
     "value_model.init": ("shared", "policy", "reward_model", "model"),
     "generation.backend": GENERATION_BACKENDS,
     "env.python_sandbox": SANDBOXES,
@@ -70,6 +77,16 @@ RANGES = {
     "reward.remote_retries": (0, _INF, True, True),
     "reward.remote_batch_size": (1, _INF, True, True),
     "reward.remote_concurrency": (1, _INF, True, True),
+    "reward.judge.max_new_tokens": (1, _INF, True, True),
+    "reward.judge.temperature": (0, _INF, True, True),
+    "reward.judge.batch_size": (1, _INF, True, True),
+    "reward.judge.concurrency": (1, _INF, True, True),
+    "reward.judge.timeout": (0, _INF, False, True),
+    "reward.judge.retries": (0, _INF, True, True),
+    "reward.judge.gpu_memory_utilization": (0, 1, False, True),
+    "reward.judge.kv_cache_gb": (0, _INF, False, True),
+    "reward.judge.max_model_len": (1, _INF, True, True),
+    "reward.judge.max_parse_fail_frac": (0, 1, True, True),
     "generation.max_new_tokens": (1, _INF, True, True),
     "generation.temperature": (0, _INF, False, True),
     "generation.top_k": (0, _INF, True, True),

@@ -54,6 +54,9 @@ def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
     if "scores" in td.keys():
         for name, value in td.get("scores").items():
             out[f"objective/scores/{name}"] = float(value.mean())
+    if K.REWARD_STATS in td.keys():  # what rewards report per row, e.g. a judge's unread answers
+        for name, value in td.get(K.REWARD_STATS).items():
+            out[f"reward/{name}"] = float(value.float().mean())
     out.update(episode_metrics(td))
     return out
 

@@ -4,7 +4,8 @@
 classifier as a reward; ``functions``: ready-made reward functions; ``remote``: rewards scored by a
 service over HTTP; ``server``: a reward model served over HTTP; ``training``: reward-model training
 on preference pairs; ``steps``: rewards with one value per reasoning step, placed on tokens;
-``process``: process reward models (the ``prm:`` entries of ``reward.functions``).
+``process``: process reward models (the ``prm:`` entries of ``reward.functions``); ``judge``:
+language-model judges (the ``judge`` entry of ``reward.functions``).
 """
 
-from rlhf_torchrl.rewards import process  # noqa: F401 - the prm reward kind registers
+from rlhf_torchrl.rewards import judge, process  # noqa: F401 - the judge and prm reward kinds register

@@ -38,6 +38,17 @@ class RewardKind:
         return spec
 
     @classmethod
+    def check(cls, spec: str, cfg) -> None:
+        """A one-line :class:`~rlhf_torchrl.errors.ConfigError` for settings of ``spec``'s kind
+        that cannot work, from the config alone (no model loads, nothing is imported from the
+        user); run by :func:`~rlhf_torchrl.config.checks.check_config`. By default: none.
+
+        Args:
+            spec: the entry of ``reward.functions``.
+            cfg (omegaconf.DictConfig): the composed PPO config.
+        """
+
+    @classmethod
     def build(cls, spec: str, name: str, cfg):
         """The reward function of ``spec``, named ``name``, with the run's ``reward.*`` settings.
 

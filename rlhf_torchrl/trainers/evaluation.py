@@ -130,6 +130,13 @@ class Evaluator:
             "eval/distinct_1": distinct_n(responses, 1),
             "eval/distinct_2": distinct_n(responses, 2),
         }
+        scores = rollout.get("scores") if "scores" in rollout.keys() else None
+        weights = [w for _, w in getattr(self.scorer, "rewards", {}).values()]
+        # each reward's own where the score is not it alone: beside another (a judge, VADER), or
+        # weighted (0: scored, not trained on, as beside on-policy distillation's teacher)
+        if scores is not None and (len(scores.keys()) > 1 or any(w != 1 for w in weights)):
+            for name, value in scores.items():
+                metrics[f"eval/scores/{name}"] = float(value.float().mean())
         if K.TURNS in rollout.keys(True):
             metrics["eval/turns_per_episode"] = float(rollout.get(K.TURNS).double().mean())
             metrics["eval/tool_calls_per_episode"] = float(rollout.get(K.TOOL_CALLS).double().mean())
