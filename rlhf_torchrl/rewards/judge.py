@@ -794,7 +794,7 @@ class LLMJudge:
     a read answer gets the mean of the read rows (0.5 where none). Writes
     ``("reward_stats", "<name>_parse_fail_frac")`` (B,), each row's share of unread answers, to the
     rollout it is given (its mean is the metric ``reward/<name>_parse_fail_frac``); keeps the last
-    batch's answers in :attr:`last_answers` and the counts in :attr:`answers` and :attr:`unread`.
+    batch's answers in ``last_answers`` and the counts in ``answers`` and ``unread``.
 
     Args:
         backend: where the judge runs (:class:`TransformersJudge`, :class:`VLLMJudge`,
