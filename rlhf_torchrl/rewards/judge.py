@@ -993,8 +993,9 @@ def _device(device, resolve: bool = False):
 
 @REWARD_KINDS.register("judge")
 class JudgeRewardKind(RewardKind):
-    """``judge``: a language model grades each response (:class:`LLMJudge`), with the
-    ``reward.judge.*`` settings; nothing loads until the start-up probe calls it. A pairwise judge
+    """``judge``: a language model that grades each response, with the ``reward.judge.*`` settings.
+
+    An :class:`LLMJudge`; nothing loads until the start-up probe calls it. A pairwise judge
     with ``reward.judge.reference=sample`` samples the reference policy's responses itself
     (:class:`ReferenceSampler` of ``model.reference``, else ``model.policy``, at the
     ``generation.*`` settings)."""
