@@ -97,26 +97,6 @@ def mean_curve(seeds: dict[int, dict]) -> list[float]:
     return [statistics.fmean(points[u]) for u in sorted(points)]
 
 
-def draw(plt, payload: dict):
-    """Held-out accuracy against updates: each seed thin, the arm's mean thick."""
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for (arm, seeds), color in zip(payload["runs"].items(), ("tab:blue", "tab:orange")):
-        points: dict[int, list[float]] = {}
-        for f in seeds.values():
-            xs, ys = zip(*f["curve"])
-            ax.plot(xs, ys, color=color, alpha=0.3, linewidth=1)
-            for x, y in f["curve"]:
-                points.setdefault(x, []).append(y)
-        xs = sorted(points)
-        ax.plot(xs, [statistics.fmean(points[x]) for x in xs], color=color, linewidth=2.5,
-                label=f"{arm} (mean of {len(seeds)})")
-    ax.set(xlabel="updates", ylabel="held-out accuracy",
-           title="Arithmetic: outcome reward alone, and with the per-step verifier")
-    ax.title.set_fontsize(10)
-    ax.legend(fontsize=8)
-    return fig
-
-
 def main(argv=None) -> dict:
     parser = make_parser(__doc__)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -157,9 +137,9 @@ def main(argv=None) -> dict:
     payload = {"benchmark": "process_rewards", "args": vars(args), "runs": runs}
     write_json(args.out, payload)
     if args.out is not None and runs:
-        from rlhf_torchrl.benchmarks.plots import plot_path, save
+        from rlhf_torchrl.benchmarks.plots import PLOTS, plot_path, save
 
-        save(draw, payload, plot_path(args.out))
+        save(PLOTS["process_rewards"], payload, plot_path(args.out))
     return runs
 
 
