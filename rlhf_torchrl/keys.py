@@ -65,6 +65,16 @@ TOKEN_VERSION = ("policy_versions", "response")
 SEGMENTS = ("partial", "segments")
 # (B, R) float32: the same tokens under the frozen reference model.
 REF_LOG_PROB = ("ref_log_probs", "response")
+# (B, R) float32, on-policy distillation: the same tokens under the teacher (its own model, the
+# policy's vocabulary), at the sampling temperature, 0 on pads.
+TEACHER_LOG_PROB = ("teacher_log_probs", "response")
+# (B,) float32, on-policy distillation with reward.teacher_mapping=text (a teacher of another
+# vocabulary): log p_teacher of the response's text, re-tokenised for the teacher (its stop token
+# included where the response stopped), summed over its tokens.
+TEACHER_SEQUENCE_LOG_PROB = ("teacher_log_probs", "sequence")
+# (B, R) float32: the reverse-KL estimate to the teacher per token (a sequence-level estimate
+# sits at the last response token); the reward gets -teacher_coef times it.
+TEACHER_KL = ("teacher_kl", "response")
 # (B, R) float32: per-token KL estimate between policy and reference.
 KL = ("kl", "response")
 # (B, R) float32: exact entropy of the sampling distribution at each response token.
@@ -98,7 +108,8 @@ REWARD_STATS = "reward_stats"
 
 # (B, R, 1) float32: per-token reward -kl_coef * KL[t] (+ score at the last response token).
 REWARD = ("next", "reward")
-# (B, R, 1) float32: the KL part of the reward alone, -kl_coef * KL[t].
+# (B, R, 1) float32: the KL part of the reward alone, -kl_coef * KL[t] (with a teacher, plus
+# -teacher_coef * TEACHER_KL[t]).
 NON_SCORE_REWARD = ("next", "non_score_reward")
 # (B, R, 1) bool: True at the last valid response token.
 DONE = ("next", "done")
@@ -137,6 +148,9 @@ def written_by(key) -> str:
         LOG_PROB: "the sampler (make_generation_policy(record_log_probs=True)) or "
                   "compute_old_quantities(actor=...)",
         REF_LOG_PROB: "the reference pass (compute_old_quantities(reference=...))",
+        TEACHER_LOG_PROB: "the teacher's pass (rlhf_torchrl.rewards.distillation.TeacherLogProbs)",
+        TEACHER_SEQUENCE_LOG_PROB: "the teacher's pass on the text "
+                                   "(rlhf_torchrl.rewards.distillation.TextTeacherLogProbs)",
         BEHAVIOUR_LOG_PROB: "the trainer, which keeps the sampler's log-probs there before "
                             "recomputing the old ones (PPOTrainer(keep_sampler_log_probs=True)); "
                             "a loss with tis_cap weighs each token by their ratio",
@@ -145,7 +159,7 @@ def written_by(key) -> str:
         STEP_REWARD: "the scorer (Scorer(steps=StepRewards(tokenizer)), a reward that returns "
                      "values per step)",
         KL: shaper, REWARD: shaper, NON_SCORE_REWARD: shaper, DONE: shaper, TERMINATED: shaper,
-        SHAPED_SCORE: shaper,
+        SHAPED_SCORE: shaper, TEACHER_KL: shaper,
         ADVANTAGE: "the advantage estimator (ResponseGAE, make_advantage)",
         VALUE_TARGET: "the critic's estimator (ResponseGAE; the critic-free ones write none)",
     }

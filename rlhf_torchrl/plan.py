@@ -6,8 +6,9 @@ holds on one device:
 - the policy's weights (``model.dtype``), gradients and AdamW's two moments (fp32 master weights:
   4 + 4 + 8 bytes a trained parameter; LoRA: the adapters' alone), a separate critic's the same,
   a shared critic's value head; FSDP2 divides them by the processes and adds the gathered layers;
-- the reference (none with LoRA: the adapters off; none resident with ``offload_reference``) and
-  the reward model;
+- the reference (none with LoRA: the adapters off; none resident with ``offload_reference``),
+  the reward model and on-policy distillation's teacher (``reward.teacher``; visiting the old
+  quantities alone with ``reward.teacher_offload``);
 - generation: the KV cache of the batch (a static one of ``data.max_prompt_length`` +
   ``max_new_tokens`` with ``generation.compile``, kept between batches: every phase holds it) and
   one step's fp32 logits; with vLLM, the
@@ -903,6 +904,12 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     if cfg.reward.model:
         rm = ModelShape.from_config(_config_of(cfg.reward.model))
         held["reward model"] = rm.trunk_params * _BYTES[cfg.reward.model_dtype]
+    teacher = 0.0  # on-policy distillation's teacher: frozen, resident or visiting as the reference
+    if cfg.reward.get("teacher"):
+        teacher = (ModelShape.from_config(_config_of(cfg.reward.teacher)).params
+                   * _BYTES[cfg.reward.teacher_dtype])
+        if not cfg.reward.teacher_offload:
+            held["teacher"] = teacher
 
     # generation: the KV cache (keys fp32 after the rotary embedding under autocast, values in
     # the matmul's dtype; a static cache both in the autocast dtype) and a step's logits
@@ -933,6 +940,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
            "bf16 weight copies": casts}
     if not cfg.lora.r and m.offload_reference:
         old["reference (offloaded, visiting)"] = reference
+    if teacher and cfg.reward.teacher_offload:
+        old["teacher (offloaded, visiting)"] = teacher
     # the update's largest micro-batch
     if p.micro_batch_tokens:
         micro_tokens = p.micro_batch_tokens

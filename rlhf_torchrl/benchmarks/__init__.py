@@ -18,6 +18,7 @@ BENCHMARKS = {
     "estimators_table": "the table of the estimators runs (held-out result, KL, distinct-2, s/iteration, peak RSS)",
     "process_rewards": "arithmetic: outcome reward alone against outcome + per-step verifier, seeds x arms full runs, their table and held-out curves",
     "judge_sentiment": "sentiment: a language-model judge against VADER, each trained on with the other logged, seeds x arms full runs, their table and held-out samples with both scores",
+    "distillation": "sentiment: a fresh student taught by a PPO-trained teacher (on-policy distillation) against PPO on the reward alone, seeds x arms full runs, their table and held-out curves",
     "data_loading": "start-up time and peak memory of a prompt set by form and size (10k-1M rows)",
     "reward_server": "a served reward model under N concurrent clients: p50/p99 latency, throughput",
     "partial_rollout": "partial rollouts against whole responses of widely varying lengths: s/iteration, tokens/s",

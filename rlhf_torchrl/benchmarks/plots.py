@@ -328,4 +328,4 @@ PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": b
          "estimators": estimators_table, "estimators_table": estimators_table, "data_loading": data_loading,
          "reward_server": reward_server, "partial_rollout": partial_rollout, "compare": compare,
          "judge_sentiment": judge_sentiment,
-         "process_rewards": process_rewards}
+         "process_rewards": process_rewards, "distillation": distillation}

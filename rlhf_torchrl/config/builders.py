@@ -49,6 +49,7 @@ from rlhf_torchrl.config.derived import (
     precision,
     values_from_sampling,
 )
+from rlhf_torchrl.config.distillation import make_teacher, teacher_tokenizer
 from rlhf_torchrl.config.inputs import make_evaluator, make_prompts, split_eval_prompts
 from rlhf_torchrl.config.model_checks import check_models, check_sequence_length
 from rlhf_torchrl.config.resume import finished_run, resume_path
@@ -117,6 +118,8 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
         reuse_freed_memory()
 
     tokenizer = make_tokenizer(cfg)
+    # on-policy distillation: a teacher of another vocabulary stops here, before any weights load
+    teachers_tokenizer = teacher_tokenizer(cfg, tokenizer)
     prompts = make_prompts(cfg, tokenizer, tools)
     check_sequence_length(cfg, prompts, tokenizer)
     # the memory plan of every phase, from the configs and the longest prompt: a run that cannot
@@ -136,6 +139,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     if critic is not None and cfg.value_model.warm_start and not resume_from:
         load_critic(cfg.value_model.warm_start, critic)  # weights only (a resumed run: its own)
     actor, ref_actor = make_actors(cfg, policy, reference, critic)
+    teacher = make_teacher(cfg, tokenizer, teachers_tokenizer, device)  # None: no teacher
     loss_module = make_loss(cfg, actor, critic)
     parallel.wrap_loss(loss_module)  # DDP (no-op otherwise)
     warmup = make_critic_warmup(cfg, critic)
@@ -148,7 +152,8 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
                                     tokenizer, policy, device, parallel,
                                     critic.head if values_sampled else None),
         scorer=scorer, actor=actor, reference=ref_actor, critic=critic, shaper=make_shaper(cfg),
-        advantage=advantage, reward_transform=reward_transform, loss_module=loss_module, optimizer=optimizer,
+        advantage=advantage, reward_transform=reward_transform, teacher=teacher,
+        loss_module=loss_module, optimizer=optimizer,
         scheduler=scheduler, grad_scaler=make_grad_scaler(cfg, device),
         replay_buffer=make_replay_buffer(cfg, sizes), parallel=parallel,
         pad_token_id=tokenizer.pad_token_id, num_iterations=p.num_iterations,

@@ -22,6 +22,7 @@ from rlhf_torchrl.collectors.sampling import check_full_distribution
 from rlhf_torchrl.config import validation
 from rlhf_torchrl.config.components import critic_free, make_reward_probe, step_split
 from rlhf_torchrl.config.derived import log_probs_from_sampling, partial_rollout_tokens, tis_cap
+from rlhf_torchrl.config.distillation import check_teacher_settings, has_score
 from rlhf_torchrl.data.prompt_sets import PromptMixture
 from rlhf_torchrl.envs.prompt_env import check_group_sizes
 from rlhf_torchrl.errors import ConfigError
@@ -199,11 +200,13 @@ def check_config(cfg: DictConfig) -> Sizes:
     check_partial_rollout(cfg, world)
     check_compiled_generation(cfg)
     check_logger(cfg.logging.logger)  # its package installed
-    if not cfg.reward.model and not cfg.reward.remote_url and not cfg.reward.functions:
+    if not has_score(cfg) and not cfg.reward.teacher:
         raise ConfigError(
             "No reward: set reward.model (a sequence classifier) or reward.remote_url (one "
-            "served), and/or reward.functions (dotted paths or URLs)."
+            "served), and/or reward.functions (dotted paths or URLs), and/or reward.teacher (a "
+            "model to distil)."
         )
+    check_teacher_settings(cfg)
     check_remote_rewards(cfg)
     for spec in cfg.reward.functions or []:  # each kind's own settings (a judge's), nothing loaded
         reward_kind(spec).check(spec, cfg)

@@ -228,15 +228,17 @@ def make_scorer(cfg: DictConfig, reward_functions: dict, device: torch.device,
             fn.stop_text = stop_text
     # a NaN score is left for the guards: named, the rollout saved, stop or skip (guards.non_finite)
     steps = StepRewards(tokenizer, step_split(cfg)) if tokenizer is not None else None
+    # on-policy distillation may teach by the teacher alone: no score (0)
     return Scorer(rewards, missing_eos_penalty=cfg.reward.missing_eos_penalty, allow_non_finite=True,
-                  steps=steps)
+                  steps=steps, allow_no_rewards=bool(r.teacher))
 
 
 def make_shaper(cfg: DictConfig) -> KLRewardShaper:
     p, r = cfg.ppo, cfg.reward
     controller = make_kl_controller(p.kl_coef, target=p.kl_target, horizon=p.kl_horizon)
     return KLRewardShaper(controller, kl_estimator=p.kl_estimator, whiten_scores=r.whiten_scores,
-                          score_clip=r.score_clip)
+                          score_clip=r.score_clip, teacher_coef=r.teacher_coef,
+                          teacher_kl_estimator=r.teacher_kl_estimator)
 
 
 def make_actors(cfg: DictConfig, policy, reference, critic):

@@ -192,6 +192,12 @@ class Reward:
     prm_bad_token: str = MISSING
     prm_step_separator: str = MISSING
     prm_prompt_column: str | None = MISSING
+    teacher: str | None = MISSING
+    teacher_coef: float = MISSING
+    teacher_kl_estimator: str = MISSING
+    teacher_mapping: str = MISSING
+    teacher_dtype: str = MISSING
+    teacher_offload: bool = MISSING
     judge: Judge = field(default_factory=Judge)
 
 

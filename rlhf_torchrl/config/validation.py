@@ -18,6 +18,7 @@ from rlhf_torchrl.objectives.advantages import ADVANTAGE_ESTIMATORS
 from rlhf_torchrl.objectives.policy_losses import POLICY_LOSSES
 from rlhf_torchrl.record.trackers import LOGGERS
 from rlhf_torchrl.registry import Registry, load_plugins
+from rlhf_torchrl.rewards.distillation import MAPPINGS as TEACHER_MAPPINGS
 from rlhf_torchrl.rewards.judge import JUDGE_BACKENDS
 from rlhf_torchrl.rewards.judge import MODES as JUDGE_MODES
 from rlhf_torchrl.rewards.judge import SCORINGS as JUDGE_SCORINGS
@@ -39,6 +40,9 @@ CHOICES = {
     "reward.judge.mode": JUDGE_MODES,
     "reward.judge.scoring": JUDGE_SCORINGS,
     "reward.judge.dtype": DTYPES,
+    "reward.teacher_kl_estimator": KL_ESTIMATORS,
+    "reward.teacher_mapping": TEACHER_MAPPINGS,
+    "reward.teacher_dtype": DTYPES,
     "value_model.init": ("shared", "policy", "reward_model", "model"),
     "generation.backend": GENERATION_BACKENDS,
     "env.python_sandbox": SANDBOXES,
@@ -87,6 +91,7 @@ RANGES = {
     "reward.judge.kv_cache_gb": (0, _INF, False, True),
     "reward.judge.max_model_len": (1, _INF, True, True),
     "reward.judge.max_parse_fail_frac": (0, 1, True, True),
+    "reward.teacher_coef": (0, _INF, True, True),
     "generation.max_new_tokens": (1, _INF, True, True),
     "generation.temperature": (0, _INF, False, True),
     "generation.top_k": (0, _INF, True, True),

@@ -14,6 +14,10 @@ from rlhf_torchrl.functional.advantages import (
     length_adaptive_lmbda,
     returns_to_go,
 )
+from rlhf_torchrl.functional.distillation import (
+    distillation_rewards,
+    sequence_distillation_rewards,
+)
 from rlhf_torchrl.functional.kl import (
     K3_LOSS_BOUND,
     KL_ESTIMATORS,
@@ -70,6 +74,7 @@ __all__ = [
     "check_off_policy_correction",
     "clamped_k3",
     "clip_binds",
+    "distillation_rewards",
     "dual_clip",
     "entropy_from_logits",
     "explained_variance",
@@ -94,6 +99,7 @@ __all__ = [
     "positive_nll",
     "positive_nll_weights",
     "random_subset",
+    "sequence_distillation_rewards",
     "sequence_log_ratio",
     "token_covariance",
     "top_k_tokens",

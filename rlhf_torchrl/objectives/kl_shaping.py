@@ -64,12 +64,28 @@ class KLRewardShaper(TensorDictModuleBase):
     the reward without its KL part, summed over the response (the whitened, clipped score plus
     the turn and step rewards), which the group baselines compare.
 
+    On-policy distillation: where the rollout holds a teacher's log-probs of the sampled tokens
+    (``("teacher_log_probs", "response")``, :class:`~rlhf_torchrl.rewards.distillation.TeacherLogProbs`),
+    the reverse KL to the teacher is penalised the same way, per token:
+    ``r[t] += -teacher_coef * KL_T[t]`` with ``KL_T[t] = teacher_kl_estimator(log_prob[t],
+    teacher_log_prob[t])`` (:func:`~rlhf_torchrl.functional.distillation_rewards`); a teacher of
+    another vocabulary gives one log-prob per response (``("teacher_log_probs", "sequence")``,
+    :class:`~rlhf_torchrl.rewards.distillation.TextTeacherLogProbs`) and its sequence-level
+    estimate lands on the last token (:func:`~rlhf_torchrl.functional.sequence_distillation_rewards`).
+    ``("teacher_kl", "response")`` (B, R) holds ``KL_T``; the teacher's term is part of
+    ``("next", "non_score_reward")`` (a KL term: the group baselines credit it per token, as the
+    reference's), never of ``"shaped_score"``, and the adaptive KL controller sees the
+    reference's KL alone.
+
     Args:
         kl_controller (FixedKLController | torchrl.data.llm.utils.AdaptiveKLController): owns
             ``kl_coef`` (:func:`make_kl_controller`).
         kl_estimator: ``k1``, ``k2`` or ``k3`` (:func:`~rlhf_torchrl.functional.kl_estimate`).
         whiten_scores: whiten the scores over the batch first, keeping their mean.
         score_clip: clip the scores to ``[-score_clip, score_clip]`` first (None: no clip).
+        teacher_coef: the coefficient of the reverse KL to the teacher, where the rollout holds
+            the teacher's log-probs (0: none).
+        teacher_kl_estimator: ``k1``, ``k2`` or ``k3``, of the KL to the teacher.
 
     Unlike TorchRL's ``KLRewardTransform``, the score enters once, at the last response token, and
     nothing is put on prompt tokens.
@@ -82,9 +98,13 @@ class KLRewardShaper(TensorDictModuleBase):
         kl_estimator: str = "k1",
         whiten_scores: bool = False,
         score_clip: float | None = None,
+        teacher_coef: float = 1.0,
+        teacher_kl_estimator: str = "k1",
     ):
         super().__init__()
         self.kl_estimator = F.check_kl_estimator(kl_estimator)
+        self.teacher_coef = teacher_coef
+        self.teacher_kl_estimator = F.check_kl_estimator(teacher_kl_estimator)
         self.kl_controller = kl_controller
         self.whiten_scores = whiten_scores
         self.score_clip = score_clip
@@ -114,6 +134,11 @@ class KLRewardShaper(TensorDictModuleBase):
                 dense = torch.where(mask, dense, torch.zeros_like(dense))
                 reward = reward + dense
                 shaped_score = shaped_score + dense.sum(-1)
+        teacher = self.teacher_rewards(td)  # on-policy distillation: -coef * KL to the teacher
+        if teacher is not None:
+            teacher_reward, teacher_kl = teacher
+            reward, non_score = reward + teacher_reward, non_score + teacher_reward
+            td.set(K.TEACHER_KL, teacher_kl)
         done = F.last_token_mask(mask).unsqueeze(-1)
         # summed here, not recovered as reward - KL: (s + k) - k rounds, and equal scores must stay
         # equal for the group baselines and the group filter
@@ -125,6 +150,27 @@ class KLRewardShaper(TensorDictModuleBase):
         td.set(K.TERMINATED, done.clone())
         return td
 
+    def teacher_rewards(self, td: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(reward, KL_T)`` (B, R) of the teacher's log-probs the rollout holds, per token or,
+        a teacher of another vocabulary, for the sequence at its last token; None: no teacher
+        (or ``teacher_coef`` 0).
+
+        Args:
+            td: a rollout with the old log-probs.
+        """
+        keys = td.keys(True)
+        if not self.teacher_coef:
+            return None
+        log_prob, mask = td.get(K.LOG_PROB), td.get(K.RESPONSE_MASK)
+        if K.TEACHER_LOG_PROB in keys:
+            return F.distillation_rewards(log_prob, td.get(K.TEACHER_LOG_PROB), mask,
+                                          self.teacher_coef, self.teacher_kl_estimator)
+        if K.TEACHER_SEQUENCE_LOG_PROB in keys:
+            return F.sequence_distillation_rewards(log_prob, td.get(K.TEACHER_SEQUENCE_LOG_PROB),
+                                                   mask, self.teacher_coef,
+                                                   self.teacher_kl_estimator)
+        return None
+
     def update_kl_coef(self, td: TensorDictBase) -> float:
         """Adapt ``kl_coef`` to the KL of this rollout (no-op for a constant coefficient).
 
@@ -132,6 +178,8 @@ class KLRewardShaper(TensorDictModuleBase):
             td: the shaped rollout, with ``("kl", "response")``.
         """
         per_sample = td.get(K.NON_SCORE_REWARD).squeeze(-1).sum(-1)  # -kl_coef * KL(seq)
+        if K.TEACHER_KL in td.keys(True):  # the reference's KL alone: the teacher's is not its
+            per_sample = (-self.kl_coef * td.get(K.KL)).sum(-1)
         if not math.isfinite(float(per_sample.sum())):
             return self.kl_coef
         return float(self.kl_controller.update(per_sample.tolist()))

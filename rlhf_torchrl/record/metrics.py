@@ -24,7 +24,9 @@ def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
     ``objective/kl`` is the KL summed over each response, averaged over responses;
     ``objective/non_score_reward`` the summed KL reward; ``objective/rlhf_reward`` = scores +
     non-score reward; ``objective/entropy`` the summed exact entropy; ``objective/step_reward``
-    a process reward's step values summed over each response (weighted), averaged.
+    a process reward's step values summed over each response (weighted), averaged;
+    ``objective/teacher_kl`` (on-policy distillation) the estimate of the reverse KL to the
+    teacher, summed over each response, averaged.
     """
     mask = td.get(K.RESPONSE_MASK)
     kl = td.get(K.KL).sum(-1)
@@ -47,6 +49,8 @@ def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
             td.get(K.VALUE).squeeze(-1), td.get(K.VALUE_TARGET).squeeze(-1), mask))
     if K.RAW_SCORE in keys:  # a Scorer's score before the missing-EOS penalty
         out["objective/raw_scores"] = float(td.get(K.RAW_SCORE).mean())
+    if K.TEACHER_KL in keys:  # on-policy distillation: the reverse KL to the teacher, per response
+        out["objective/teacher_kl"] = float(td.get(K.TEACHER_KL).sum(-1).mean())
     if K.STEP_REWARD in keys:  # process rewards, beside the score: summed over each response
         out["objective/step_reward"] = float(td.get(K.STEP_REWARD).sum(-1).mean())
     if K.ENTROPY in keys:

@@ -248,6 +248,9 @@ class Scorer(TensorDictModuleBase):
         steps (rlhf_torchrl.rewards.steps.StepRewards | None): splits responses into steps and
             places step values on tokens (the policy's tokenizer); needed by a reward that returns
             values per step.
+        allow_no_rewards: accept an empty ``rewards``: every score is 0 (less the missing-EOS
+            penalty), for a run whose reward is elsewhere (on-policy distillation's teacher,
+            ``reward.teacher``).
 
     Example:
         >>> scorer = Scorer({"vader": (vader_compound, 1.0)}, missing_eos_penalty=1.0)
@@ -261,12 +264,14 @@ class Scorer(TensorDictModuleBase):
         missing_eos_penalty: float | None = None,
         allow_non_finite: bool = False,
         steps=None,
+        allow_no_rewards: bool = False,
     ):
         super().__init__()
-        if not rewards:
+        if not rewards and not allow_no_rewards:
             raise ConfigError(
-                "No reward given: set a reward model (reward.model) and/or reward functions "
-                "(reward.functions=[package.module.fn])."
+                "No reward given: set a reward model (reward.model), reward functions "
+                "(reward.functions=[package.module.fn]) and/or a teacher to distil "
+                "(reward.teacher)."
             )
         self.rewards = dict(rewards)
         self.missing_eos_penalty, self.allow_non_finite = missing_eos_penalty, allow_non_finite

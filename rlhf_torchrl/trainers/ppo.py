@@ -107,6 +107,10 @@ class PPOTrainer(StagedLoop):
         reward_transform (Callable | None): applied to each scored rollout before the old
             quantities: a TorchRL ``Transform`` or any TensorDict -> TensorDict callable that
             reshapes ``"score"`` (a length penalty, a format bonus; ``examples/reward_transform.py``).
+        teacher (nn.Module | None): on-policy distillation: writes the teacher's log-probs with
+            the old quantities (:class:`~rlhf_torchrl.rewards.distillation.TeacherLogProbs`, or
+            :class:`~rlhf_torchrl.rewards.distillation.TextTeacherLogProbs`), which the shaper
+            turns into minus the reverse KL to the teacher per token; None: no teacher.
 
     Where TorchRL's ``Trainer`` does not fit, and why: an iteration is one rollout of whole
     responses, not a frame count; minibatches are split into token-weighted micro-batches
@@ -150,6 +154,7 @@ class PPOTrainer(StagedLoop):
         on_non_finite: Callable | None = None,
         filter_groups: bool = False,
         reward_transform: Callable | None = None,
+        teacher: nn.Module | None = None,
     ):
         super().__init__()
         self.collector = collector
@@ -187,6 +192,7 @@ class PPOTrainer(StagedLoop):
         if replay_buffer is not None:
             check_replay_buffer(replay_buffer, filtered=filter_groups)
         self.reward_transform = reward_transform
+        self.teacher = teacher  # on-policy distillation: the teacher's log-probs (None: none)
         self.iteration = 0  # the iteration running, 0 first (between iterations: those done)
         self.updated = False  # whether its update has run (iterations_done counts it from then)
         self.interrupt: InterruptHandler | None = None  # while fit() runs
@@ -274,7 +280,8 @@ class PPOTrainer(StagedLoop):
                 self.scorer(rollout)
                 if self.reward_transform is not None:  # e.g. a TorchRL Transform on "score"
                     rollout = self.reward_transform(rollout)
-            # 3. Old quantities, no grad: policy and reference log-probs (fp32, temperature), values.
+            # 3. Old quantities, no grad: policy, reference (and teacher) log-probs (fp32,
+            #    temperature), values.
             with self.timed("old_quantities"):
                 self.old_quantities(rollout)
             # 4-6. On the global batch: per-token KL rewards, advantages, then PPO epochs.
@@ -286,7 +293,8 @@ class PPOTrainer(StagedLoop):
             self.iteration, self.updated = self.iteration + 1, False
 
     def old_quantities(self, rollout: TensorDictBase) -> None:
-        """Phase 3: old log-probs (unless recorded while sampling), reference log-probs, values.
+        """Phase 3: old log-probs (unless recorded while sampling), reference log-probs, values;
+        with a teacher, its log-probs too.
 
         Args:
             rollout: this process's scored rollout, written in place.
@@ -300,6 +308,8 @@ class PPOTrainer(StagedLoop):
             compute_old_quantities(rollout, actor=self.actor, reference=self.reference, critic=self.critic,
                              chunk_size=self.forward_batch_size, exact_entropy=self.exact_entropy,
                              recompute_log_probs=self.recompute_log_probs)
+        if self.teacher is not None:  # (an offloaded teacher visits the device while it runs)
+            self.teacher(rollout)
 
     def optimise(self, rollout: TensorDictBase) -> tuple[TensorDictBase, dict | None]:
         """Phases 4-6 on the global batch (every process's rows): KL-shaped rewards, advantages
