@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from rlhf_torchrl import functional as F
 from rlhf_torchrl import keys as K
@@ -181,6 +182,32 @@ def test_teacher_log_probs_and_reward_match_a_plain_computation(tokenizer, tiny_
     assert torch.equal(off.get(K.REWARD), without.get(K.REWARD))
 
 
+def test_group_baselines_credit_the_teacher_per_token_as_the_reference_kl():
+    """GRPO and REINFORCE++ on a shaped rollout with a teacher: the teacher's term is part of the
+    KL credit, A_t = group-relative score + sum_{t' >= t} (-kl_coef KL[t'] - teacher_coef KL_T[t']);
+    REINFORCE++ whitens the returns of the whole reward."""
+    from rlhf_torchrl.objectives.advantages import GRPOAdvantage, ReinforcePPAdvantage
+
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    lp = torch.tensor([[-1.0, -0.5, -2.0], [-0.25, -1.0, 0.0]])
+    ref = torch.tensor([[-1.5, -0.5, -1.0], [-0.25, -2.0, 0.0]])
+    teacher = torch.tensor([[-0.5, -1.5, -2.0], [-1.25, -1.0, 0.0]])
+    td = TensorDict({K.LOG_PROB: lp, K.REF_LOG_PROB: ref, K.TEACHER_LOG_PROB: teacher,
+                     K.RESPONSE_MASK: mask, K.SCORE: torch.tensor([1.0, 1.0]),
+                     K.GROUP: torch.tensor([0, 0])}, batch_size=[2])
+    KLRewardShaper(FixedKLController(0.1), teacher_coef=0.5)(td)
+    GRPOAdvantage()(td)
+    adv = td.get(K.ADVANTAGE).squeeze(-1)
+    for i in range(2):
+        n = int(mask[i].sum())
+        per_token = [-0.1 * (lp[i, t] - ref[i, t]) - 0.5 * (lp[i, t] - teacher[i, t]) for t in range(n)]
+        for t in range(n):  # equal scores: no score advantage, the KL terms' return-to-go alone
+            assert math.isclose(float(adv[i, t]), float(sum(per_token[t:])), abs_tol=1e-6)
+    ReinforcePPAdvantage()(td)
+    returns = F.returns_to_go(td.get(K.REWARD).squeeze(-1), mask)
+    assert torch.allclose(td.get(K.ADVANTAGE).squeeze(-1), F.masked_whiten(returns, mask) * mask)
+
+
 def test_offloaded_teacher_runs_and_stays_on_the_cpu(tokenizer, teacher_dir):
     teacher = TeacherLogProbs(load_teacher(teacher_dir, tokenizer, offload=True), temperature=1.0,
                               offload=True)
@@ -274,6 +301,25 @@ def test_teacher_settings_refused_in_one_line(tmp_path, tiny_llama_dir):
     # the teacher alone is a reward
     checks.check_config(_cfg(tmp_path, f"model.policy={tiny_llama_dir}", "reward.teacher=x",
                              "reward.functions=[]"))
+
+
+def test_a_teacher_with_too_few_positions_is_refused(tmp_path, tokenizer, tiny_llama_dir):
+    """A teacher reads the policy's prompt and response tokens: a learned position embedding too
+    short for them is one line naming reward.teacher, before any weights load."""
+    from conftest import _save_tiny
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlhf_torchrl.config.model_checks import check_sequence_length
+
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, n_positions=12)
+    short = _save_tiny(tmp_path / "short", GPT2LMHeadModel(config), tokenizer)
+    cfg = _cfg(tmp_path, f"model.policy={tiny_llama_dir}", f"reward.teacher={short}",
+               "data.max_prompt_length=64")
+    with pytest.raises(ConfigError, match=rf"more than the 12 positions of reward.teacher={short}"):
+        check_sequence_length(cfg, ["Write one short sentence about a film you liked."], tokenizer)
+    text = _cfg(tmp_path, f"model.policy={tiny_llama_dir}", f"reward.teacher={short}",
+                "data.max_prompt_length=64", "reward.teacher_mapping=text")
+    check_sequence_length(text, ["Write one short sentence about a film you liked."], tokenizer)
 
 
 def test_cli_refuses_a_teacher_of_another_vocabulary_in_one_line(tmp_path, tiny_llama_dir,

@@ -82,10 +82,11 @@ def check_reward_model(setting: str, name: str) -> None:
 def check_sequence_length(cfg: DictConfig, prompts, tokenizer) -> None:
     """The longest prompt (chat template included, after ``data.truncate_prompts``) plus the
     longest response fits the positions of each model that reads the policy's tokens (policy,
-    reference, a critic of its own), where its config gives a limit. Past it a learned position
-    embedding (GPT-2's ``n_positions``) fails deep inside the first forward with an IndexError:
-    refused, one line. A rotary model (a ``rope_parameters``/``rope_scaling`` config) computes any
-    position, but reads positions it was never trained on: a warning.
+    reference, a critic of its own, on-policy distillation's teacher), where its config gives a
+    limit. Past it a learned position embedding (GPT-2's ``n_positions``) fails deep inside the
+    first forward with an IndexError: refused, one line. A rotary model (a
+    ``rope_parameters``/``rope_scaling`` config) computes any position, but reads positions it was
+    never trained on: a warning.
 
     Args:
         cfg: the composed PPO config.
@@ -96,6 +97,8 @@ def check_sequence_length(cfg: DictConfig, prompts, tokenizer) -> None:
     models = [("model.policy", m.policy), ("model.reference", m.reference)]
     if v.init == "model" and v.name_or_path:
         models.append(("value_model.name_or_path", v.name_or_path))
+    if cfg.reward.teacher and cfg.reward.teacher_mapping == "token":  # it reads the same tokens
+        models.append(("reward.teacher", cfg.reward.teacher))
     limits = []
     for setting, name in models:
         config = _model_config(setting, name) if name else None
