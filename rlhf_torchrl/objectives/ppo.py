@@ -23,7 +23,6 @@ from rlhf_torchrl.objectives.policy_losses import PolicyLoss, SurrogateInputs, m
 from rlhf_torchrl.upstream import TESTED_TORCHRL, check_private_api
 
 
-
 def _log_weight_arities(loss_cls: type) -> tuple[set[int], set[int]]:
     """The tuple lengths ``loss_cls._log_weight`` returns and ``loss_cls.forward`` unpacks from
     it, read from their source (nothing is called)."""
