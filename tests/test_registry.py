@@ -42,7 +42,7 @@ class HalvedRLOO(RLOOAdvantage):
         return td
 
 
-@POLICY_LOSSES.register("plain_pg")
+@POLICY_LOSSES.register("ext_plain_pg")
 class PlainPG(PolicyLoss):
     """The unclipped surrogate -r A."""
 
@@ -89,7 +89,7 @@ def plugin(tmp_path, monkeypatch):
     from rlhf_torchrl.objectives.policy_losses import POLICY_LOSSES
     from rlhf_torchrl.rewards.kinds import REWARD_KINDS
 
-    POLICY_LOSSES._entries.pop("plain_pg", None)
+    POLICY_LOSSES._entries.pop("ext_plain_pg", None)
     REWARD_KINDS._entries.pop("length", None)
     sys.modules.pop("my_rl_ext", None)
 
@@ -116,7 +116,7 @@ def test_a_registry_resolves_names_and_refuses_others_in_one_line():
 
 def test_a_plugin_registers_entries_that_the_config_selects(plugin, tiny_llama_dir, tmp_path):
     cfg = compose([f"plugins=[{plugin}]", "advantage.estimator=halved_rloo",
-                   "generation.samples_per_prompt=2", "ppo.policy_loss=plain_pg",
+                   "generation.samples_per_prompt=2", "ppo.policy_loss=ext_plain_pg",
                    "reward.functions=[len:5]", f"model.policy={tiny_llama_dir}",
                    f"output_dir={tmp_path / 'run'}"])
     check_config(cfg)  # imports the plugin, then its names are choices
@@ -150,7 +150,7 @@ def test_ppo_help_lists_what_is_registered_with_the_plugins(plugin, tmp_path):
                           "--help"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     for line in ("advantage.estimator:", "  halved_rloo", "ppo.policy_loss:", "  gspo", "  cispo",
-                 "  clip_cov", "  kl_cov", "  plain_pg", "generation.backend:", "  vllm", "  echo",
+                 "  clip_cov", "  kl_cov", "  ext_plain_pg", "generation.backend:", "  vllm", "  echo",
                  "reward.functions:", "  length", "plugins: my_rl_ext"):
         assert line in out.stdout, line
 
