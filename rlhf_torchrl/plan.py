@@ -19,21 +19,34 @@ holds on one device:
   on tiny random weights, in the run's precision and gradient checkpointing), and the fp32 logits,
   their saved softmax and gradient at the response positions; under autocast, the bf16 copies of
   the weights a forward keeps;
-- after the first update, the gradients stay allocated (``zero_grad`` runs as a minibatch starts).
+- after the first update, the gradients stay allocated (``zero_grad`` runs as a minibatch starts);
+- on a CPU, ``runtime``: the process itself before any weight loads (Python, torch,
+  transformers and the model's class, this library), read from the planning process's resident
+  set (:func:`runtime_bytes`): in the PPO command's start-up check that is the run's own process,
+  its tokenizer and prompts included; ``rlhf-torchrl plan``'s process has neither (tens of MB).
 
-Times come from FLOPs (:mod:`~rlhf_torchrl.modules.shapes`) over a device profile: the matmul
-FLOP/s and copy bandwidth measured once (``rlhf-torchrl plan --profile-device``, cached in
+On a CPU the seconds are timed on one-layer copies of the models at their real widths and
+vocabularies, doing a bounded share of each phase's work with the run's sampler, precision and
+optimiser, one layer timed alone and counted ``layers - 1`` more times (:func:`timed_phases`;
+a second or two the first time a shape is planned, then read from
+``~/.cache/rlhf_torchrl/plan_cache.json``). Elsewhere (a GPU's profile, LoRA, several
+processes, vLLM, a compiled decode step, packing, several turns) they come from FLOPs
+(:mod:`~rlhf_torchrl.modules.shapes`) over a device profile: the matmul FLOP/s and copy
+bandwidth measured once (``rlhf-torchrl plan --profile-device``, cached in
 ``~/.cache/rlhf_torchrl/device_profile.json``), the share of that peak training matmuls reach,
 and generation's cost per decoding step beyond its FLOPs (the per-layer kernel launches of eager
 decoding; one graph replay when compiled). :data:`PROFILES` holds the figures measured on the
-GPUs this project was lent; ``docs/scaling.md`` compares the plan with measured runs.
+GPUs this project was lent; ``docs/scaling.md`` compares the plan with measured runs, on those
+GPUs and on a 2-core CPU (``rlhf-torchrl bench plan_check``).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +58,18 @@ from rlhf_torchrl.modules.shapes import ModelShape, training_flops
 
 GIB = 2**30
 PHASES = ("generation", "old_quantities", "update")
+#: (phase, with entropies) -> the vocabulary-sized fp32 tensors alive at once, as multiples of
+#: the logits: the sampler's per decoding step (the step's logits and its temporaries; recording
+#: exact entropies: more); the old quantities' per forward batch (the policy's logits, their
+#: temperature-scaled copy, softmax and product for the exact entropy where the policy
+#: recomputes; else the reference's logits and exponentials); the update's per micro-batch
+#: (logits, the exponentials kept for the backward and the gradient; with the entropy bonus
+#: also its saved softmax and scaled logits and their gradients). Measured as the resident
+#: memory of a process running the library's functions on logits above glibc's mmap threshold
+#: (tests/test_plan.py checks them).
+LOGIT_COPIES = {("sampler", False): 5, ("sampler", True): 6,
+                ("old_quantities", False): 2, ("old_quantities", True): 4,
+                ("update", False): 3, ("update", True): 7}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: packaged model shapes (``rlhf_torchrl/benchmarks/model_configs``) a plan may name in place of
 #: a model directory: Qwen2.5's published configs, no weights
@@ -424,6 +449,9 @@ class PhaseWork:
         exact_entropy: the old entropies from the softmax (else the sample estimate).
         threads: torch's CPU threads.
         attention: ``model.attn_implementation`` (None: sdpa).
+        reuse_freed_memory: the run keeps freed memory in glibc's heap (``reuse_freed_memory``):
+            the timing process does too (it is then this process's setting for good), or every
+            large tensor is mapped and faulted in anew.
     """
 
     rows: int
@@ -443,6 +471,7 @@ class PhaseWork:
     exact_entropy: bool
     threads: int
     attention: str | None = None
+    reuse_freed_memory: bool = False
 
 
 def _one_layer_copy(config, dtype: torch.dtype, attention: str | None, amp: bool):
@@ -465,22 +494,46 @@ def _one_layer_copy(config, dtype: torch.dtype, attention: str | None, amp: bool
     return lm_head_in_fp32(model) if amp else model
 
 
-def _decoder_layer(model) -> torch.nn.Module:
+def _decoder_layers(model) -> torch.nn.ModuleList:
     base = model.base_model
     for name in ("layers", "h", "blocks"):
         layers = getattr(base, name, None)
         if isinstance(layers, torch.nn.ModuleList) and len(layers):
-            return layers[0]
+            return layers
     raise ValueError(f"no decoder layers found in {type(model).__name__}")
 
 
-class _LayerClock:
-    """Seconds spent inside a module's forward calls (hooks before and after each call)."""
+def _decoder_layer(model) -> torch.nn.Module:
+    return _decoder_layers(model)[0]
 
-    def __init__(self, module: torch.nn.Module):
+
+def _last_level_cache() -> int:
+    """Bytes of this CPU's largest cache (32 MiB where it cannot be read)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]])
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+    return max(sizes, default=32 * 2**20)
+
+
+def _weight_sets(layers: int, layer_bytes: float) -> int:
+    """How many copies of a layer's weights a timed layer takes in turn so that, as in the run,
+    each call finds its weights gone from the caches: the model's layers, or as many as fill
+    twice the last-level cache."""
+    return max(1, min(layers, math.ceil(2 * _last_level_cache() / max(layer_bytes, 1.0))))
+
+
+class _LayerClock:
+    """Seconds spent inside the forward calls of ``modules`` (hooks before and after each)."""
+
+    def __init__(self, *modules: torch.nn.Module):
         self.seconds, self._start = 0.0, None
-        self._hooks = [module.register_forward_pre_hook(self._enter),
-                       module.register_forward_hook(self._leave)]
+        self._hooks = [hook for module in modules
+                       for hook in (module.register_forward_pre_hook(self._enter),
+                                    module.register_forward_hook(self._leave))]
 
     def _enter(self, *_):
         self._start = time.perf_counter()
@@ -494,22 +547,25 @@ class _LayerClock:
 
 
 def _best_of(fn, clocks: list, repeats: int) -> tuple[float, list[float]]:
-    """(seconds, each clock's seconds) of the fastest of ``repeats`` calls of ``fn`` after one
-    more to warm up (kernel selection, the allocator)."""
+    """(seconds, each clock's seconds) of the median of ``repeats`` calls of ``fn`` (more, up to
+    9, while they have taken under half a second together: a short call is noisier) after one
+    more to warm up (kernel selection, the allocator): a phase of the run is one call, typical
+    rather than best."""
     fn()
-    best = None
-    for _ in range(repeats):
+    runs, spent = [], 0.0
+    while len(runs) < repeats or (spent < 0.5 and len(runs) < 9):
         for clock in clocks:
             clock.seconds = 0.0
         start = time.perf_counter()
         fn()
         seconds = time.perf_counter() - start
-        if best is None or seconds < best[0]:
-            best = (seconds, [clock.seconds for clock in clocks])
-    return best
+        spent += seconds
+        runs.append((seconds, [clock.seconds for clock in clocks]))
+    runs.sort(key=lambda run: run[0])
+    return runs[(len(runs) - 1) // 2]
 
 
-def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 2) -> dict:
+def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 3) -> dict:
     """Each phase's seconds on this CPU, timed on one-layer copies of the models (their real
     widths and vocabularies, random weights) doing one process's work of an iteration at the
     run's shapes, precision, sampler and optimiser, and scaled to the whole:
@@ -534,7 +590,7 @@ def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 2) 
         config (transformers.PretrainedConfig): the policy's (and reference's) config.
         work: the shapes and settings.
         critic_config: a separate critic's config (None: the policy's).
-        repeats: timed calls per measurement (the fastest counts), after one to warm up.
+        repeats: timed calls per measurement (their median counts), after one to warm up.
     """
     critic_config = critic_config if critic_config is not None else config
     key = _cache_key("timed", _device_key(torch.device("cpu")), _config_key(config),
@@ -544,6 +600,10 @@ def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 2) 
         return cached
     threads = torch.get_num_threads()
     torch.set_num_threads(work.threads)
+    if work.reuse_freed_memory:
+        from rlhf_torchrl.runtime import reuse_freed_memory
+
+        reuse_freed_memory()
     try:
         out = _time_phases(config, critic_config, work, repeats)
     finally:
@@ -553,7 +613,6 @@ def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 2) 
 
 def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
     import contextlib
-    import math
 
     from rlhf_torchrl.functional import entropy_from_logits, log_probs_from_logits
 
@@ -572,10 +631,21 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
     if work.critic == "separate":
         critic = (copy.deepcopy(policy) if _config_key(critic_config) == _config_key(config)
                   else _one_layer_copy(critic_config, wdtype, work.attention, amp is not None))
+    reference = copy.deepcopy(policy).requires_grad_(False)  # the run's: frozen, its own weights
     value_head = torch.nn.Linear(cshape.hidden if critic is not None else shape.hidden, 1,
                                  dtype=wdtype)
     P, R, T, V = work.prompt, work.response, work.prompt + work.response, shape.vocab
     gen = torch.Generator().manual_seed(0)
+
+    def rows_of(rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token rows and their attention mask, every other row's first token padding (the
+        run's batches are left-padded: attention runs masked)."""
+        ids = torch.randint(3, V, (rows, length), generator=gen)
+        mask = torch.ones_like(ids)
+        if length > 1:
+            mask[1::2, 0] = 0
+        return ids, mask
+
     out: dict = {"timed": {}}
     extra = lambda seconds, layer_s, critic_s=0.0: (  # noqa: E731 - the layers the copies lack
         seconds + (shape.layers - 1) * layer_s + (cshape.layers - 1) * critic_s)
@@ -596,13 +666,25 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
                                 temperature=work.temperature if sample else None,
                                 top_k=0 if sample else None, eos_token_id=None, pad_token_id=0)
     policy.eval()
-    clock = _LayerClock(_decoder_layer(policy))
+    # decoding reads every weight at each step: past the last-level cache, from memory. The
+    # copy's layer takes turns with copies of itself (one per step, as many as the run's layers
+    # or as fill the cache twice), so that its weights are as cold as the run's
+    cast = _BYTES[work.dtype] + (2 if amp is not None else 0)
+    container = _decoder_layers(policy)
+    turns = [container[0]] + [copy.deepcopy(container[0]) for _ in range(
+        _weight_sets(shape.layers, shape.layer_matmul_params * cast) - 1)]
+    cycle = itertools.cycle(turns)
+
+    def next_turn(*_):
+        container[0] = next(cycle)
+
+    rotation = policy.base_model.register_forward_pre_hook(next_turn)
+    clock = _LayerClock(*turns)
 
     def sampled(rows: int) -> float:
         """The generation of ``rows`` rows: its prefill, then ``R`` steps at the timed steps'
         pace, each with (layers - 1) more layers."""
-        ids = torch.randint(3, V, (rows, P), generator=gen)
-        mask = torch.ones_like(ids)
+        ids, mask = rows_of(rows, P)
 
         def prefill():
             with torch.no_grad(), autocast():
@@ -617,39 +699,60 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
             if sampler is not None:
                 sampler.pop()
 
-        first, (first_layer,) = _best_of(prefill, [clock], repeats)
-        whole, (whole_layer,) = _best_of(generation, [clock], repeats)
+        with autocast():  # (the casts of the weights kept from the warm-up on: counted apart)
+            first, (first_layer,) = _best_of(prefill, [clock], repeats)
+            whole, (whole_layer,) = _best_of(generation, [clock], repeats)
         step, step_layer = (whole - first) / steps, (whole_layer - first_layer) / steps
         out["timed"][f"generation_{rows}_rows"] = {"prefill": first, "step": step,
                                                    "layer_prefill": first_layer,
                                                    "layer_step": step_layer}
-        return extra(first, first_layer) + R * extra(step, step_layer)
+        return extra(first, first_layer) + R * extra(step, step_layer) + cast_s * shape.layers
 
+    # under autocast a generation casts each layer's weights once (then kept while it runs)
+    casting = itertools.cycle(turns)
+
+    def cast():
+        for weight in next(casting).parameters():
+            if weight.dim() == 2:
+                weight.to(amp)
+
+    cast_s = _best_of(cast, [], repeats)[0] if amp is not None else 0.0
+    out["timed"]["generation_layer_cast"] = cast_s
     rows = min(work.rows, _TIMED_ROWS)
     seconds = sampled(rows)
     if work.rows > rows:  # linear in the rows beyond: from two batch sizes
         half = sampled(rows // 2)
         seconds += (work.rows - rows) * (seconds - half) / (rows - rows // 2)
     out["generation"] = seconds
+    out["timed"]["generation_weight_sets"] = len(turns)
     clock.remove()
+    rotation.remove()
+    container[0] = turns[0]
+    turns.clear()
 
-    # old quantities: one forward batch of each model that runs, times the batches
-    clocks = [_LayerClock(_decoder_layer(m)) for m in (policy, critic) if m is not None]
+    # old quantities: one forward batch of each model that runs (each in its own autocast, as
+    # the run's modules are), times the batches
+    runs = [m for m in (policy, reference, critic) if m is not None]
+    clocks = [_LayerClock(_decoder_layer(m)) for m in runs]
     fb = min(work.forward_rows, work.rows, max(1, math.ceil(_TIMED_TOKENS / T)))
-    batch = torch.randint(3, V, (fb, T), generator=gen)
-    mask = torch.ones_like(batch)
+    batch, mask = rows_of(fb, T)
+
+    positions = torch.arange(P - 1, P - 1 + R)  # those predicting the response (the run's)
 
     def log_probs(model, batch=batch, mask=mask):
-        logits = model(input_ids=batch, attention_mask=mask, logits_to_keep=R,
-                       use_cache=False).logits
+        with autocast():
+            logits = model(input_ids=batch, attention_mask=mask, logits_to_keep=positions,
+                           use_cache=False).logits
         return log_probs_from_logits(logits, batch[:, P:], work.temperature), logits
 
     def values(trunk, batch=batch, mask=mask):
-        hidden = trunk(input_ids=batch, attention_mask=mask, use_cache=False).last_hidden_state
-        return value_head(hidden[:, P - 1:-1].to(value_head.weight.dtype))
+        with autocast():
+            hidden = trunk(input_ids=batch, attention_mask=mask,
+                           use_cache=False).last_hidden_state
+            return value_head(hidden[:, P - 1:-1].to(value_head.weight.dtype))
 
     def old_quantities():
-        with torch.no_grad(), autocast():
+        with torch.no_grad():
             if work.recompute:
                 _, logits = log_probs(policy)
                 if work.exact_entropy:
@@ -657,10 +760,11 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
                 del logits
             if critic is not None:  # (a shared trunk's critic reads the policy's forward)
                 values(critic.base_model)
-            log_probs(policy)  # the reference: the policy's shape
+            log_probs(reference)
 
     seconds, layer_s = _best_of(old_quantities, clocks, repeats)
-    out["old_quantities"] = work.rows / fb * extra(seconds, *layer_s)
+    out["old_quantities"] = work.rows / fb * extra(seconds, layer_s[0] + layer_s[1],
+                                                   *layer_s[2:])
     out["timed"]["old_quantities"] = {"rows": fb, "seconds": seconds, "layers": layer_s}
     for clock in clocks:
         clock.remove()
@@ -680,8 +784,7 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
     params = [p for m in (*models, value_head) for p in m.parameters()]
     optimizer = adamw(params, lr=0.0)
     micro = min(work.micro_rows, work.rows, max(1, math.ceil(_TIMED_TOKENS / T)))
-    batch = torch.randint(3, V, (micro, T), generator=gen)
-    mask = torch.ones_like(batch)
+    batch, mask = rows_of(micro, T)
     captured: dict = {}
 
     def capture(module, args, kwargs):
@@ -691,11 +794,10 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
              for m in models]
 
     def micro_batch():
-        with autocast():
-            lp, logits = log_probs(policy, batch, mask)
-            loss = lp.sum() + entropy_from_logits(logits.float() / work.temperature).sum()
-            if critic is not None:  # (a shared trunk's head reads the policy's forward)
-                loss = loss + values(critic.base_model, batch, mask).float().sum()
+        lp, logits = log_probs(policy, batch, mask)
+        loss = lp.sum() + entropy_from_logits(logits.float() / work.temperature).sum()
+        if critic is not None:  # (a shared trunk's head reads the policy's forward)
+            loss = loss + values(critic.base_model, batch, mask).float().sum()
         loss.backward()
 
     def step(params=params, optimizer=optimizer):
@@ -707,26 +809,39 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
     step_s, _ = _best_of(step, [], repeats)
     for hook in hooks:
         hook.remove()
-    layer_micro, layer_step = [], []
-    for model in models:  # a layer's forward and backward alone, then its step
-        layer = _decoder_layer(model)
+    layer_micro, layer_steps = [], []
+    for model, its in zip(models, (shape, cshape)):  # a layer's forward and backward alone,
+        layer = _decoder_layer(model)                  # then its step
         args, kwargs = captured[layer]
         hidden = args[0].detach().requires_grad_(True)
         grad = torch.randn(hidden.shape, generator=gen, dtype=hidden.dtype)
+        # in turns with copies of itself, as cold as the run's (weights, gradients, moments)
+        copies = [layer] + [copy.deepcopy(layer) for _ in range(
+            _weight_sets(its.layers, its.layer_matmul_params * 16) - 1)]
+        turns = itertools.cycle(copies)
 
-        def forward_backward(layer=layer, args=args, kwargs=kwargs, hidden=hidden, grad=grad):
+        def forward_backward(turns=turns, args=args, kwargs=kwargs, hidden=hidden, grad=grad):
             with autocast():
-                result = layer(hidden, *args[1:], **kwargs)
+                result = next(turns)(hidden, *args[1:], **kwargs)
             (result[0] if isinstance(result, tuple) else result).backward(grad)
 
         layer_micro.append(_best_of(forward_backward, [], repeats)[0])
-        own = list(layer.parameters())
-        layer_step.append(_best_of(functools.partial(step, own, adamw(own, lr=0.0)), [],
-                                   repeats)[0])
+        for param in (q for c in copies for q in c.parameters()):
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        stepping = itertools.cycle([functools.partial(step, list(c.parameters()),
+                                                      adamw(list(c.parameters()), lr=0.0))
+                                    for c in copies])
+
+        def layer_step(stepping=stepping):
+            next(stepping)()
+
+        layer_steps.append(_best_of(layer_step, [], repeats)[0])
+        copies.clear()
     out["update"] = work.epochs * (work.rows / micro * extra(micro_s, *layer_micro)
-                                   + work.minibatches * extra(step_s, *layer_step))
+                                   + work.minibatches * extra(step_s, *layer_steps))
     out["timed"]["update"] = {"rows": micro, "micro_batch": micro_s, "step": step_s,
-                              "layer_micro_batch": layer_micro, "layer_step": layer_step}
+                              "layer_micro_batch": layer_micro, "layer_step": layer_steps}
     return out
 
 
@@ -921,7 +1036,12 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     # autocast's bf16 copies of fp32 weights, kept while a forward runs (FSDP2 gathers bf16
     # layers instead: its mixed precision)
     casts = shape.params * 2 if amp is not None and wb == 4 and not fsdp else 0
-    generation = {"KV cache": kv, "logits and sampler": 3 * rows * shape.vocab * 4,
+    # the old log-probs: recomputed by the policy's forward, or the sampler's (recorded)
+    recompute = not log_probs_from_sampling(cfg, autocast=amp_name)
+    exact = bool(cfg.logging.exact_entropy)
+    generation = {"KV cache": kv,
+                  "logits and sampler": LOGIT_COPIES["sampler", not recompute and exact]
+                  * rows * shape.vocab * 4,
                   "bf16 weight copies": casts}
     if g.compile:  # the static cache is kept for the next batch: every phase holds it
         held["static KV cache"] = generation.pop("KV cache")
@@ -933,10 +1053,11 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     if engine is not None:  # the engine takes its share of the device: weights and KV cache
         generation = {f"{backend.label} engine": engine[0]}
         engine_awake = engine[1]  # what it keeps while the trainer runs (sleep mode: nothing)
-    # the old quantities: a forward batch's fp32 logits at the response positions, ~3 copies
-    # (logits, their exponentials, the entropies)
+    # the old quantities: a forward batch's fp32 logits at the response positions, and the
+    # copies the log-probs (and exact entropies, where the policy recomputes) make of them
     fb = min(p.forward_batch_size, rows)
-    old = {"logits (forward batch)": 3 * fb * R * shape.vocab * 4,
+    old = {"logits (forward batch)": LOGIT_COPIES["old_quantities", recompute and exact]
+           * fb * R * shape.vocab * 4,
            "bf16 weight copies": casts}
     if not cfg.lora.r and m.offload_reference:
         old["reference (offloaded, visiting)"] = reference
@@ -953,7 +1074,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     fixed = 0.0 if fsdp else fixed
     acts = shape.layers * (per_token * micro_tokens + fixed)
     update = {"policy activations": acts,
-              "policy logits (fp32, 3 copies)": 3 * micro_rows * R * shape.vocab * 4}
+              "logits (micro-batch)": LOGIT_COPIES["update", p.entropy_coef > 0]
+              * micro_rows * R * shape.vocab * 4}
     if cshape is not None:
         c_token, c_fixed = ((per_token, fixed) if critic_name == m.policy else  # the policy's
                             layer_activation_bytes(cconfig, amp, m.gradient_checkpointing))
@@ -966,10 +1088,20 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
 
     if engine_awake:
         old[f"{backend.label} engine"] = update[f"{backend.label} engine"] = engine_awake
+    # on a CPU glibc keeps what a phase frees for reuse (reuse_freed_memory), but the large
+    # vocabulary-sized buffers of one phase were measured not to fit where another's were
+    # (docs/scaling.md, the plan against runs on a CPU): each phase holds the others' too
+    logits = {"generation": generation.get("logits and sampler", 0.0),
+              "old_quantities": old["logits (forward batch)"],
+              "update": update["logits (micro-batch)"]}
+    keep_freed = host and bool(cfg.get("reuse_freed_memory", False))
     # from the second iteration on every phase holds the moments and the gradients
     phases = {}
     for name, transient in (("generation", generation), ("old_quantities", old),
                             ("update", update)):
+        if keep_freed:
+            transient["logits kept by glibc"] = sum(
+                v for phase, v in logits.items() if phase != name)
         parts = {**held, **transient}
         phases[name] = {"held": {k: v / GIB for k, v in parts.items()},
                         "memory_gb": sum(parts.values()) / GIB}
@@ -986,7 +1118,6 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
         return Plan(components=components, phases=phases, device=profile, settings=settings)
 
     # FLOPs and seconds
-    recompute = not log_probs_from_sampling(cfg, autocast=amp_name)
     critic_flops = (lambda n, L, heads: 0.0) if cshape is None else (
         lambda n, L, heads: cshape.forward_flops(n, L, heads))
     Pm = mean_prompt_tokens or P  # FLOPs: micro-batches of similar lengths pad little
@@ -1029,7 +1160,7 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
             recompute=recompute, sampled_entropy=not recompute and bool(cfg.logging.exact_entropy),
             critic=None if critic_kind is None else ("shared" if cshape is None else "separate"),
             exact_entropy=bool(cfg.logging.exact_entropy), threads=_planned_threads(cfg),
-            attention=m.attn_implementation)
+            attention=m.attn_implementation, reuse_freed_memory=keep_freed)
         try:
             timed = timed_phases(config, work, cconfig if cshape is not None else None)
         except Exception as error:  # noqa: BLE001 - a class the copies cannot run: FLOPs then

@@ -387,3 +387,30 @@ def test_real_sizes_runs_its_steps_on_a_tiny_model(tmp_path):
     assert tiny["eager"]["iterations"] == 2 and "error" not in tiny["eager"]
     assert set(real_sizes.PHASES) <= set(tiny["eager"])
     assert out.with_suffix(".png").exists()
+
+
+@pytest.mark.slow
+def test_plan_check_runs_the_plan_and_the_run_on_the_tiny_model(tmp_path, capsys):
+    """``rlhf-torchrl bench plan_check --quick``: the start-up up to its check, the plan command
+    (first and cached) and the run, each in its own process; predicted and measured side by side
+    for the peak memory and each planned phase, their ratio, the plot beside the JSON."""
+    from rlhf_torchrl.benchmarks import plan_check
+
+    out = tmp_path / "pc.json"
+    result = plan_check.main(["--quick", "--dir", str(tmp_path / "work"), "--out", str(out)])
+    (entry,) = json.loads(out.read_text())["sizes"]
+    assert entry == json.loads(json.dumps(result["sizes"][0], default=str))
+    assert entry["size"] == "tiny" and "error" not in entry, entry.get("error")
+    assert set(entry["compare"]) == {"peak_memory_gb", "generation_s", "old_quantities_s",
+                                     "update_s"}
+    for figure in entry["compare"].values():
+        assert figure["predicted"] > 0 and figure["measured"] > 0
+        assert figure["ratio"] == pytest.approx(figure["predicted"] / figure["measured"])
+    assert entry["plan"]["settings"]["times"] == "timed on one-layer copies on this CPU"
+    assert entry["plan"]["components_gb"]["runtime"] > 0.05  # a torch process
+    assert entry["run"]["peak_rss_gb"] >= max(entry["run"]["phase_peak_rss_gb"].values()) * 0.99
+    assert entry["prompt_tokens"]["longest"] >= entry["prompt_tokens"]["mean"] > 0
+    assert entry["startup_check"]["seconds"] > 0 and entry["plan_seconds"]["cached"] > 0
+    assert entry["run"]["threads"] == [result["args"]["threads"]] * 2
+    assert "plan / measured" in capsys.readouterr().out
+    assert out.with_suffix(".png").stat().st_size > 0

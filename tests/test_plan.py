@@ -95,12 +95,13 @@ def test_the_check_refuses_a_run_that_cannot_fit_before_loading(tmp_path):
 
 
 def test_the_ppo_command_stops_under_a_memory_limit(tmp_path, tiny_llama_dir):
-    """A run whose plan (~10 GiB: 64 rows x 256 response tokens of 49k-token logits) fits this
-    machine is refused under a 6 GiB address-space limit (ulimit -v), one line, before any weight
-    loads; the same plan with the machine's memory fits."""
+    """A run whose plan (~11 GiB: 64 rows x 128 response tokens of 49k-token logits, 7 copies of
+    them in the update with the entropy bonus) fits this machine is refused under a 6 GiB
+    address-space limit (ulimit -v), one line, before any weight loads; the same plan with the
+    machine's memory fits."""
     heavy = ["ppo.batch_size=64", "ppo.forward_batch_size=64", "ppo.num_mini_batches=1",
              "data.limit=128",
-             "generation.max_new_tokens=256", "value_model.init=policy"]
+             "generation.max_new_tokens=128", "value_model.init=policy"]
     plan = make_plan(_cfg(tmp_path, tiny_llama_dir, *heavy), times=False)
     assert 6 < plan.peak_gb < 20
     code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)); "
@@ -194,7 +195,8 @@ def test_timed_phases_add_the_missing_layers_to_the_one_layer_copy(tmp_path, mon
     monkeypatch.setenv("RLHF_TORCHRL_CACHE", str(tmp_path))
     readings = iter([(0.5, [0.02]), (2.1, [0.34]),  # 16 rows: prefill; prefill + 16 steps
                      (0.3, [0.01]), (1.1, [0.17]),  # 8 rows
-                     (2.0, [0.2, 0.3]),  # old quantities: the copies; the policy's, critic's layer
+                     (2.0, [0.2, 0.1, 0.3]),  # old quantities: the copies; the layer of the
+                     # policy's, the reference's, the critic's copy
                      (3.0, []), (0.4, []),  # the update: a micro-batch on the copies; a step
                      (0.05, []), (0.01, []),  # the policy's layer: forward + backward, its step
                      (0.07, []), (0.02, [])])  # the critic's
@@ -212,11 +214,12 @@ def test_timed_phases_add_the_missing_layers_to_the_one_layer_copy(tmp_path, mon
     work = _work(rows=40, response=32, forward_rows=8, micro_rows=4, minibatches=5, epochs=2)
     timed = plan.timed_phases(config, work)
     assert calls == ["prefill", "generation", "prefill", "generation", "old_quantities",
-                     "micro_batch", "step", "forward_backward", "step", "forward_backward", "step"]
+                     "micro_batch", "step", "forward_backward", "layer_step", "forward_backward",
+                     "layer_step"]
     at = {16: (0.5 + 3 * 0.02) + 32 * ((2.1 - 0.5) + 3 * (0.34 - 0.02)) / 16,
           8: (0.3 + 3 * 0.01) + 32 * ((1.1 - 0.3) + 3 * (0.17 - 0.01)) / 16}
     assert timed["generation"] == pytest.approx(at[16] + 24 * (at[16] - at[8]) / 8)
-    assert timed["old_quantities"] == pytest.approx(5 * (2.0 + 3 * 0.2 + 3 * 0.3))
+    assert timed["old_quantities"] == pytest.approx(5 * (2.0 + 3 * (0.2 + 0.1) + 3 * 0.3))
     assert timed["update"] == pytest.approx(2 * (10 * (3.0 + 3 * 0.05 + 3 * 0.07)
                                                  + 5 * (0.4 + 3 * 0.01 + 3 * 0.02)))
     monkeypatch.setattr(plan, "_one_layer_copy", lambda *a: pytest.fail("not from the cache"))
@@ -252,3 +255,84 @@ def test_the_start_up_check_times_nothing(tmp_path, tiny_llama_dir, monkeypatch)
     checked = check_fits(_cfg(tmp_path, tiny_llama_dir, "value_model.init=policy"))
     assert checked is not None and "seconds" not in checked.phases["update"]
     assert "peak" in checked.table() and "seconds" not in checked.table()
+
+
+_COPIES = '''
+import re, sys, torch
+from rlhf_torchrl.collectors.sampling import InverseCDFSampler
+from rlhf_torchrl.functional import entropy_from_logits, log_probs_from_logits
+
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read())[1]) * 1024
+
+B, R, V = 4, 64, 49152  # a copy: 48 MiB, above glibc's largest mmap threshold (32 MiB): the
+one = B * R * V * 4     # resident set's high-water mark then follows the tensors alive
+tokens, hidden, head = torch.randint(0, V, (B, R)), torch.randn(B, R, 32), torch.randn(V, 32)
+
+def sampler(entropy):
+    s = InverseCDFSampler(0.7, record=True, record_entropy=entropy)
+    s.set_streams(list(range(B * R)))
+    s(None, torch.randn(B * R, V))
+
+def old_quantities(entropy):  # the policy (where it recomputes), then the reference
+    with torch.no_grad():
+        if entropy:
+            logits = hidden @ head.T
+            log_probs_from_logits(logits, tokens, 0.7)
+            entropy_from_logits(logits.float() / 0.7)
+            del logits
+        log_probs_from_logits(hidden @ head.T, tokens, 0.7)
+
+def update(entropy):
+    h = hidden.clone().requires_grad_()
+    logits = h @ head.T
+    loss = log_probs_from_logits(logits, tokens, 0.7).sum()
+    if entropy:  # the entropy bonus: ResponseTokenDistribution.entropy
+        loss = loss + entropy_from_logits(logits.float() / 0.7).sum()
+    loss.backward()
+
+for name in ("sampler", "old_quantities", "update"):
+    for flag in (False, True):
+        globals()[name](flag)
+        base = status("VmRSS")
+        open("/proc/self/clear_refs", "w").write("5")
+        globals()[name](flag)
+        print(name, flag, (status("VmHWM") - base) / one)
+'''
+
+
+def test_logit_copies_are_those_the_library_allocates():
+    """The plan's vocabulary-sized copies per phase (LOGIT_COPIES) against a fresh process
+    running the library's sampler, log-probs and entropies on logits large enough to be mapped
+    one by one: its resident set's high-water mark, in copies of the logits."""
+    from rlhf_torchrl.plan import LOGIT_COPIES
+
+    out = subprocess.run([sys.executable, "-c", _COPIES], text=True, capture_output=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = {(phase, flag == "True"): float(copies)
+                for phase, flag, copies in (line.split() for line in out.stdout.splitlines())}
+    assert set(measured) == set(LOGIT_COPIES)
+    for key, copies in measured.items():
+        assert abs(copies - LOGIT_COPIES[key]) < 0.5, (key, copies)
+
+
+def test_on_a_cpu_each_phase_holds_the_logits_the_others_freed(tmp_path, tiny_llama_dir):
+    """With reuse_freed_memory (glibc keeps freed memory) each phase also holds the others'
+    vocabulary-sized buffers, counted by hand here: 4 rows, 6 response tokens, forward batches
+    and micro-batches of 2 rows, fp32 (the sampler's log-probs and entropies are kept: the
+    reference alone in the old quantities), the sentiment task's entropy bonus."""
+    from rlhf_torchrl.plan import GIB
+
+    V, key = 49152, "logits kept by glibc"
+    sampler, old, update = 6 * 4 * V * 4, 2 * 2 * 6 * V * 4, 7 * 2 * 6 * V * 4
+    plan = make_plan(_cfg(tmp_path, tiny_llama_dir, "reuse_freed_memory=true"), times=False)
+    held = {p: plan.phases[p]["held"] for p in plan.phases}
+    assert held["generation"]["logits and sampler"] * GIB == pytest.approx(sampler)
+    assert held["old_quantities"]["logits (forward batch)"] * GIB == pytest.approx(old)
+    assert held["update"]["logits (micro-batch)"] * GIB == pytest.approx(update)
+    assert held["generation"][key] * GIB == pytest.approx(old + update)
+    assert held["old_quantities"][key] * GIB == pytest.approx(sampler + update)
+    assert held["update"][key] * GIB == pytest.approx(sampler + old)
+    alone = make_plan(_cfg(tmp_path, tiny_llama_dir, "reuse_freed_memory=false"), times=False)
+    assert key not in alone.components

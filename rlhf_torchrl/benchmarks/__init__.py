@@ -14,6 +14,7 @@ BENCHMARKS = {
     "vs_trl": "side by side with TRL's PPOTrainer at identical settings (installs TRL in a venv)",
     "gpu_suite": "every CUDA path in one table (needs a CUDA GPU)",
     "real_sizes": "Qwen2.5-0.5B/1.5B shapes at verl's quickstart settings, their floor and verl's step (a CUDA GPU)",
+    "plan_check": "rlhf-torchrl plan's peak memory and seconds per phase against measured runs on this CPU, three sizes",
     "estimators": "PPO (GAE) against GRPO, RLOO and REINFORCE++ on a task, seeds x estimators full runs, then their table",
     "estimators_table": "the table of the estimators runs (held-out result, KL, distinct-2, s/iteration, peak RSS)",
     "process_rewards": "arithmetic: outcome reward alone against outcome + per-step verifier, seeds x arms full runs, their table and held-out curves",

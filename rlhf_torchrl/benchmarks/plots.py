@@ -321,10 +321,29 @@ def process_rewards(plt, payload: dict):
     ax.legend(fontsize=8)
     return fig
 
+def plan_check(plt, payload: dict):
+    """Per size, plan / measured for the peak memory and each phase's seconds, the 20% band."""
+    sizes = [e for e in payload.get("sizes", []) if "compare" in e]
+    if not sizes:
+        return None
+    figures = list(sizes[0]["compare"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    _grouped_bars(ax, [e["size"] for e in sizes],
+                  {f: [e["compare"][f]["ratio"] for e in sizes] for f in figures})
+    target = payload.get("target", 0.2)
+    ax.axhspan(1 - target, 1 + target, color="green", alpha=0.1)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("plan / measured")
+    ax.set_title(f"rlhf-torchrl plan against the run, {payload.get('machine', {}).get('cpu', 'CPU')}"
+                 f" ({_subtitle(payload)})", fontsize=9)
+    ax.legend(fontsize=7)
+    return fig
+
+
 #: benchmark name -> its drawing function
 PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": backends,
          "scaling": scaling, "vs_trl": vs_trl, "gpu_suite": gpu_suite,
-         "real_sizes": real_sizes,
+         "real_sizes": real_sizes, "plan_check": plan_check,
          "estimators": estimators_table, "estimators_table": estimators_table, "data_loading": data_loading,
          "reward_server": reward_server, "partial_rollout": partial_rollout, "compare": compare,
          "judge_sentiment": judge_sentiment,
