@@ -84,10 +84,13 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
             ``advantage.estimator``'s (a critic is built if it reads ``"state_value"``,
             :func:`~rlhf_torchrl.objectives.advantages.needs_critic`); None: the estimator's.
         reward_transform (Callable | None): a TorchRL ``Transform`` (or TensorDict callable)
-            applied to each scored rollout (:class:`~rlhf_torchrl.trainers.ppo.PPOTrainer`); None: none.
+            applied to each scored rollout (:class:`~rlhf_torchrl.trainers.ppo.PPOTrainer`), after
+            ``reward.normalize_per_source`` and ``reward.overlong_buffer``'s; None: none.
     """
+    from rlhf_torchrl.config.length_shaping import make_score_transform
     from rlhf_torchrl.objectives.advantages import needs_critic
     from rlhf_torchrl.record.run_log import RunLog
+    from rlhf_torchrl.rewards.length import ScoreTransforms
     from rlhf_torchrl.runtime import reuse_freed_memory
     from rlhf_torchrl.trainers.hooks import (
         Checkpointer,
@@ -152,7 +155,9 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
                                     tokenizer, policy, device, parallel,
                                     critic.head if values_sampled else None),
         scorer=scorer, actor=actor, reference=ref_actor, critic=critic, shaper=make_shaper(cfg),
-        advantage=advantage, reward_transform=reward_transform, teacher=teacher,
+        advantage=advantage, teacher=teacher,
+        # reward.normalize_per_source and reward.overlong_buffer, then the caller's transform
+        reward_transform=make_score_transform(cfg, parallel, reward_transform),
         loss_module=loss_module, optimizer=optimizer,
         scheduler=scheduler, grad_scaler=make_grad_scaler(cfg, device),
         replay_buffer=make_replay_buffer(cfg, sizes), parallel=parallel,
@@ -172,6 +177,8 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
         on_non_finite=NonFiniteAction(cfg.output_dir, cfg.guards.non_finite, is_main=parallel.is_main),
     )
     trainer.register_hook("threads", ThreadTuning(threads))
+    if isinstance(trainer.reward_transform, ScoreTransforms):  # each source's running statistics
+        trainer.register_op("post_steps_log", trainer.reward_transform.metrics)
     if g.check_on_policy:
         pushed = GENERATION_BACKENDS.get(g.backend).recheck_after_push
         separate = bool(c.ray_workers) or pushed or c.overlap is not None

@@ -23,6 +23,7 @@ from rlhf_torchrl.config import validation
 from rlhf_torchrl.config.components import critic_free, make_reward_probe, step_split
 from rlhf_torchrl.config.derived import log_probs_from_sampling, partial_rollout_tokens, tis_cap
 from rlhf_torchrl.config.distillation import check_teacher_settings, has_score
+from rlhf_torchrl.config.length_shaping import check_length_shaping
 from rlhf_torchrl.data.prompt_sets import PromptMixture
 from rlhf_torchrl.envs.prompt_env import check_group_sizes
 from rlhf_torchrl.errors import ConfigError
@@ -208,6 +209,7 @@ def check_config(cfg: DictConfig) -> Sizes:
         )
     check_teacher_settings(cfg)
     check_remote_rewards(cfg)
+    check_length_shaping(cfg)  # reward.overlong_buffer below the length limit
     for spec in cfg.reward.functions or []:  # each kind's own settings (a judge's), nothing loaded
         reward_kind(spec).check(spec, cfg)
     step_split(cfg)  # a process reward's step delimiter or marker (an empty one, a bad regex)
@@ -382,9 +384,10 @@ def check_rewards(cfg: DictConfig, scorer, prompts, tokenizer, stop_ids,
     """
     if not isinstance(prompts, PromptMixture):
         return scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids, with_values))
-    for name, part in zip(prompts.names, prompts.sets):
+    for name, part, source in zip(prompts.names, prompts.sets, prompts.ids):
+        alone = PromptMixture([part], [1.0], [name], [source])  # its rows name their source
         try:
-            scorer.check(make_reward_probe(cfg, part, tokenizer, stop_ids, with_values))
+            scorer.check(make_reward_probe(cfg, alone, tokenizer, stop_ids, with_values))
         except ConfigError as e:
             raise ConfigError(f"{name}: {e}") from None
 

@@ -170,6 +170,24 @@ def response_budget(cfg: DictConfig) -> tuple[int, str, str]:
     return g.max_new_tokens, f"generation.max_new_tokens={g.max_new_tokens}", "generation.max_new_tokens"
 
 
+def overlong_limit(cfg: DictConfig) -> tuple[int, str]:
+    """``L_max`` of the overlong penalty (``reward.overlong_buffer``): the most tokens the policy
+    itself may write in a response, and what sets it. One response: ``generation.max_new_tokens``;
+    a multi-turn episode: ``env.max_turns`` turns of it, at most ``env.max_tokens`` (the tools'
+    messages are not the policy's, and do not count).
+
+    Args:
+        cfg: the composed PPO config.
+    """
+    g, e = cfg.generation, cfg.env
+    if e.max_turns == 1:
+        return g.max_new_tokens, f"generation.max_new_tokens={g.max_new_tokens}"
+    turns = e.max_turns * g.max_new_tokens
+    if e.max_tokens is not None and e.max_tokens < turns:
+        return e.max_tokens, f"env.max_tokens={e.max_tokens}"
+    return turns, f"env.max_turns={e.max_turns} x generation.max_new_tokens={g.max_new_tokens}"
+
+
 def lora_kwargs(cfg: DictConfig) -> dict:
     """The ``lora.*`` settings as :func:`~rlhf_torchrl.modules.lora.add_lora`'s keyword arguments.
 

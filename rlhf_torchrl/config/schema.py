@@ -185,6 +185,9 @@ class Reward:
     missing_eos_penalty: float | None = MISSING
     whiten_scores: bool = MISSING
     score_clip: float | None = MISSING
+    overlong_buffer: int | None = MISSING
+    overlong_penalty: float = MISSING
+    normalize_per_source: bool = MISSING
     step_delimiter: str = MISSING
     step_marker: str | None = MISSING
     prm_step_tag: str = MISSING

@@ -77,6 +77,8 @@ RANGES = {
     "reward.model_batch_size": (1, _INF, True, True),
     "reward.missing_eos_penalty": (0, _INF, True, True),
     "reward.score_clip": (0, _INF, False, True),
+    "reward.overlong_buffer": (1, _INF, True, True),
+    "reward.overlong_penalty": (0, _INF, True, True),
     "reward.remote_timeout": (0, _INF, False, True),
     "reward.remote_retries": (0, _INF, True, True),
     "reward.remote_batch_size": (1, _INF, True, True),

@@ -20,6 +20,7 @@ import copy
 import itertools
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -33,6 +34,11 @@ log = logging.getLogger(__name__)
 #: ``data.check_prompts=auto``: a set of up to this many prompts is checked whole before training
 #: (~0.15 ms a prompt: its chat template and tokens), a larger one as batches serve it
 CHECK_ALL_UP_TO = 100_000
+
+#: the field a mixture's prompt carries its source in: the index of its set (``data.sources``'
+#: entry), which per-source score normalisation reads (:class:`~rlhf_torchrl.rewards.length.PerSourceScoreNorm`)
+#: and reward functions may ask for by name
+SOURCE_COLUMN = "mixture_source"
 
 
 class PromptSet(Sequence):
@@ -276,6 +282,8 @@ class PromptMixture(Sequence):
         sets: the prompt sets.
         weights: one positive weight per set (relative: they need not sum to 1).
         names: the sets' names in messages (None: their sources).
+        ids: each set's source id, which its prompts carry in the field :data:`SOURCE_COLUMN`
+            (None: ``0, 1, ...``; a held-out mixture keeps its sets' ids).
 
     Example:
         >>> mixture = PromptMixture([PromptSet(read_table("math.parquet")),
@@ -284,12 +292,13 @@ class PromptMixture(Sequence):
     """
 
     def __init__(self, sets: Sequence[PromptSet], weights: Sequence[float],
-                 names: Sequence[str] | None = None):
+                 names: Sequence[str] | None = None, ids: Sequence[int] | None = None):
         if not sets or len(sets) != len(weights):
             raise ConfigError(f"A mixture needs one weight per prompt set: {len(sets)} sets, "
                               f"{len(weights)} weights.")
         self.sets, self.weights = list(sets), tuple(float(w) for w in weights)
         self.names = list(names) if names is not None else [s.table.name for s in self.sets]
+        self.ids = list(ids) if ids is not None else list(range(len(self.sets)))
         for name, weight in zip(self.names, self.weights):
             if not weight > 0 or weight == float("inf"):
                 raise ConfigError(f"The weight of {name} is {weight}: a weight is a finite number > 0.")
@@ -314,11 +323,13 @@ class PromptMixture(Sequence):
         if i < 0:
             i += len(self)
         s = bisect.bisect_right(self.offsets, i) - 1
-        return self.sets[s][i - self.offsets[s]]
+        prompt = self.sets[s][i - self.offsets[s]]
+        # each prompt names its source: per-source score normalisation reads it
+        return replace(prompt, fields={**prompt.fields, SOURCE_COLUMN: self.ids[s]})
 
     def with_length_check(self, length_check) -> PromptMixture:
         return PromptMixture([s.with_length_check(length_check) for s in self.sets], self.weights,
-                             self.names)
+                             self.names, self.ids)
 
     def check(self) -> int:
         """:meth:`PromptSet.check` of every set; returns how many prompts were cut."""
@@ -339,9 +350,9 @@ class PromptMixture(Sequence):
                                   "lower eval.num_prompts.")
         train, held = zip(*(s.hold_out(share) for s, share in zip(self.sets, shares)))
         kept = [i for i, share in enumerate(shares) if share]  # (a mixture's sets are not empty)
-        return (PromptMixture(train, self.weights, self.names),
+        return (PromptMixture(train, self.weights, self.names, self.ids),
                 PromptMixture([held[i] for i in kept], [self.weights[i] for i in kept],
-                              [self.names[i] for i in kept]))
+                              [self.names[i] for i in kept], [self.ids[i] for i in kept]))
 
 
 class MixtureBatchSampler(torch.utils.data.Sampler):

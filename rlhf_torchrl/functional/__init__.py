@@ -26,6 +26,7 @@ from rlhf_torchrl.functional.kl import (
     kl_estimate,
     per_token_rewards,
 )
+from rlhf_torchrl.functional.length import batch_moments, merge_moments, overlong_penalty
 from rlhf_torchrl.functional.log_probs import (
     entropy_from_logits,
     log_probs_from_logits,
@@ -69,6 +70,7 @@ __all__ = [
     "OFF_POLICY_CORRECTIONS",
     "aggregate_loss",
     "aggregation_size",
+    "batch_moments",
     "check_kl_estimator",
     "check_loss_aggregation",
     "check_off_policy_correction",
@@ -92,7 +94,9 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "merge_moments",
     "off_policy_log_weight",
+    "overlong_penalty",
     "packing_order",
     "per_token_rewards",
     "position_ids_from_mask",

@@ -127,6 +127,8 @@ class Evaluator:
         metrics = {
             "eval/score": float(rollout.get(K.SCORE).mean()),
             "eval/response_length": float(rollout.get(K.RESPONSE_MASK).sum(-1).float().mean()),
+            # responses cut by the length limit (no stop token): what overlong shaping lowers
+            "eval/truncated_frac": float((~rollout.get(K.HAS_STOP)).float().mean()),
             "eval/distinct_1": distinct_n(responses, 1),
             "eval/distinct_2": distinct_n(responses, 2),
         }

@@ -106,7 +106,8 @@ class PPOTrainer(StagedLoop):
             ``group/filtered_frac``).
         reward_transform (Callable | None): applied to each scored rollout before the old
             quantities: a TorchRL ``Transform`` or any TensorDict -> TensorDict callable that
-            reshapes ``"score"`` (a length penalty, a format bonus; ``examples/reward_transform.py``).
+            reshapes ``"score"`` (a length penalty, a format bonus; ``examples/reward_transform.py``;
+            :mod:`rlhf_torchrl.rewards.length`); a module's ``state_dict`` is checkpointed.
         teacher (nn.Module | None): on-policy distillation: writes the teacher's log-probs with
             the old quantities (:class:`~rlhf_torchrl.rewards.distillation.TeacherLogProbs`, or
             :class:`~rlhf_torchrl.rewards.distillation.TextTeacherLogProbs`), which the shaper
@@ -121,8 +122,9 @@ class PPOTrainer(StagedLoop):
 
     ``state_dict()`` holds everything an exact resume needs besides the weights, the optimiser and
     the rollouts sampled ahead (which :meth:`load_checkpoint` restores too, each process its own):
-    iterations done, scheduler, gradient scaler, KL coefficient, minibatch shuffle, RNG states, and
-    each registered hook's state. The RNG states (each process's own, from a checkpoint) are set
+    iterations done, scheduler, gradient scaler, KL coefficient, minibatch shuffle, RNG states,
+    each registered hook's state, and a reward transform's (a module's ``state_dict``: the running
+    per-source score statistics of :class:`~rlhf_torchrl.rewards.length.PerSourceScoreNorm`). The RNG states (each process's own, from a checkpoint) are set
     when :meth:`fit` starts, after the collector is built: building it may draw random numbers.
     """
 
@@ -458,6 +460,9 @@ class PPOTrainer(StagedLoop):
             "world_size": self.parallel.world_size,
             "hooks": {name: hook.state_dict() for name, hook in self.hooks.items()},
             "critic_warmup": self.critic_warmup.state_dict(),
+            # a reward transform's running state (per-source score statistics; None: not a module)
+            "reward_transform": (self.reward_transform.state_dict()
+                                 if isinstance(self.reward_transform, nn.Module) else None),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -477,6 +482,8 @@ class PPOTrainer(StagedLoop):
         for name, hook_state in state["hooks"].items():
             if name in self.hooks:
                 self.hooks[name].load_state_dict(hook_state)
+        if state.get("reward_transform") is not None and isinstance(self.reward_transform, nn.Module):
+            self.reward_transform.load_state_dict(state["reward_transform"])
 
     def load_checkpoint(self, path: str) -> None:
         """Continue from checkpoint ``path``: trained weights, optimiser, :meth:`state_dict` and
