@@ -264,6 +264,18 @@ def runtime_bytes() -> int:
         return 0
 
 
+def machine_cpu_seconds() -> float | None:
+    """CPU seconds every process on this machine has used since boot (``/proc/stat``: all but idle
+    and I/O wait; None where it cannot be read): minus a process's own, what others used."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def _import_model_class(config) -> None:
     """Import the module of ``config``'s causal-LM class (what loading it will import anyway; the
     import's memory is the run's too)."""
@@ -604,10 +616,15 @@ def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 3) 
         from rlhf_torchrl.runtime import reuse_freed_memory
 
         reuse_freed_memory()
+    machine, own, start = machine_cpu_seconds(), sum(os.times()[:2]), time.perf_counter()
     try:
         out = _time_phases(config, critic_config, work, repeats)
     finally:
         torch.set_num_threads(threads)
+    if machine is not None:  # the share of the CPUs other processes took while this timed
+        others = machine_cpu_seconds() - machine - (sum(os.times()[:2]) - own)
+        out["others_cpu_share"] = max(0.0, others / ((time.perf_counter() - start)
+                                                     * (os.cpu_count() or 1)))
     return _cache_put(key, out)
 
 
@@ -662,7 +679,9 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
         processors, sample = LogitsProcessorList([sampler]), False
     except (ImportError, TypeError):  # (a sampler of another form: transformers' own)
         sampler, processors, sample = None, None, True
-    settings = GenerationConfig(max_new_tokens=steps, min_new_tokens=steps, do_sample=sample,
+    # no EOS: every row runs the steps (no min_new_tokens: its processor costs a pass over the
+    # vocabulary a step, which the run does not pay)
+    settings = GenerationConfig(max_new_tokens=steps, do_sample=sample,
                                 temperature=work.temperature if sample else None,
                                 top_k=0 if sample else None, eos_token_id=None, pad_token_id=0)
     policy.eval()
@@ -812,20 +831,24 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
     layer_micro, layer_steps = [], []
     for model, its in zip(models, (shape, cshape)):  # a layer's forward and backward alone,
         layer = _decoder_layer(model)                  # then its step
+        if layer_micro and _config_key(critic_config) == _config_key(config):
+            layer_micro.append(layer_micro[0])  # (the critic's layers are the policy's)
+            layer_steps.append(layer_steps[0])
+            continue
         args, kwargs = captured[layer]
         hidden = args[0].detach().requires_grad_(True)
         grad = torch.randn(hidden.shape, generator=gen, dtype=hidden.dtype)
-        # in turns with copies of itself, as cold as the run's (weights, gradients, moments)
-        copies = [layer] + [copy.deepcopy(layer) for _ in range(
-            _weight_sets(its.layers, its.layer_matmul_params * 16) - 1)]
-        turns = itertools.cycle(copies)
 
-        def forward_backward(turns=turns, args=args, kwargs=kwargs, hidden=hidden, grad=grad):
+        def forward_backward(layer=layer, args=args, kwargs=kwargs, hidden=hidden, grad=grad):
             with autocast():
-                result = next(turns)(hidden, *args[1:], **kwargs)
+                result = layer(hidden, *args[1:], **kwargs)
             (result[0] if isinstance(result, tuple) else result).backward(grad)
 
-        layer_micro.append(_best_of(forward_backward, [], repeats)[0])
+        layer_micro.append(_best_of(forward_backward, [], max(repeats, 5))[0])
+        # the step reads and writes weights, gradients and moments: past the last-level cache,
+        # from memory; the layer takes turns with copies of itself, as cold as the run's
+        copies = [layer] + [copy.deepcopy(layer) for _ in range(
+            _weight_sets(its.layers, its.layer_matmul_params * 16) - 1)]
         for param in (q for c in copies for q in c.parameters()):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -836,7 +859,7 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
         def layer_step(stepping=stepping):
             next(stepping)()
 
-        layer_steps.append(_best_of(layer_step, [], repeats)[0])
+        layer_steps.append(_best_of(layer_step, [], max(repeats, 5))[0])
         copies.clear()
     out["update"] = work.epochs * (work.rows / micro * extra(micro_s, *layer_micro)
                                    + work.minibatches * extra(step_s, *layer_steps))
@@ -1169,6 +1192,11 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
             for phase in PHASES:
                 phases[phase]["seconds"] = timed[phase]
             settings["times"] = "timed on one-layer copies on this CPU"
+            busy = timed.get("others_cpu_share", 0.0)
+            settings["timed_while_others_used"] = busy
+            if busy > 0.2:
+                settings["times"] += (f", while other processes took {busy:.0%} of it: plan "
+                                      "again with --fresh on a quiet machine")
     return Plan(components=components, phases=phases, device=profile, settings=settings)
 
 

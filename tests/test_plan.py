@@ -186,8 +186,9 @@ def test_timed_phases_add_the_missing_layers_to_the_one_layer_copy(tmp_path, mon
     readings are set by hand (every timed call still runs once): generation, a prefill and 16
     steps timed, scaled to the response's 32 steps, and for 40 rows from 16 and 8; the old
     quantities, a forward batch times the batches; the update, a micro-batch times the
-    micro-batches and a step per minibatch, times the epochs. The second plan of the same shape
-    reads them from the cache; --fresh times them again."""
+    micro-batches and a step per minibatch, times the epochs; a separate critic of 3 layers its
+    own. The second plan of the same shapes reads them from the cache; --fresh times them
+    again."""
     from transformers import LlamaConfig
 
     import rlhf_torchrl.plan as plan
@@ -210,23 +211,24 @@ def test_timed_phases_add_the_missing_layers_to_the_one_layer_copy(tmp_path, mon
     monkeypatch.setattr(plan, "_best_of", clock)
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    critic = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 3})
     # 40 rows of 6 + 32 tokens; forward batches of 8 (5), micro-batches of 4 (10 an epoch)
     work = _work(rows=40, response=32, forward_rows=8, micro_rows=4, minibatches=5, epochs=2)
-    timed = plan.timed_phases(config, work)
+    timed = plan.timed_phases(config, work, critic)
     assert calls == ["prefill", "generation", "prefill", "generation", "old_quantities",
                      "micro_batch", "step", "forward_backward", "layer_step", "forward_backward",
                      "layer_step"]
     at = {16: (0.5 + 3 * 0.02) + 32 * ((2.1 - 0.5) + 3 * (0.34 - 0.02)) / 16,
           8: (0.3 + 3 * 0.01) + 32 * ((1.1 - 0.3) + 3 * (0.17 - 0.01)) / 16}
     assert timed["generation"] == pytest.approx(at[16] + 24 * (at[16] - at[8]) / 8)
-    assert timed["old_quantities"] == pytest.approx(5 * (2.0 + 3 * (0.2 + 0.1) + 3 * 0.3))
-    assert timed["update"] == pytest.approx(2 * (10 * (3.0 + 3 * 0.05 + 3 * 0.07)
-                                                 + 5 * (0.4 + 3 * 0.01 + 3 * 0.02)))
+    assert timed["old_quantities"] == pytest.approx(5 * (2.0 + 3 * (0.2 + 0.1) + 2 * 0.3))
+    assert timed["update"] == pytest.approx(2 * (10 * (3.0 + 3 * 0.05 + 2 * 0.07)
+                                                 + 5 * (0.4 + 3 * 0.01 + 2 * 0.02)))
     monkeypatch.setattr(plan, "_one_layer_copy", lambda *a: pytest.fail("not from the cache"))
-    assert plan.timed_phases(config, work) == timed
+    assert plan.timed_phases(config, work, critic) == timed
     monkeypatch.setattr(plan, "_FRESH", True)
     with pytest.raises(pytest.fail.Exception, match="not from the cache"):
-        plan.timed_phases(config, work)
+        plan.timed_phases(config, work, critic)
 
 
 def test_timed_phases_run_the_copies_for_real(tmp_path, monkeypatch):

@@ -23,7 +23,8 @@ Per size, each step in a process of its own:
 
 Printed and written to ``--out``: predicted, measured and their ratio for the peak memory and
 each planned phase's seconds (generation, old quantities, update), the target being within 20%;
-the load average before and after each run (timings are only valid on a quiet machine).
+the share of the CPUs other processes took while the plan timed its copies and while the run ran
+(timings are only valid on a quiet machine).
 
     rlhf-torchrl bench plan_check --out outputs/plan_check.json
     rlhf-torchrl bench plan_check --quick             # the tiny size, 2 iterations: the script
@@ -161,8 +162,13 @@ def child(sidecar: str, stop_at_check: bool, argv: list[str]) -> None:
 
 
 def _launch(cmd: list[str], log: Path, timeout: float) -> dict:
-    """Run ``cmd`` (output to ``log``): its wall seconds, exit status and peak resident memory
-    (``wait4``'s ``ru_maxrss`` of that process alone)."""
+    """Run ``cmd`` (output to ``log``): its wall seconds, exit status, peak resident memory
+    (``wait4``'s ``ru_maxrss`` of that process alone) and the share of the CPUs other processes
+    took meanwhile (the machine's busy time from ``/proc/stat`` less the command's and this
+    process's own)."""
+    from rlhf_torchrl.plan import machine_cpu_seconds
+
+    machine, own = machine_cpu_seconds(), sum(os.times()[:2])
     start = time.perf_counter()
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     with open(log, "w") as f:
@@ -178,8 +184,14 @@ def _launch(cmd: list[str], log: Path, timeout: float) -> dict:
                 break
             time.sleep(0.05)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"seconds": time.perf_counter() - start, "returncode": proc.returncode,
-            "peak_rss_gb": usage.ru_maxrss * 1024 / 2**30,
+    seconds = time.perf_counter() - start
+    others = None
+    if machine is not None:
+        used = usage.ru_utime + usage.ru_stime + sum(os.times()[:2]) - own
+        others = max(0.0, (machine_cpu_seconds() - machine - used)
+                     / (seconds * (os.cpu_count() or 1)))
+    return {"seconds": seconds, "returncode": proc.returncode,
+            "peak_rss_gb": usage.ru_maxrss * 1024 / 2**30, "others_cpu_share": others,
             "timed_out": time.perf_counter() > deadline}
 
 
@@ -252,6 +264,7 @@ def check_size(name: str, args, work: Path) -> dict:
     measured = {p: statistics.median(r[f"time/{p}"] for r in steady) for p in PHASES}
     result["run"] = {
         "wall_s": ran["seconds"], "peak_rss_gb": ran["peak_rss_gb"],
+        "others_cpu_share": ran["others_cpu_share"],
         "phase_peak_rss_gb": {p: v / 2**30 for p, v in phase_rss.items()},
         "seconds": measured, "first_iteration": {p: rows[0][f"time/{p}"] for p in PHASES},
         "per_iteration": [{k: v for k, v in r.items() if k.startswith("time/")} for r in rows],
@@ -261,9 +274,16 @@ def check_size(name: str, args, work: Path) -> dict:
     compare = {"peak_memory_gb": _ratio(plan["peak_gb"], ran["peak_rss_gb"])}
     for p in PHASES:
         compare[f"{p}_s"] = _ratio(plan["phases"][p]["seconds"], measured[p])
+        # the run's own spread: the iterations' fastest and slowest, as ratios to their median
+        times = [r[f"time/{p}"] for r in steady]
+        compare[f"{p}_s"]["run_spread"] = [min(times) / measured[p], max(times) / measured[p]]
     result["compare"] = compare
     result["within_target"] = all(abs(c["ratio"] - 1) <= TARGET for c in compare.values())
     return result
+
+
+def _share(value) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _ratio(predicted: float, measured: float) -> dict:
@@ -279,9 +299,15 @@ def _print(result: dict) -> None:
             continue
         for what, c in entry["compare"].items():
             flag = "" if abs(c["ratio"] - 1) <= TARGET else "  (off by more than 20%)"
+            spread = ("{:.2f}-{:.2f}".format(*c["run_spread"]) if "run_spread" in c else "")
             rows.append([entry["size"], what, f"{c['predicted']:.3f}", f"{c['measured']:.3f}",
-                         f"{c['ratio']:.2f}{flag}"])
-    print(table(rows, ["size", "figure", "plan", "measured", "plan / measured"]))
+                         spread, f"{c['ratio']:.2f}{flag}"])
+        rows.append([entry["size"], "others' CPU share", _share(
+            entry["plan"]["settings"].get("timed_while_others_used")),
+            _share(entry["run"].get("others_cpu_share")), "", "(plan's timing, the run)"])
+    print(table(rows, ["size", "figure", "plan", "measured", "run's spread", "plan / measured"]))
+    print("(measured: the median of the run's iterations from the second on; its spread: their "
+          "fastest and slowest over that median)")
     costs = [[e["size"], f"{e['plan_seconds']['first']:.2f}", f"{e['plan_seconds']['cached']:.2f}",
               f"{e['startup_check']['seconds']:.3f}", f"{e['startup_check']['seconds_again']:.3f}"]
              for e in result["sizes"] if "plan_seconds" in e]
