@@ -305,3 +305,41 @@ def test_the_modules_compose_in_a_python_pipeline():
     transform(td)
     assert torch.allclose(td.get(K.SCORE), torch.tensor([-1.0, 1.0 - 0.5, -1.0 - 1.0, 1.0]))
     assert transform.metrics(td)["reward/source_mean/chat"] == 20.0
+
+
+def test_the_measurement_commands_pass_the_checks(tmp_path, capsys):
+    """rlhf-torchrl bench overlong's runs (--dry-run prints them): each composes and passes the
+    start-up checks; the shaped arm sets the buffer, the other none."""
+    import shlex
+
+    from rlhf_torchrl.benchmarks import overlong
+    from rlhf_torchrl.config import compose
+
+    assert overlong.main(["--seeds", "0", "1", "2", "--runs", str(tmp_path), "--dry-run"]) == {}
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 6
+    buffers = []
+    for line in lines:
+        cfg = compose([w for w in shlex.split(line) if not w.startswith("hydra.")])
+        checks.check_config(cfg)
+        assert cfg.generation.max_new_tokens == 32 and cfg.data.source.startswith("reasoning_gym")
+        buffers.append(cfg.reward.overlong_buffer)
+    assert buffers == [None] * 3 + [8] * 3
+
+
+def test_the_measurement_runs_end_to_end_on_a_tiny_model(tmp_path, tiny_llama_dir, capsys):
+    """Both arms for 2 iterations with the tiny model (--extra): their table and plot."""
+    from rlhf_torchrl.benchmarks import overlong
+
+    extra = [f"model.policy={tiny_llama_dir}", "ppo.num_iterations=2", "ppo.batch_size=4",
+             "ppo.forward_batch_size=4", "eval.num_prompts=4", "eval.every=1", "data.limit=16",
+             "model.autocast=null", "optim.critic_warmup=0"]
+    runs = overlong.main(["--seeds", "0", "--runs", str(tmp_path), "--max-new-tokens", "8",
+                          "--buffer", "4", "--out", str(tmp_path / "curves.json"), "--extra", *extra])
+    assert set(runs) == {"none", "overlong"}, capsys.readouterr().out
+    shaped, plain = runs["overlong"][0], runs["none"][0]
+    assert [x for x, _ in shaped["curve"]] == [0, 1, 2]
+    assert shaped["penalty"][0] < 0 and plain["penalty"] == (0.0, 0.0)  # the tiny model rambles
+    assert 0 <= shaped["truncated"][1] <= 1 and (tmp_path / "curves.png").stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "| overlong | 0 |" in table and "| none | 0 |" in table

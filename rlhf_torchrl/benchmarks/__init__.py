@@ -20,6 +20,7 @@ BENCHMARKS = {
     "process_rewards": "arithmetic: outcome reward alone against outcome + per-step verifier, seeds x arms full runs, their table and held-out curves",
     "judge_sentiment": "sentiment: a language-model judge against VADER, each trained on with the other logged, seeds x arms full runs, their table and held-out samples with both scores",
     "distillation": "sentiment: a fresh student taught by a PPO-trained teacher (on-policy distillation) against PPO on the reward alone, seeds x arms full runs, their table and held-out curves",
+    "overlong": "arithmetic: PPO with and without DAPO's overlong shaping at a length limit that cuts answers, seeds x arms full runs, their table (held-out share cut, accuracy, length) and curves",
     "data_loading": "start-up time and peak memory of a prompt set by form and size (10k-1M rows)",
     "reward_server": "a served reward model under N concurrent clients: p50/p99 latency, throughput",
     "partial_rollout": "partial rollouts against whole responses of widely varying lengths: s/iteration, tokens/s",
