@@ -340,6 +340,32 @@ def plan_check(plt, payload: dict):
     return fig
 
 
+def overlong(plt, payload: dict):
+    """The held-out share of responses cut by the length limit against updates, with and without
+    overlong shaping: each seed thin, the arm's mean thick."""
+    import statistics
+
+    runs = payload.get("runs") or {}
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for (arm, seeds), color in zip(runs.items(), ("tab:blue", "tab:orange")):
+        points: dict[int, list[float]] = {}
+        for f in seeds.values():
+            xs, ys = zip(*f["curve"])
+            ax.plot(xs, ys, color=color, alpha=0.3, linewidth=1)
+            for x, y in f["curve"]:
+                points.setdefault(x, []).append(y)
+        xs = sorted(points)
+        ax.plot(xs, [statistics.fmean(points[x]) for x in xs], color=color, linewidth=2.5,
+                label=f"{arm} (mean of {len(seeds)})")
+    ax.set(xlabel="updates", ylabel="held-out share cut by the limit",
+           title="Overlong shaping: responses cut by generation.max_new_tokens")
+    ax.title.set_fontsize(10)
+    ax.legend(fontsize=8)
+    return fig
+
+
 #: benchmark name -> its drawing function
 PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": backends,
          "scaling": scaling, "vs_trl": vs_trl, "gpu_suite": gpu_suite,
@@ -347,4 +373,4 @@ PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": b
          "estimators": estimators_table, "estimators_table": estimators_table, "data_loading": data_loading,
          "reward_server": reward_server, "partial_rollout": partial_rollout, "compare": compare,
          "judge_sentiment": judge_sentiment,
-         "process_rewards": process_rewards, "distillation": distillation}
+         "process_rewards": process_rewards, "overlong": overlong, "distillation": distillation}
