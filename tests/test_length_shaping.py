@@ -343,3 +343,37 @@ def test_the_measurement_runs_end_to_end_on_a_tiny_model(tmp_path, tiny_llama_di
     assert 0 <= shaped["truncated"][1] <= 1 and (tmp_path / "curves.png").stat().st_size > 0
     table = capsys.readouterr().out
     assert "| overlong | 0 |" in table and "| none | 0 |" in table
+
+
+def _normalise_on_rank(rank: int, folder: str) -> None:
+    """One of two processes: its share of each batch (rows rank, rank + 2, ...) through a
+    normaliser whose statistics sum over both."""
+    import torch.distributed as dist
+
+    from rlhf_torchrl.distributed import DataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=2)
+    try:
+        norm = PerSourceScoreNorm(3, parallel=DataParallel(rank=rank, world_size=2))
+        outs = []
+        for scores, sources in _batches(seed=2):
+            outs.append(norm(_with_sources(scores[rank::2], sources[rank::2])).get(K.SCORE))
+        torch.save({"outs": outs, "state": norm.state_dict()}, f"{folder}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_hold_the_statistics_of_the_global_batch(tmp_path):
+    """Under torchrun each process scores its rows; the statistics are the global batch's (the
+    same on both processes, as one process normalising every row would hold them), and each row
+    is normalised as that one process would normalise it."""
+    torch.multiprocessing.spawn(_normalise_on_rank, args=(str(tmp_path),), nprocs=2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    one = PerSourceScoreNorm(3)
+    for b, (scores, sources) in enumerate(_batches(seed=2)):
+        whole = one(_with_sources(scores, sources)).get(K.SCORE)
+        torch.testing.assert_close(ranks[0]["outs"][b], whole[0::2])
+        torch.testing.assert_close(ranks[1]["outs"][b], whole[1::2])
+    for rank in ranks:
+        for name, value in one.state_dict().items():
+            torch.testing.assert_close(rank["state"][name], value)

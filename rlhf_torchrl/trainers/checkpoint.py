@@ -7,7 +7,7 @@ A checkpoint is the directory ``<output_dir>/checkpoints/iter_<N>`` (N: iteratio
   tensors are written once). Frozen weights (a LoRA base model, the reference) are not saved: a
   resumed run loads them from where the first run did;
 - ``trainer.pt``: the rest of the trainer's state (scheduler, KL coefficient, RNG states, data
-  position, hooks' state, ...): plain containers, tensors and numbers;
+  position, hooks' state, the reward transform's statistics, ...): plain containers, tensors and numbers;
 - ``rollouts/rank_<k>/<i>/``: the rollouts process ``k`` had sampled ahead (asynchronous
   collection), in TensorDict's own format (memory-mapped tensors, JSON for the texts);
 - ``rng/rank_<k>.pt``: process ``k``'s random states (each process draws its own numbers);
