@@ -21,6 +21,7 @@ normalised units.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -197,8 +198,8 @@ class PerSourceScoreNorm(TensorDictModuleBase):
         values = values.tolist() if hasattr(values, "tolist") else list(values)
         index = []
         for value in values:
-            i = self.names.index(value) if value in self.names else value
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.names):
+            i = self.names.index(value) if value in self.names else _as_index(value)
+            if i is None or not 0 <= i < len(self.names):
                 raise ConfigError(f"A row's source is {value!r}: PerSourceScoreNorm knows the "
                                   f"sources {self.names} (or their indices 0..{len(self.names) - 1}).")
             index.append(i)
@@ -223,6 +224,16 @@ class PerSourceScoreNorm(TensorDictModuleBase):
                 f"The checkpoint's per-source score statistics hold {saved.shape[0]} sources, this "
                 f"run has {len(self.names)}: resume with the data.sources it was run with.")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _as_index(value) -> int | None:
+    """``value`` as an index (an int, a NumPy integer), or None (a bool, text, a float...)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class ScoreTransforms(nn.Module):
