@@ -58,7 +58,7 @@ class InterruptHandler:
     """SIGINT and SIGTERM handlers for the length of a ``with`` block (main thread only; elsewhere
     nothing is installed and the signals keep their handlers).
 
-    The first signal sets :attr:`requested` and prints one line; a second raises
+    The first signal sets ``requested`` and prints one line; a second raises
     :class:`RunInterrupted` at once, where the main thread is.
 
     Args:
