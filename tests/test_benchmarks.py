@@ -406,7 +406,8 @@ def test_plan_check_runs_the_plan_and_the_run_on_the_tiny_model(tmp_path, capsys
     for figure in entry["compare"].values():
         assert figure["predicted"] > 0 and figure["measured"] > 0
         assert figure["ratio"] == pytest.approx(figure["predicted"] / figure["measured"])
-    assert entry["plan"]["settings"]["times"] == "timed on one-layer copies on this CPU"
+    # (a note follows when other processes were busy: tests pass on a loaded machine)
+    assert entry["plan"]["settings"]["times"].startswith("timed on one-layer copies on this CPU")
     assert entry["plan"]["components_gb"]["runtime"] > 0.05  # a torch process
     assert entry["run"]["peak_rss_gb"] >= max(entry["run"]["phase_peak_rss_gb"].values()) * 0.99
     assert entry["prompt_tokens"]["longest"] >= entry["prompt_tokens"]["mean"] > 0
