@@ -15,6 +15,10 @@ Writes, into ``docs/_generated/`` (included by ``configuration.md``, ``concepts.
 
 A setting without a comment, a schema field missing from ``ppo.yaml`` (or the reverse) and a key
 constant without a comment are reported as Sphinx warnings, which ``-W`` turns into errors.
+
+The pages are checked in, so that the configuration reference reads in the repository's browser
+too; ``tests/test_docs_generated.py`` fails when one differs from what the code gives now, and
+``python docs/_ext/generated_pages.py`` writes them again (the Sphinx build does too).
 """
 
 from __future__ import annotations
@@ -30,9 +34,6 @@ import typing
 
 import yaml
 from omegaconf import OmegaConf
-from sphinx.util import logging
-
-logger = logging.getLogger(__name__)
 
 OUT = "_generated"
 
@@ -354,12 +355,21 @@ PAGES = {
 
 
 def write_pages(app) -> None:
-    out = os.path.join(app.srcdir, OUT)
+    from sphinx.util import logging
+
+    logger = logging.getLogger(__name__)
+
+    def warn(message, name):
+        logger.warning(message, location=os.path.join(OUT, name))
+
+    write(os.path.join(app.srcdir, OUT), warn)
+
+
+def write(out: str, warn) -> None:
+    """Writes each page that differs from the code's into ``out``."""
     os.makedirs(out, exist_ok=True)
     for name, make in PAGES.items():
-        def warn(message, _name=name):
-            logger.warning(message, location=os.path.join(OUT, _name))
-        text = make(warn)
+        text = make(functools.partial(warn, name=name))
         path = os.path.join(out, name)
         old = open(path, encoding="utf-8").read() if os.path.exists(path) else None
         if text != old:  # unchanged files keep their mtime: no needless rebuild of the pages
@@ -370,3 +380,10 @@ def write_pages(app) -> None:
 def setup(app):
     app.connect("builder-inited", write_pages)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
+
+
+if __name__ == "__main__":  # python docs/_ext/generated_pages.py: the checked-in pages, again
+    import sys
+
+    write(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), OUT),
+          lambda message, name: print(f"{OUT}/{name}: {message}", file=sys.stderr))
