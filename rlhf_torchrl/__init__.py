@@ -7,6 +7,7 @@ from rlhf_torchrl.data.trajectory import merge_token_view, token_view
 from rlhf_torchrl.modules import TokenCritic, TokenLevelActor, compute_old_quantities, make_critic
 from rlhf_torchrl.objectives.advantages import (
     GRPOAdvantage,
+    OnTokenView,
     ReinforcePPAdvantage,
     ResponseGAE,
     RLOOAdvantage,
@@ -28,6 +29,7 @@ __all__ = [
     "RLOOAdvantage",
     "ReinforcePPAdvantage",
     "KLRewardShaper",
+    "OnTokenView",
     "PPOTrainer",
     "ResponseGAE",
     "RewardModel",

@@ -73,6 +73,13 @@ def test_a_clip_ppo_loss_pointed_elsewhere_is_refused(tiny_llama_dir, tokenizer)
     loss.loss_mask_key = "my_mask"
     with pytest.raises(ConfigError, match="PPOTrainer: this ClipPPOLoss reads loss_mask_key='my_mask'"):
         use_rollout_keys(loss, where="PPOTrainer")
+    loss.loss_mask_key = K.PROMPT_MASK  # an entry the rollout holds, but the wrong one
+    with pytest.raises(ConfigError) as info:
+        use_rollout_keys(loss, where="PPOTrainer")
+    assert str(info.value).startswith(
+        "PPOTrainer: this ClipPPOLoss reads loss_mask_key=('masks', 'prompt'), which is the "
+        "rollout's prompt mask (keys.PROMPT_MASK), not its response mask (('masks', 'response')): "
+        "set it up as loss.set_keys(")
 
 
 def test_the_trainer_sets_up_a_plain_loss_before_any_work(tiny_llama_dir, tokenizer, caplog):

@@ -112,3 +112,40 @@ def test_the_view_needs_the_shaped_rewards():
                                           r"rollout does not have: it is written by the reward "
                                           r"shaper \(KLRewardShaper"):
         token_view(rollout)
+
+
+@pytest.mark.parametrize("name", ["GAE", "TDLambdaEstimator"])
+def test_a_torchrl_estimator_on_the_rollout_runs_on_its_token_view(name, caplog):
+    """Run on the rollout itself, TorchRL's estimator stops at its own error (the rollout has one
+    row per response); OnTokenView, which PPOTrainer puts around it, runs it on the view."""
+    import logging
+
+    from rlhf_torchrl import OnTokenView, PPOTrainer
+
+    make, lmbda = ESTIMATORS[name]
+    rollout = _rollout(holes=True)
+    if name == "GAE":  # (TDLambdaEstimator fails further on, on the missing done)
+        with pytest.raises(ValueError, match="is missing, and no value network was provided"):
+            make()(rollout.clone())
+    expected = ResponseGAE(gamma=GAMMA, lmbda=lmbda, whiten_advantages=False)(rollout.clone())
+    with caplog.at_level(logging.WARNING, logger="rlhf_torchrl.trainers.ppo"):
+        trainer = PPOTrainer(collector=[], scorer=None, actor=None, reference=None, critic=None,
+                             shaper=None, advantage=make(), loss_module=torch.nn.Linear(1, 1),
+                             optimizer=None, num_iterations=1, pad_token_id=0)
+    assert isinstance(trainer.advantage, OnTokenView) and "token_view(rollout)" in caplog.text
+    out = trainer.advantage(rollout.clone())
+    for key in (K.ADVANTAGE, K.VALUE_TARGET):
+        torch.testing.assert_close(out.get(key), expected.get(key), atol=1e-6, rtol=1e-6)
+
+
+def test_on_token_view_refuses_an_estimator_with_a_value_network():
+    from rlhf_torchrl import OnTokenView
+
+    with pytest.raises(ConfigError, match="^GAE has a value network, which on the rollout's token "
+                                          "view would see single tokens: build it with "
+                                          "value_network=None"):
+        OnTokenView(GAE(gamma=1.0, lmbda=0.95, value_network=torch.nn.Linear(1, 1)))
+    renamed = GAE(gamma=1.0, lmbda=0.95, value_network=None)
+    renamed.set_keys(advantage="adv")
+    with pytest.raises(ConfigError, match="leave its keys at TorchRL's defaults"):
+        OnTokenView(renamed)

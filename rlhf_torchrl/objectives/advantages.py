@@ -114,6 +114,61 @@ class ResponseGAE(TensorDictModuleBase):
         return td
 
 
+class OnTokenView(TensorDictModuleBase):
+    """A TorchRL value estimator (``torchrl.objectives.value.GAE``, ``TDLambdaEstimator``,
+    ``TD0Estimator``, ``VTrace``) run on :func:`~rlhf_torchrl.data.trajectory.token_view` of the
+    rollout, its ``"advantage"`` and ``"value_target"`` written back (0 on pads and the
+    environment's tokens) with :func:`~rlhf_torchrl.data.trajectory.merge_token_view`.
+
+    TorchRL's estimators read a trajectory whose last batch dimension is time, with ``("next",
+    "state_value")`` beside ``"state_value"``; the rollout has one row per response, so run on it
+    directly they stop at "The tensor with key ('next', 'state_value') is missing, and no value
+    network was provided". :class:`~rlhf_torchrl.trainers.ppo.PPOTrainer` wraps a TorchRL
+    estimator given as its ``advantage`` in this module itself, with a warning.
+
+    Args:
+        estimator (torchrl.objectives.value.ValueEstimatorBase): built with
+            ``value_network=None``: the critic's values are in the rollout already (the old
+            quantities), and a value network would see the view's single tokens.
+    """
+
+    needs_critic = True
+    compares_groups = False
+
+    def __init__(self, estimator):
+        super().__init__()
+        name = type(estimator).__name__
+        if getattr(estimator, "value_network", None) is not None:
+            raise ConfigError(f"{name} has a value network, which on the rollout's token view "
+                              f"would see single tokens: build it with value_network=None (the "
+                              f"critic's values are in the rollout, {K.VALUE!r}).")
+        keys = estimator.tensor_keys
+        written = (keys.advantage, keys.value_target)
+        if written != (K.ADVANTAGE, K.VALUE_TARGET) or keys.value != K.VALUE:
+            raise ConfigError(f"{name} reads {keys.value!r} and writes {written!r}; the trainer's "
+                              f"entries are {K.VALUE!r}, {K.ADVANTAGE!r} and {K.VALUE_TARGET!r}: "
+                              f"leave its keys at TorchRL's defaults.")
+        self.estimator = estimator
+        self.in_keys = [K.REWARD, K.VALUE, K.RESPONSE_MASK]
+        self.out_keys = [K.ADVANTAGE, K.VALUE_TARGET]
+
+    def forward(self, td: TensorDictBase) -> TensorDictBase:
+        from rlhf_torchrl.data.trajectory import merge_token_view, token_view
+
+        K.require(td, *self.in_keys, what=f"OnTokenView({type(self.estimator).__name__})")
+        view = token_view(td)
+        self.estimator(view)
+        return merge_token_view(td, view, keys=self.out_keys)
+
+
+def on_token_view(advantage):
+    """``advantage``, or a TorchRL value estimator wrapped in :class:`OnTokenView` (None when it
+    is not one)."""
+    from torchrl.objectives.value import ValueEstimatorBase
+
+    return OnTokenView(advantage) if isinstance(advantage, ValueEstimatorBase) else None
+
+
 class _CriticFree(TensorDictModuleBase):
     needs_critic = False
     compares_groups = False

@@ -32,6 +32,25 @@ def _is_ppo_loss(loss_module) -> bool:
     return isinstance(loss_module, PPOLoss)
 
 
+def _key_name(key) -> str | None:
+    """The :mod:`rlhf_torchrl.keys` constant naming a rollout entry (None: not one of them)."""
+    key = key if isinstance(key, str) or len(key) > 1 else key[0]
+    key = tuple(key) if not isinstance(key, str) else key
+    return next((name for name, value in vars(K).items()
+                 if name.isupper() and value == key), None)
+
+
+def _wrong_key(name: str, current, expected) -> str:
+    """What is wrong with a loss key pointed away from the rollout's entry: an entry of the
+    rollout that is another thing (``("masks", "prompt")`` is the prompt's mask), or none."""
+    held = _key_name(current)
+    if held is None:
+        return f"{name}={current!r}, which the rollout does not hold"
+    words = held.lower().replace("_", " ")
+    return (f"{name}={current!r}, which is the rollout's {words} (keys.{held}), not its "
+            f"{_key_name(expected).lower().replace('_', ' ')} ({expected!r})")
+
+
 def setup_lines(keys: dict | None = None) -> str:
     """The set-up a PPO loss needs for the rollout, as code (for the errors and the log).
 
@@ -73,13 +92,13 @@ def use_rollout_keys(loss_module, *, where: str = "ppo_update"):
         if current == getattr(defaults, name):
             changes[name] = key
         else:
-            wrong.append(f"{name}={current!r}")
+            wrong.append(_wrong_key(name, current, key))
     mask = loss_module.loss_mask_key
     if mask not in (*_NO_MASK, K.RESPONSE_MASK):
-        wrong.append(f"loss_mask_key={mask!r}")
+        wrong.append(_wrong_key("loss_mask_key", mask, K.RESPONSE_MASK))
     if wrong:
-        raise ConfigError(f"{where}: this {type(loss_module).__name__} reads {', '.join(wrong)}, "
-                          f"which the rollout does not hold: set it up as {setup_lines()}.")
+        raise ConfigError(f"{where}: this {type(loss_module).__name__} reads {'; '.join(wrong)}: "
+                          f"set it up as {setup_lines()}.")
     if changes or mask in _NO_MASK:
         loss_module.set_keys(**changes)
         loss_module.loss_mask_key = K.RESPONSE_MASK

@@ -30,7 +30,12 @@ from rlhf_torchrl import keys as K
 from rlhf_torchrl.distributed import DataParallel
 from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.modules import compute_old_quantities
-from rlhf_torchrl.objectives.advantages import compares_groups, group_metrics, informative_groups
+from rlhf_torchrl.objectives.advantages import (
+    compares_groups,
+    group_metrics,
+    informative_groups,
+    on_token_view,
+)
 from rlhf_torchrl.objectives.loss_inputs import check_replay_buffer, use_rollout_keys
 from rlhf_torchrl.record.metrics import rollout_metrics, sampler_metrics
 from rlhf_torchrl.runtime import module_device, placed
@@ -161,6 +166,12 @@ class PPOTrainer(StagedLoop):
         super().__init__()
         self.collector = collector
         self.scorer, self.actor, self.reference, self.critic = scorer, actor, reference, critic
+        wrapped = on_token_view(advantage)
+        if wrapped is not None:  # TorchRL's own estimator: it runs on the token layout
+            log.warning("PPOTrainer: %s runs on token_view(rollout), TorchRL's trajectory layout "
+                        "(OnTokenView): the rollout holds one row per response.",
+                        type(advantage).__name__)
+            advantage = wrapped
         self.shaper, self.advantage, self.loss_module = shaper, advantage, loss_module
         self.optimizer, self.scheduler, self.grad_scaler = optimizer, scheduler, grad_scaler
         self.replay_buffer, self.pad_token_id = replay_buffer, pad_token_id
