@@ -145,6 +145,14 @@ def test_load_reward_function_errors():
         load_reward_function("rlhf_torchrl.rewards.functions.nope")
     with pytest.raises(ValueError, match="dotted path"):
         load_reward_function("vader")
+    # a typo gets the close name: in the module named, or among the rewards this package ships
+    with pytest.raises(ImportError, match=r"has no callable 'gsm8k_corect': did you mean "
+                                          r"'gsm8k_correct'\?$"):
+        load_reward_function("rlhf_torchrl.rewards.functions.gsm8k_corect")
+    with pytest.raises(ValueError, match=r"^Reward function 'vader_sentimnt' is not a dotted path: "
+                                         r"did you mean 'rlhf_torchrl\.rewards\.functions\."
+                                         r"vader_sentiment'"):
+        load_reward_function("vader_sentimnt")
     with pytest.raises(ImportError, match=r"PYTHONPATH=\. .*'\./mypkg/rewards\.py:bonus'"):
         load_reward_function("mypkg.rewards.bonus")  # says how to make it importable, or name the file
 
@@ -166,8 +174,10 @@ def test_reward_function_from_a_file(tmp_path, monkeypatch):
     assert pickle.loads(pickle.dumps(fn)) is fn
     with pytest.raises(FileNotFoundError, match="no file"):
         load_reward_function("./nope.py:exact_match")
-    with pytest.raises(ImportError, match="has no function 'nope'"):
+    with pytest.raises(ImportError, match=r"has no function 'nope'\.$"):
         load_reward_function("./my_rewards.py:nope")
+    with pytest.raises(ImportError, match="has no function 'exact_mach': did you mean 'exact_match'"):
+        load_reward_function("./my_rewards.py:exact_mach")
 
 
 def test_scorer_needs_a_reward():

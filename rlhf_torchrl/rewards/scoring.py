@@ -65,9 +65,15 @@ def load_callable(path: str, *, what: str = "Function") -> Callable:
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
+        from rlhf_torchrl.rewards import functions
+
+        close = _close_names(path, functions)
+        hint = (f"did you mean '{functions.__name__}.{close[0]}' (a reward this package ships)? "
+                if close else "")
         raise ConfigError(
-            f"{what} {path!r} is not a dotted path: write it as 'package.module.function' (or "
-            "'package.module:function'), or name a file and a function in it: './my_rewards.py:function'."
+            f"{what} {path!r} is not a dotted path: {hint}write it as 'package.module.function' "
+            "(or 'package.module:function'), or name a file and a function in it: "
+            "'./my_rewards.py:function'."
         )
     try:
         module = importlib.import_module(module_name)
@@ -80,8 +86,25 @@ def load_callable(path: str, *, what: str = "Function") -> Callable:
         ) from e
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
-        raise MissingDependencyError(f"{what} {path!r}: module {module_name!r} has no callable {attr!r}.")
+        raise MissingDependencyError(f"{what} {path!r}: module {module_name!r} has no callable "
+                                     f"{attr!r}{_did_you_mean(attr, module)}")
     return fn
+
+
+def _close_names(name: str, module) -> list[str]:
+    """The public functions of ``module`` spelled like ``name``, closest first."""
+    import difflib
+    import inspect
+
+    names = [n for n, v in vars(module).items() if not n.startswith("_") and inspect.isfunction(v)
+             and v.__module__ == module.__name__]
+    return difflib.get_close_matches(name, names, n=1, cutoff=0.7)
+
+
+def _did_you_mean(name: str, module) -> str:
+    """The end of a "has no function" line: a close name, or a full stop."""
+    close = _close_names(name, module)
+    return f": did you mean {close[0]!r}?" if close else "."
 
 
 def _load_from_file(path: str, file: str, attr: str, what: str) -> Callable:
@@ -112,7 +135,8 @@ def _load_from_file(path: str, file: str, attr: str, what: str) -> Callable:
             raise
     fn = getattr(module, attr, None) if attr else None
     if fn is None or not callable(fn):
-        raise MissingDependencyError(f"{what} {path!r}: {file} has no function {attr!r}.")
+        raise MissingDependencyError(f"{what} {path!r}: {file} has no function {attr!r}"
+                                     f"{_did_you_mean(attr, module) if attr else '.'}")
     return fn
 
 
