@@ -142,3 +142,15 @@ def test_a_wrong_figure_is_caught():
     assert not same(match["value"], preset_value("sentiment", "eval.every"))
     assert same("8", preset_value("sentiment", "eval.every"))
 
+
+
+def test_every_install_command_an_error_gives_is_in_the_docs():
+    """A missing extra's error gives ``pip install 'rlhf_torchrl[<extra>]'``: the docs say the
+    same command where they name the extra."""
+    package = ROOT / "rlhf_torchrl"
+    commands = {m for path in package.rglob("*.py")
+                for m in re.findall(r"pip install '(rlhf_torchrl\[\w+\])'", path.read_text())}
+    assert {"rlhf_torchrl[datasets]", "rlhf_torchrl[serve]"} <= commands
+    docs = "".join(page.read_text() for page in PAGES)
+    missing = sorted(c for c in commands if f"pip install '{c}'" not in docs)
+    assert not missing, f"the errors say pip install {missing}; the docs do not"
