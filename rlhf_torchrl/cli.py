@@ -311,9 +311,9 @@ def _evaluate(args: list[str]) -> None:
 
 
 def _report(args: list[str]) -> None:
-    from rlhf_torchrl.record.report import main
+    from rlhf_torchrl.record.report_command import main
 
-    run(main, args)  # not a run directory: one line
+    run(lambda a: main(a, prog="rlhf-torchrl report"), args)  # not a run directory: one line
 
 
 def _bench(args: list[str]) -> None:
@@ -351,7 +351,7 @@ COMMANDS = {
     "serve-reward-model": (_serve_reward_model, "serve a reward model over HTTP for runs elsewhere "
                                                 "(model=<dir or id> port=8000)"),
     "evaluate": (_evaluate, "evaluate a saved policy on the held-out prompts (eval.json)"),
-    "report": (_report, "write report.html for a run directory"),
+    "report": (_report, "write report.html for a run directory, or one page overlaying several"),
     "bench": (_bench, "run a benchmark (`rlhf-torchrl bench --help` lists them)"),
     "plan": (_plan, "a run's memory per device and time per phase, before any weight loads "
                     "(the PPO overrides; --gpu H100 --world-size 8)"),

@@ -1,5 +1,6 @@
 """The run report of a finished tiny run, opened in a real headless Chromium: every plot decodes,
-the verdict and the sample tables are there, the console stays clean; a screenshot is kept.
+the verdict and the sample tables are there, the console stays clean; a screenshot is kept. The
+report of several runs overlaid, too.
 
 With ``RLHF_TORCHRL_ARTIFACTS=<dir>`` set (``.ci/browser``), ``report.html`` and its screenshot
 ``report.png`` are copied there: pytest deletes a passed test's run directory.
@@ -13,7 +14,9 @@ import pytest
 from browser import Chromium, find_chromium
 from test_recipe import _cfg, ppo
 
+from rlhf_torchrl.record.compare import COMPARED
 from rlhf_torchrl.record.report import PLOTS
+from rlhf_torchrl.record.report_command import main as report_command
 
 pytestmark = pytest.mark.skipif(
     find_chromium() is None,
@@ -43,7 +46,7 @@ def report_problems(page, report: dict) -> list[str]:
         problems.append(f"plots {[i['title'] for i in shown['images']]}, expected {titles}")
     problems += [f"plot {i['title']!r} does not decode" for i in shown["images"]
                  if not (i["decoded"] and i["width"] > 0 and i["height"] > 0)]
-    if not shown["verdict"] or not shown["verdict"][0].startswith("Training score "):
+    if not shown["verdict"] or not shown["verdict"][0].startswith("Verdict: "):
         problems.append(f"verdict {shown['verdict']}")
     for key, count in shown["rows"].items():
         if count != len(report[key]):
@@ -109,3 +112,28 @@ def test_the_check_fails_on_a_broken_report(finished_run, tmp_path):
             problems = report_problems(browser.open(path.as_uri()), report)
             assert len(problems) == len(expected), (name, problems)
             assert all(p.startswith(e) for p, e in zip(problems, expected)), (name, problems)
+
+
+def test_report_of_several_runs_renders_in_chromium(finished_run, tmp_path):
+    # the finished run twice (its metrics and report.json), as two seeds would be
+    run_dir, _ = finished_run
+    runs = []
+    for seed in ("seed0", "seed1"):
+        (tmp_path / seed).mkdir()
+        for name in ("metrics.jsonl", "report.json"):
+            shutil.copy(run_dir / name, tmp_path / seed)
+        runs.append(str(tmp_path / seed))
+    report_command([*runs, "--out", str(tmp_path / "both")])
+    with Chromium() as browser:
+        page = browser.open((tmp_path / "both" / "report.html").as_uri())
+        shown = page.evaluate("""(async () => {
+          const images = [...document.images];
+          const decoded = await Promise.all(images.map(i => i.decode().then(() => true, () => false)));
+          return {titles: images.map(i => i.title), decoded: decoded,
+                  runs: document.querySelectorAll("table#runs tr").length,
+                  verdicts: document.querySelectorAll("ul.verdict").length};
+        })()""")
+        errors = page.errors
+    assert not errors, errors
+    assert shown["titles"] == [title for _, title, _, _ in COMPARED] and all(shown["decoded"])
+    assert shown["runs"] == 4 and shown["verdicts"] == 2  # a header, two runs, their mean [range]

@@ -4,10 +4,14 @@ drifted or collapsed.
 :func:`write_report` reads a run directory (``metrics.jsonl``, ``report.json``) and writes
 ``report.html`` (plots embedded as PNG data, so the file travels alone) and the PNGs beside it in
 ``plots/``: score, KL, RLHF reward, policy and value losses, clip fractions, entropy, response
-length, the held-out evaluation, seconds per phase; the verdict; the config; responses before
-and after training, and the policy's responses to the same held-out prompts before and after. The recipe writes it at the end of every run; on demand:
+length, the held-out evaluation, seconds per phase; the verdict and its flags
+(:mod:`rlhf_torchrl.record.verdict`); the config; responses before and after training, and the
+policy's responses to the same held-out prompts before and after. Every plot has the same x-axis,
+the iteration (:func:`points`). The recipe writes it at the end of every run; on demand, for one
+run or several overlaid (:mod:`rlhf_torchrl.record.compare`):
 
-    python -m rlhf_torchrl.record.report outputs/ppo/<run>
+    rlhf-torchrl report outputs/ppo/<run>
+    rlhf-torchrl report outputs/ppo/<run0> outputs/ppo/<run1> --out outputs/compare
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import statistics
 
 from rlhf_torchrl.errors import MissingFileError
+from rlhf_torchrl.record.verdict import assess, trend, verdict  # noqa: F401 (trend, verdict: as before)
 
 #: (file name, title, metric keys, y label)
 PLOTS = [
@@ -49,16 +54,32 @@ PLOTS = [
 SMOOTHED = {"objective/scores", "objective/kl", "objective/rlhf_reward"}
 
 
+#: the x-axis of every plot: the iteration, counted from 1 (0: before training)
+X_LABEL = "iteration"
+
+
+def check_run(run_dir: str) -> None:
+    """Raise, with one line, unless ``run_dir`` is a run's output directory (it holds
+    ``metrics.jsonl``).
+
+    Args:
+        run_dir: the folder to check.
+    """
+    if not os.path.isdir(run_dir):
+        raise MissingFileError(f"{run_dir} does not exist: give the output directory of a run "
+                               f"(the folder that holds its metrics.jsonl).")
+    if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        raise MissingFileError(f"{run_dir} has no metrics.jsonl: not a run directory.")
+
+
 def read_run(run_dir: str) -> tuple[list[dict], dict]:
     """(metric rows, report.json) of a run directory.
 
     Args:
         run_dir: the run's output directory.
     """
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise MissingFileError(f"{run_dir} has no metrics.jsonl: not a run directory.")
-    with open(path, encoding="utf-8") as f:
+    check_run(run_dir)
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     summary = {}
     if os.path.exists(os.path.join(run_dir, "report.json")):
@@ -67,60 +88,42 @@ def read_run(run_dir: str) -> tuple[list[dict], dict]:
     return rows, summary
 
 
-def trend(values: list[float]) -> tuple[float, float, str, int]:
-    """``(first, last, call, k)``: the means of the first and the last quarter of ``values`` (k
-    each) and whether the change is larger than their noise: ``"up"``/``"down"`` when the
-    difference passes two standard errors of the iteration-to-iteration spread, else (and with
-    fewer than 8 values, too few to measure a spread) ``"no clear change"``.
-
-    Args:
-        values: the series, one value per iteration.
-    """
-    k = max(1, len(values) // 4)
-    head, tail = values[:k], values[-k:]
-    first, last = sum(head) / k, sum(tail) / k
-    if k < 2:  # one iteration at each end: no spread to compare the change with
-        return first, last, "no clear change", k
-    error = (statistics.variance(head) / k + statistics.variance(tail) / k) ** 0.5
-    call = ("up" if last - first > 2 * error else "down" if first - last > 2 * error
-            else "no clear change")
-    return first, last, call, k
-
-
-def verdict(rows: list[dict], summary: dict) -> list[str]:
-    """Plain-language findings: did the score rise, did the KL stay bounded, did the responses
-    stay varied.
+def points(rows: list[dict], summary: dict, key: str) -> list[tuple[int, float]]:
+    """``(iteration, value)`` of ``key``, on the report's one x-axis: the row of iteration ``i``
+    (``metrics.jsonl``'s ``iteration``, from 0) at ``i + 1``, as the progress line counts, so an
+    ``eval/`` value sits at the iteration whose update it follows; the evaluation before training
+    (``report.json``'s ``eval_before``) at 0.
 
     Args:
         rows: the run's metric rows.
         summary: the run's ``report.json``.
+        key: the metric.
     """
-    trained = [r for r in rows if "objective/scores" in r]
-    if not trained:
-        return ["No iteration finished."]
-    first, last, call, k = trend([r["objective/scores"] for r in trained])
-    kls = [r["objective/kl"] for r in trained[-k:] if "objective/kl" in r]
-    kl = sum(kls) / len(kls) if kls else float("nan")
-    quarter = f"first/last {k} iteration{'s' if k > 1 else ''}"
-    out = [f"Training score {first:+.3f} -> {last:+.3f} ({call}; {quarter}); KL to the reference "
-           f"{kl:.2f} nats per response at the end."]
-    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
-    if "eval/score" in before and "eval/score" in after:
-        out.append(f"Held-out score (the same prompts, temperature of eval) "
-                   f"{before['eval/score']:+.3f} -> {after['eval/score']:+.3f}.")
-    if "eval/accuracy" in before and "eval/accuracy" in after:
-        out.append(f"Held-out accuracy {before['eval/accuracy']:.3f} -> {after['eval/accuracy']:.3f}.")
-    if "eval/distinct_2" in before and "eval/distinct_2" in after:
-        d0, d1 = before["eval/distinct_2"], after["eval/distinct_2"]
-        collapsed = d1 < 0.5 * d0
-        out.append(f"Held-out distinct-2 {d0:.2f} -> {d1:.2f}"
-                   + (": responses collapsed towards a few phrasings." if collapsed else "."))
-    if "eval/win_rate" in after:
-        out.append(f"Held-out win rate against the reference: {after['eval/win_rate']:.2f}.")
-    skipped = sum(1 for r in rows if r.get("guard/skipped"))
-    if skipped:
-        out.append(f"{skipped} iteration(s) skipped by the divergence guards.")
+    out = [(r["iteration"] + 1, r[key]) for r in rows
+           if isinstance(r.get(key), (int, float)) and "iteration" in r]
+    before = (summary.get("eval_before") or {}).get(key)
+    if key.startswith("eval/") and isinstance(before, (int, float)):
+        out.insert(0, (0, before))  # the untrained policy
     return out
+
+
+def x_limits(last: int) -> tuple[float, float]:
+    """The x-range every plot of a report shares: iteration 0 (before training) to ``last``.
+
+    Args:
+        last: the last iteration, counted from 1.
+    """
+    pad = max(0.5, 0.02 * last)
+    return -pad, max(last, 1) + pad
+
+
+def last_iteration(rows: list[dict]) -> int:
+    """The run's last iteration, counted from 1 (0 for none).
+
+    Args:
+        rows: the run's metric rows.
+    """
+    return max((r["iteration"] + 1 for r in rows if "iteration" in r), default=0)
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -137,47 +140,97 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _plot(rows: list[dict], summary: dict, keys: list[str], title: str, ylabel: str, path: str) -> bool:
+def new_axes(title: str, ylabel: str, xlim: tuple[float, float]):
+    """A figure and its axes in the report's style, on the shared x-axis ``xlim``.
+
+    Args:
+        title: the plot's title.
+        ylabel: the y-axis label.
+        xlim: the x-range (:func:`x_limits`).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    series = []
-    for key in keys:
-        points = [(r["iteration"] + 1 if key.startswith("eval/") else r["iteration"], r[key])
-                  for r in rows if isinstance(r.get(key), (int, float))]
-        before = (summary.get("eval_before") or {}).get(key)
-        if key.startswith("eval/") and before is not None:
-            points.insert(0, (0, before))  # the untrained policy
-        if points:
-            series.append((key, points))
-    if not series:
-        return False
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    for key, points in series:
-        xs, ys = zip(*points)
+    ax.set_title(title)
+    ax.set_xlabel(X_LABEL)
+    ax.set_ylabel(ylabel)
+    ax.set_xlim(*xlim)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no iteration 0.25 on short runs
+    ax.ticklabel_format(axis="y", useOffset=False)  # 64.737 is read as it is, not as +6.47e1
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def save_figure(fig, path: str) -> str:
+    """Write ``fig`` to the PNG ``path``, close it, and return the PNG as base64.
+
+    Args:
+        fig (matplotlib.figure.Figure): the figure.
+        path: where the PNG goes.
+    """
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    with open(path, "rb") as f:
+        return base64.b64encode(f.read()).decode()
+
+
+def figure(rows: list[dict], summary: dict, keys: list[str], title: str, ylabel: str,
+           xlim: tuple[float, float]):
+    """The plot of ``keys`` for one run (None when the run has none of them): each metric
+    against the iteration, the noisy ones (:data:`SMOOTHED`) with their moving average.
+
+    Args:
+        rows: the run's metric rows.
+        summary: the run's ``report.json``.
+        keys: the metrics.
+        title: the plot's title.
+        ylabel: the y-axis label.
+        xlim: the x-range the report's plots share.
+    """
+    series = [(key, pts) for key in keys if (pts := points(rows, summary, key))]
+    if not series:
+        return None
+    fig, ax = new_axes(title, ylabel, xlim)
+    for key, pts in series:
+        xs, ys = zip(*pts)
         line, = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=key,
                         alpha=0.45 if key in SMOOTHED and len(xs) >= 8 else 1.0)
         if key in SMOOTHED and len(xs) >= 8:  # the trend through the batch-to-batch noise
             window = max(3, len(xs) // 8)
             ax.plot(xs, moving_average(list(ys), window), color=line.get_color(), linewidth=2,
                     label=f"{key} ({window}-iteration mean)")
-    ax.set_title(title)
-    evals = [key.startswith("eval/") for key, _ in series]
-    ax.set_xlabel("updates done" if all(evals) else
-                  "iteration (eval/*: updates done)" if any(evals) else "iteration")
-    ax.set_ylabel(ylabel)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no iteration 0.25 on short runs
-    ax.ticklabel_format(axis="y", useOffset=False)  # 64.737 is read as it is, not as +6.47e1
-    ax.grid(alpha=0.3)
     if len(series) > 1 or any(k in SMOOTHED for k, _ in series):
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+    return fig
+
+
+#: the page's style, shared by the report of one run and of several
+STYLE = ("<style>body{font-family:sans-serif;max-width:1300px;margin:2em auto;color:#222}"
+         "img{width:600px;margin:4px}td,th{padding:3px 8px;border-bottom:1px solid #ddd;"
+         "text-align:left;vertical-align:top}pre{background:#f6f6f6;padding:1em;overflow:auto}"
+         "li.flag{color:#a40000}</style>")
+
+
+def verdict_items(rows: list[dict], summary: dict) -> str:
+    """The verdict as ``<li>`` items: the headline, the findings, then each flag
+    (``class='flag'``, ``data-flag`` its name).
+
+    Args:
+        rows: the run's metric rows.
+        summary: the run's ``report.json``.
+    """
+    esc = html.escape
+    found = assess(rows, summary)
+    return ("".join(f"<li>{esc(line)}</li>" for line in [found.headline, *found.lines])
+            + "".join(f"<li class='flag' data-flag='{f.name}'>Flag {esc(f.name)}: "
+                      f"{esc(f.message)}</li>" for f in found.flags))
 
 
 def _prompt_cell(sample: dict) -> str:
@@ -187,32 +240,33 @@ def _prompt_cell(sample: dict) -> str:
     return f'<td title="{html.escape(sample["prompt"])}">{html.escape(shown[-300:])}</td>'
 
 
-def write_report(run_dir: str) -> str:
+def write_report(run_dir: str, out_dir: str | None = None) -> str:
     """Write ``report.html`` and ``plots/*.png`` for ``run_dir``; returns the HTML's path.
 
     Args:
         run_dir: the run's output directory.
+        out_dir: where the report goes (None: ``run_dir``).
     """
     rows, summary = read_run(run_dir)
-    plots_dir = os.path.join(run_dir, "plots")
+    out_dir = out_dir or run_dir
+    plots_dir = os.path.join(out_dir, "plots")
     os.makedirs(plots_dir, exist_ok=True)
+    xlim = x_limits(last_iteration(rows))
     figures = []
     for name, title, keys, ylabel in PLOTS:
-        path = os.path.join(plots_dir, f"{name}.png")
-        if _plot(rows, summary, keys, title, ylabel, path):
-            with open(path, "rb") as f:
-                figures.append((title, base64.b64encode(f.read()).decode()))
+        fig = figure(rows, summary, keys, title, ylabel, xlim)
+        if fig is not None:
+            figures.append((title, save_figure(fig, os.path.join(plots_dir, f"{name}.png"))))
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>PPO run report</title>",
-        "<style>body{font-family:sans-serif;max-width:1300px;margin:2em auto;color:#222}"
-        "img{width:600px;margin:4px}td,th{padding:3px 8px;border-bottom:1px solid #ddd;"
-        "text-align:left;vertical-align:top}pre{background:#f6f6f6;padding:1em;overflow:auto}</style>",
+        STYLE,
         "</head><body>",
         f"<h1>PPO run report</h1><p>{esc(os.path.abspath(run_dir))}: "
         f"{sum(1 for r in rows if 'objective/scores' in r)} iterations</p>",
-        "<h2>At a glance</h2><ul id='verdict'>" + "".join(f"<li>{esc(v)}</li>" for v in verdict(rows, summary)) + "</ul>",
-        "<h2>Plots</h2>",
+        "<h2>At a glance</h2><ul id='verdict'>" + verdict_items(rows, summary) + "</ul>",
+        f"<h2>Plots</h2><p>x-axis: the {X_LABEL}, counted from 1; a held-out evaluation at the "
+        f"iteration whose update it follows, the one before training at 0.</p>",
         "".join(f"<img alt='{esc(t)}' title='{esc(t)}' src='data:image/png;base64,{data}'>"
                 for t, data in figures),
     ]
@@ -246,14 +300,16 @@ def write_report(run_dir: str) -> str:
         parts.append("<h2>Config</h2><details><summary>every setting of the run</summary><pre>"
                      + esc(json.dumps(summary["config"], indent=1)) + "</pre></details>")
     parts.append("</body></html>")
-    out = os.path.join(run_dir, "report.html")
+    out = os.path.join(out_dir, "report.html")
     with open(out, "w", encoding="utf-8") as f:
         f.write("\n".join(parts))
     return out
 
 
 def main(argv=None) -> None:
-    """``python -m rlhf_torchrl.record.report RUN_DIR``: write the run's report and print its path.
+    """``python -m rlhf_torchrl.record.report RUN_DIR``: write the run's report and print its path
+    (``rlhf-torchrl report`` does this for one run, and overlays several:
+    :mod:`rlhf_torchrl.record.report_command`).
 
     Args:
         argv (list[str] | None): the command-line arguments (None: ``sys.argv[1:]``).

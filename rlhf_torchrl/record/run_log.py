@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from torchrl.trainers import TrainerHookBase
 
 from rlhf_torchrl.record.metrics import MetricsWriter, read_metrics
-from rlhf_torchrl.record.report import trend, write_report
+from rlhf_torchrl.record.report import write_report
+from rlhf_torchrl.record.verdict import assess, trend
 from rlhf_torchrl.trainers.evaluation import format_metrics, rollout_samples
 
 if TYPE_CHECKING:
@@ -152,6 +153,11 @@ class RunLog(TrainerHookBase):
                 print(f"  held-out evaluation before: {format_metrics(self.report['eval_before'])}\n"
                       f"                       after: {format_metrics(self.report['eval_after'])}",
                       flush=True)
+        if self.history:  # the verdict's call and flags (a flat held-out score, ...): report.json
+            found = assess(self.history, self.report)
+            self.report.update(verdict=found.call, flags=[f.name for f in found.flags])
+            for flag in found.flags:
+                print(f"  flag {flag.name}: {flag.message}", flush=True)
         self.trainer.report = self.report
         with open(os.path.join(self.output_dir, "report.json"), "w") as f:
             json.dump({"config": self.config, **self.report}, f, indent=1)

@@ -124,8 +124,14 @@ class Evaluator:
         :meth:`set_reference` has run."""
         rollout = self.sample(model)
         responses = rollout.get(K.RESPONSE_TEXT).tolist()
+        score = rollout.get(K.SCORE)  # a prompt's responses on consecutive rows
+        # the standard error of eval/score over the prompts (each prompt's mean score): the run
+        # report's noise band for the held-out score (rlhf_torchrl.record.verdict)
+        per_prompt = score.double().reshape(len(self.prompts), -1).mean(-1)  # (P,)
         metrics = {
-            "eval/score": float(rollout.get(K.SCORE).mean()),
+            "eval/score": float(score.mean()),
+            **({"eval/score_sem": float(per_prompt.std() / len(per_prompt) ** 0.5)}
+               if len(per_prompt) > 1 else {}),
             "eval/response_length": float(rollout.get(K.RESPONSE_MASK).sum(-1).float().mean()),
             # responses cut by the length limit (no stop token): what overlong shaping lowers
             "eval/truncated_frac": float((~rollout.get(K.HAS_STOP)).float().mean()),
