@@ -938,7 +938,7 @@ def _config_of(name: str):
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(packaged)
-    return _model_config("model.policy", name)
+    return _model_config("model.policy", name, weights=False)  # (a config.json alone plans)
 
 
 def _lora_params(shape: ModelShape, r: int) -> int:

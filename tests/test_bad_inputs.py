@@ -4,6 +4,7 @@ traceback (``rlhf_torchrl.cli.USER_ERRORS``); a few go through the real command 
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -49,6 +50,9 @@ def files(tmp_path_factory, tokenizer):
     pq.write_table(pa.table({"prompt": ["a", "b", None, "d"] * 2}), d / "nulls.parquet")
     (d / "text.parquet").write_text('{"prompt": "a JSON line, not Parquet"}\n')
     (d / "prompts.txt").write_text("a prompt per line\n")
+    (d / "config_only").mkdir()  # a model folder whose weights were never saved
+    shutil.copy(d / "small_vocab" / "config.json",
+                d / "config_only" / "config.json")
     datasets.disable_progress_bars()
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": questions})}).save_to_disk(
         str(d / "saved_dict"))
@@ -151,6 +155,9 @@ CASES = {
     # models
     "policy-missing": (["model.policy={d}/nothing"], r"model.policy=.*nothing: no such directory"),
     "reference-missing": (["model.reference={d}/nothing"], r"model.reference=.*: no such directory"),
+    "policy-without-weights": (["model.policy={d}/config_only"],
+                               r"^model.policy=.*config_only has a config.json but no weights .*it "
+                               r"holds config.json\): save the model there"),
     "reference-vocabulary": (["model.reference={d}/small_vocab"], r"vocabulary of 1000 tokens .*same tokenizer"),
     "reward-model-is-an-lm": (["reward.model={model}"], r"LlamaForCausalLM, not a sequence classifier"),
     "stop-token": (["generation.stop_token=nope_not_a_token"], r"generation.stop_token 'nope_not_a_token'"),

@@ -4,6 +4,7 @@ start-up check refusing a run that cannot fit before any weight loads."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +71,23 @@ def test_plan_holds_every_phase_and_a_bigger_batch_needs_more(tmp_path, tiny_lla
     lora = make_plan(_cfg(tmp_path, tiny_llama_dir, "lora.r=4"))
     assert "reference" not in lora.phases["update"]["held"]  # the adapters off
     assert all(p["flops"] > 0 and p["seconds"] > 0 for p in plan.phases.values())
+
+
+def test_a_model_folder_with_its_config_alone_plans(tmp_path, tiny_llama_dir):
+    """A plan reads config.json alone (plan before downloading the weights); a run refuses it."""
+    import shutil
+
+    from rlhf_torchrl.config.model_checks import check_models
+    from rlhf_torchrl.errors import ConfigError
+
+    (tmp_path / "shape").mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (Path(tiny_llama_dir) / name).exists():
+            shutil.copy(Path(tiny_llama_dir) / name, tmp_path / "shape" / name)
+    cfg = _cfg(tmp_path, str(tmp_path / "shape"))
+    assert make_plan(cfg, times=False).peak_gb > 0
+    with pytest.raises(ConfigError, match="has a config.json but no weights"):
+        check_models(cfg)
 
 
 def test_fsdp2_divides_the_states_by_the_processes(tmp_path):

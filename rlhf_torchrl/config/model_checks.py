@@ -17,9 +17,10 @@ from rlhf_torchrl.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def _model_config(setting: str, name: str):
+def _model_config(setting: str, name: str, weights: bool = True):
     """The ``config.json`` of model ``name`` (a setting's value): a clear error if it cannot be
-    read, before any weights are."""
+    read, before any weights are; with ``weights``, also if a local directory holds none (a plan
+    reads the config alone)."""
     from transformers import AutoConfig
 
     from rlhf_torchrl.modules.models import resolve_model_path
@@ -29,10 +30,31 @@ def _model_config(setting: str, name: str):
         raise ConfigError(f"{setting}={name}: no such directory. Give a local model directory (with "
                          "config.json) or a Hugging Face hub id such as HuggingFaceTB/SmolLM2-135M.")
     try:
-        return AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{setting}={name}: not a loadable Hugging Face model ({first}).") from None
+    if weights and path == name and os.path.isdir(os.path.expanduser(path)):
+        _check_weights(setting, name, os.path.expanduser(path))
+    return config
+
+
+#: the files that hold a local model directory's weights (one of them, or shards and their index)
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+                "pytorch_model.bin.index.json", "*.gguf")
+
+
+def _check_weights(setting: str, name: str, path: str) -> None:
+    """A local model directory holds weights as well as its ``config.json`` (else transformers
+    fails later, after the data is read, with a trace)."""
+    import glob
+
+    if any(glob.glob(os.path.join(path, pattern)) for pattern in WEIGHT_FILES):
+        return
+    held = ", ".join(sorted(os.listdir(path))[:8]) or "nothing"
+    raise ConfigError(f"{setting}={name} has a config.json but no weights (no model.safetensors, "
+                      f"pytorch_model.bin or their shards; it holds {held}): save the model there "
+                      f"with save_pretrained(), or point {setting} at the folder that has them.")
 
 
 def check_models(cfg: DictConfig) -> None:
