@@ -6,6 +6,7 @@
     rlhf-torchrl serve-reward-model model=<dir or id> port=8000  # PPO elsewhere: reward.remote_url
     rlhf-torchrl evaluate model.policy=outputs/ppo/<run>/policy
     rlhf-torchrl report outputs/ppo/<run>
+    rlhf-torchrl export outputs/ppo/<run> exported/    # a Hugging Face model folder (transformers, vLLM)
     rlhf-torchrl bench ppo_iteration                   # a benchmark (`bench --help`: all)
     rlhf-torchrl ppo --help                            # config groups and the most used settings
 
@@ -316,6 +317,12 @@ def _report(args: list[str]) -> None:
     run(lambda a: main(a, prog="rlhf-torchrl report"), args)  # not a run directory: one line
 
 
+def _export(args: list[str]) -> None:
+    from rlhf_torchrl.trainers.export import main as export_main
+
+    run(export_main, args)  # not a checkpoint, a folder not empty: one line
+
+
 def _bench(args: list[str]) -> None:
     """``rlhf_torchrl.benchmarks.<name>.main(args)``: no clone needed."""
     import importlib
@@ -352,6 +359,8 @@ COMMANDS = {
                                                 "(model=<dir or id> port=8000)"),
     "evaluate": (_evaluate, "evaluate a saved policy on the held-out prompts (eval.json)"),
     "report": (_report, "write report.html for a run directory, or one page overlaying several"),
+    "export": (_export, "write a checkpoint's policy as a Hugging Face model folder that "
+                        "transformers and vLLM load (LoRA merged or as adapters)"),
     "bench": (_bench, "run a benchmark (`rlhf-torchrl bench --help` lists them)"),
     "plan": (_plan, "a run's memory per device and time per phase, before any weight loads "
                     "(the PPO overrides; --gpu H100 --world-size 8)"),

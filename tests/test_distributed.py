@@ -154,7 +154,8 @@ def test_fsdp2_in_one_process_matches_the_plain_run(tmp_path, tiny_llama_dir):
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_sharded_checkpoint_resumes_exactly(tmp_path, tiny_llama_dir, strategy):
     """2 processes write one checkpoint with torch.distributed.checkpoint (FSDP2: each its shards);
-    a run resumed from the first continues as the uninterrupted run (same world size)."""
+    a run resumed from the first continues as the uninterrupted run (same world size), and the
+    newest exports, in one process, as the run's final policy."""
     overrides = [f"distributed.strategy={strategy}", "value_model.init=policy", "ppo.num_iterations=3",
                  "checkpoint.every=1", "checkpoint.keep=null"]
     whole = _run(tmp_path / "whole", tiny_llama_dir, 2, *overrides)
@@ -167,6 +168,25 @@ def test_sharded_checkpoint_resumes_exactly(tmp_path, tiny_llama_dir, strategy):
                           for r in rows]
     assert [r["iteration"] for r in resumed] == [0, 1, 2]
     assert strip(resumed) == strip(whole)
+    # rlhf-torchrl export of the run's newest checkpoint, in this one process without torchrun
+    # (FSDP2: the shards of 2 processes consolidated): the weights the run gathered into policy/
+    # at its end, to the bit, and so their logits
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_torchrl.trainers.export import export_checkpoint
+
+    exported = export_checkpoint(str(tmp_path / "whole"), str(tmp_path / "exported"))
+    assert exported.iteration == 3 and exported.source == {
+        "fsdp2": "FSDP2, the shards of 2 processes", "ddp": "DDP, 2 processes"}[strategy]
+    final, got = _weights(tmp_path / "whole"), load_file(tmp_path / "exported" / "model.safetensors")
+    assert got.keys() == final.keys() and all(torch.equal(got[k], final[k]) for k in final)
+    batch = AutoTokenizer.from_pretrained(tmp_path / "exported")(["The film was", "Its story"],
+                                                                  padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(path)(**batch).logits
+                  for path in (tmp_path / "whole" / "policy", tmp_path / "exported")]
+    assert torch.equal(*logits)
 
 
 def _process_tree(pid: int) -> list[int]:
