@@ -232,3 +232,18 @@ def placed(module: nn.Module | None, device: torch.device, offload: bool = False
         module.to("cpu")
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+@contextmanager
+def quiet_loading_bars():
+    """transformers' loading bars (weights, GGUF dequantising) off while the library loads a
+    model, in a run and in a Python session alike; the caller's setting comes back after."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()

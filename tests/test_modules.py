@@ -557,3 +557,24 @@ def test_collector_renders_chats_with_the_byte_tokenizer():
         valid = row[mask].tolist()
         assert len(valid) < 12 and valid[-1] == tok.eos_token_id  # cut at the first <|im_end|>
         assert tok.eos_token_id not in valid[:-1] and (row[~mask] == tok.pad_token_id).all()
+
+
+def test_the_librarys_loaders_print_no_loading_bars(tiny_llama_dir):
+    """In a Python session (no CLI to silence them), loading through the library prints no
+    transformers bar, where transformers' own call then does; the session's setting comes back."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from transformers import AutoModelForCausalLM; "
+            "from transformers.utils import logging as h; "
+            "from rlhf_torchrl.modules import load_causal_lm, load_tokenizer; "
+            f"d = {str(tiny_llama_dir)!r}; "
+            "load_causal_lm(d, load_tokenizer(d)); print('bars on after:', h.is_progress_bar_enabled()); "
+            "print('-- transformers --', file=sys.stderr, flush=True); "
+            "AutoModelForCausalLM.from_pretrained(d)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True)
+    ours, theirs = run.stderr.split("-- transformers --")
+    assert "Loading weights" in theirs  # (the check can fail)
+    assert "Loading weights" not in ours and "%|" not in ours
+    assert "bars on after: True" in run.stdout

@@ -14,7 +14,7 @@ from rlhf_torchrl.modules.actor import HiddenStateHandoff
 from rlhf_torchrl.modules.compiled import compiled_region
 from rlhf_torchrl.modules.packing import packed_hidden, packing_for, rows_for, to_rows
 from rlhf_torchrl.modules.sequences import IN_KEYS, model_inputs
-from rlhf_torchrl.runtime import autocast
+from rlhf_torchrl.runtime import autocast, quiet_loading_bars
 from rlhf_torchrl.safe_loading import refusing_code
 
 
@@ -164,7 +164,7 @@ def make_critic(
             "critic must be a causal (decoder-only) model that reads the policy's tokens."
         )
     _check_same_vocab(path, tokenizer, name_or_path)
-    with refusing_code(path):  # a pickled .bin naming code: one line naming it
+    with refusing_code(path), quiet_loading_bars():  # a pickled .bin naming code: one line
         model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, **pretrained_kwargs(dtype, attn_implementation)
         )

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from rlhf_torchrl.errors import ConfigError, MissingDependencyError
+from rlhf_torchrl.runtime import quiet_loading_bars
 from rlhf_torchrl.safe_loading import refusing_code
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,10 @@ def smollm2_path() -> str:
 
     log.info("Dequantising %s once into %s", _SMOLLM2_GGUF, target)
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=_SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(
-        package_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32
-    )
+    with quiet_loading_bars():
+        model = AutoModelForCausalLM.from_pretrained(
+            package_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32
+        )
     # the weights are plain fp32 now; drop the quantizer so save_pretrained writes them as such
     model.hf_quantizer = None
     model.config.quantization_config = None
@@ -355,7 +357,7 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
-    with refusing_code(path):  # a pickled .bin naming code: one line naming it
+    with refusing_code(path), quiet_loading_bars():  # a pickled .bin naming code: one line
         model = AutoModelForCausalLM.from_pretrained(
             path, **pretrained_kwargs(dtype, attn_implementation)
         )
@@ -385,7 +387,7 @@ def load_sequence_classifier(name_or_path: str, dtype: str = "float32"):
     tokenizer.padding_side = "right"
     if tokenizer.pad_token is None:
         ensure_pad_token(tokenizer)
-    with refusing_code(path):  # a pickled .bin naming code: one line naming it
+    with refusing_code(path), quiet_loading_bars():  # a pickled .bin naming code: one line
         model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=torch_dtype(dtype)
         )

@@ -121,6 +121,7 @@ class ProcessRewardModel:
         )
 
         from rlhf_torchrl.modules.models import disable_dropout, resolve_model_path, torch_dtype
+        from rlhf_torchrl.runtime import quiet_loading_bars
         from rlhf_torchrl.safe_loading import refusing_code
 
         name = kwargs.get("name", "prm")
@@ -135,7 +136,7 @@ class ProcessRewardModel:
                               "weights and a tokenizer.") from None
         style = kwargs.pop("style", None) or model_style(config, name)
         auto = AutoModelForTokenClassification if style == "token_classification" else AutoModelForCausalLM
-        with refusing_code(path):
+        with refusing_code(path), quiet_loading_bars():
             model = auto.from_pretrained(path, dtype=torch_dtype(dtype))
         return cls(disable_dropout(model), tokenizer, style=style, **kwargs)
 
