@@ -4,6 +4,7 @@ report of several runs overlaid; the run report renders from a finished tiny run
 import html
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -141,6 +142,17 @@ def test_a_flat_held_out_score_is_never_called_up():
     assert found.headline == ("Verdict: flat on the held-out prompts; 2 flags: flat held-out "
                               "score, falling diversity.")
     assert "while the training score rose" in found.flags[0].message
+
+
+def test_the_docs_give_each_threshold_as_the_code_has_it():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "evaluation.md").read_text()
+    for name in ("NOISE_SE", "FLAT_SCORE_BAND", "DIVERSITY_DROP", "KL_RUNAWAY_NATS",
+                 "KL_GROWTH_RATIO", "KL_GROWTH_MIN_NATS", "LENGTH_COLLAPSE_FRAC",
+                 "LENGTH_MIN_TOKENS"):
+        assert re.search(rf"`{name}` = {getattr(V, name):g}(?![\d.])", page), name
+    assert all(f"| `{flag}` |" in page for flag in V.FLAGS)
 
 
 def test_every_plot_shares_one_iteration_axis(tmp_path):

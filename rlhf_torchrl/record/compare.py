@@ -146,7 +146,7 @@ def write_comparison(run_dirs: list[str], out_dir: str) -> str:
     Args:
         run_dirs: the runs' output directories (each holds ``metrics.jsonl``), each given once.
         out_dir: the folder for the page and its plots
-            (:func:`~rlhf_torchrl.record.report.report_dir` picks and checks it).
+            (:func:`~rlhf_torchrl.record.report_command.report_dir` picks and checks it).
     """
     runs = [(label, *read_run(d)) for label, d in zip(run_labels(run_dirs), run_dirs)]
     plots_dir = os.path.join(out_dir, "plots")
