@@ -198,6 +198,35 @@ def test_vllm_takes_merged_lora_weights(engine, model, tokenizer):
     assert not any("lora" in name for name, _ in engine_weights(policy))
 
 
+def test_an_exported_checkpoint_loads_and_samples_in_vllm(tmp_path, tokenizer):
+    """``rlhf-torchrl export``'s folder is a model vLLM loads as it is (its own weights: nothing is
+    pushed): the engine samples with the log-probs of the exported model, the trained policy's,
+    and not with the base model's."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    import ppo
+    from test_recipe import _cfg
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM
+
+    from rlhf_torchrl.trainers.export import export_checkpoint
+
+    model_dir = _save_tiny(tmp_path / "model", _tiny_llama(tokenizer, hidden_size=128,
+                                                           intermediate_size=256), tokenizer)
+    ppo.train(_cfg(tmp_path / "run", model_dir, "ppo.num_iterations=1", "checkpoint.every=1"))
+    exported = export_checkpoint(str(tmp_path / "run"), str(tmp_path / "hf"))
+    llm = LLM(exported.path, dtype="float32", max_model_len=64, kv_cache_memory_bytes=2**28, seed=0)
+    env = make_generation_env(PROMPTS, tokenizer, batch_size=4, shuffle=False)
+    sampler = make_vllm_generation_policy(VLLMGenerator(llm, temperature=1.0), tokenizer,
+                                          max_new_tokens=8)
+    rollout = next(iter(RolloutCollector(env, sampler, tokenizer=tokenizer, batch_size=4, seed=0)))
+    assert rollout.get(K.RESPONSE_MASK).sum() > 4
+    model = AutoModelForCausalLM.from_pretrained(exported.path)
+    check_on_policy(rollout, TokenLevelActor(model, temperature=1.0), num_rows=4, atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    off = check_on_policy(rollout, TokenLevelActor(base, temperature=1.0), num_rows=4, atol=1e9)
+    assert off["max_abs_diff"] > 1e-3  # the trained weights, not the base model's
+
+
 def test_vllm_engine_refuses_head_sizes_the_cpu_kernels_lack(tokenizer):
     narrow = _tiny_llama(tokenizer)  # hidden 32 over 4 heads: head size 8
     with pytest.raises(ValueError, match="attention head size is 8"):
