@@ -306,9 +306,10 @@ def _serve_reward_model(args: list[str]) -> None:
 
 
 def _evaluate(args: list[str]) -> None:
-    from rlhf_torchrl.config.evaluate_policy import evaluate_policy
+    from rlhf_torchrl.config.evaluate_policy import evaluate_policy, evaluation_args
 
-    _hydra_app(evaluate_policy, "rlhf_ppo", "evaluate", args)
+    # outputs/evaluate/<date>_<policy>/, not a training run's folder (unless output_dir=...)
+    _hydra_app(evaluate_policy, "rlhf_ppo", "evaluate", evaluation_args(args))
 
 
 def _report(args: list[str]) -> None:
@@ -357,7 +358,8 @@ COMMANDS = {
     "reward-model": (_reward_model, "train a reward model on preference pairs (Bradley-Terry)"),
     "serve-reward-model": (_serve_reward_model, "serve a reward model over HTTP for runs elsewhere "
                                                 "(model=<dir or id> port=8000)"),
-    "evaluate": (_evaluate, "evaluate a saved policy on the held-out prompts (eval.json)"),
+    "evaluate": (_evaluate, "evaluate a saved policy on the held-out prompts or every prompt of "
+                            "a file (eval.source=...): eval.json and report.html"),
     "report": (_report, "write report.html for a run directory, or one page overlaying several"),
     "export": (_export, "write a checkpoint's policy as a Hugging Face model folder that "
                         "transformers and vLLM load (LoRA merged or as adapters)"),

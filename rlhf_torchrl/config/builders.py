@@ -128,7 +128,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     # the memory plan of every phase, from the configs and the longest prompt: a run that cannot
     # fit stops here, before any weight loads
     check_fits(cfg, prompt_tokens=getattr(prompts, "longest", None))
-    prompts, held_out = split_eval_prompts(cfg, prompts)
+    prompts, held_out = split_eval_prompts(cfg, prompts, tokenizer, tools)
     stop_ids = stop_token_ids(cfg, tokenizer)
     advantage = advantage if advantage is not None else make_advantage(cfg)
     values_sampled = values_from_sampling(cfg, parallel, critic=needs_critic(advantage))

@@ -7,7 +7,7 @@ what ran).
 from __future__ import annotations
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
 from rlhf_torchrl.distributed import DataParallel
@@ -146,28 +146,35 @@ def on_policy_tolerance(cfg: DictConfig) -> float:
 
 
 def eval_prompt_count(cfg: DictConfig) -> int:
-    """The prompts held out for evaluation: ``eval.num_prompts``, or 0 when ``eval.every=0``.
+    """The prompts held out of training for evaluation: ``eval.num_prompts``, or 0 when
+    ``eval.every=0`` or when the evaluation has a prompt file of its own (``eval.source``).
 
     Args:
         cfg: the composed PPO config.
     """
-    return cfg.eval.num_prompts if cfg.eval.every else 0
+    if not cfg.eval.every or OmegaConf.select(cfg, "eval.source"):
+        return 0
+    return cfg.eval.num_prompts
 
 
 def response_budget(cfg: DictConfig) -> tuple[int, str, str]:
     """The most tokens a response (an episode's, tool messages included) may take, what bounds
-    it, and the setting that lowers it. Evaluation samples with ``generation.max_new_tokens`` too.
+    it, and the setting that lowers it: the evaluation's where it is longer (``eval.max_new_tokens``).
 
     Args:
         cfg: the composed PPO config.
     """
-    g, e = cfg.generation, cfg.env
-    if e.max_turns > 1 and e.max_tokens is not None and e.max_tokens > g.max_new_tokens:
+    e = cfg.env
+    turn, turn_setting = cfg.generation.max_new_tokens, "generation.max_new_tokens"
+    longer = OmegaConf.select(cfg, "eval.max_new_tokens")
+    if longer is not None and longer > turn:
+        turn, turn_setting = longer, "eval.max_new_tokens"
+    if e.max_turns > 1 and e.max_tokens is not None and e.max_tokens > turn:
         return e.max_tokens, f"env.max_tokens={e.max_tokens}", "env.max_tokens"
     if e.max_turns > 1 and e.max_tokens is None:
-        return (e.max_turns * g.max_new_tokens, f"env.max_turns={e.max_turns} x generation."
-                f"max_new_tokens={g.max_new_tokens}, the tool messages on top", "env.max_tokens")
-    return g.max_new_tokens, f"generation.max_new_tokens={g.max_new_tokens}", "generation.max_new_tokens"
+        return (e.max_turns * turn, f"env.max_turns={e.max_turns} x {turn_setting}={turn}, the "
+                "tool messages on top", "env.max_tokens")
+    return turn, f"{turn_setting}={turn}", turn_setting
 
 
 def overlong_limit(cfg: DictConfig) -> tuple[int, str]:

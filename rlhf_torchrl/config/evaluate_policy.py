@@ -1,12 +1,15 @@
-"""The ``evaluate`` command: a saved policy on the PPO config's held-out prompts."""
+"""The ``evaluate`` command: a saved policy on the PPO config's held-out prompts, or on every prompt
+of a file of its own (``eval.source``), written to an evaluation's folder
+(``outputs/evaluate/<date>_<policy>/``: ``eval.json`` and ``report.html``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf_torchrl.config import validation
 from rlhf_torchrl.config.checks import check_output_dir, check_remote_rewards
@@ -18,21 +21,66 @@ from rlhf_torchrl.config.components import (
     make_tokenizer,
     stop_token_ids,
 )
-from rlhf_torchrl.config.inputs import hold_out, make_prompts, new_evaluator
+from rlhf_torchrl.config.inputs import hold_out, make_eval_prompts, make_prompts, new_evaluator
 from rlhf_torchrl.config.model_checks import check_models, check_sequence_length
 from rlhf_torchrl.modules import load_causal_lm
+
+#: where an evaluation goes unless ``output_dir`` says otherwise (Hydra resolves it)
+EVALUATION_DIR = "outputs/evaluate/${now:%Y-%m-%d_%H-%M-%S}_${evaluation_name:${model.policy}}"
+
+
+def evaluation_name(policy: str) -> str:
+    """A folder name for an evaluation of ``policy``: a training run's saved policy
+    (``outputs/ppo/gsm8k/<date>/policy``) is named after its run (``gsm8k_<date>``), anything
+    else after its last path component (``Qwen/Qwen2.5-0.5B-Instruct``: ``Qwen2.5-0.5B-Instruct``).
+
+    Args:
+        policy: ``model.policy``, a folder or a hub id.
+
+    Example:
+        >>> evaluation_name("outputs/ppo/gsm8k/2026-11-24_10-00-00/policy")
+        'gsm8k_2026-11-24_10-00-00'
+    """
+    parts = [p for p in os.path.normpath(str(policy)).split(os.sep) if p not in ("", ".", "..")]
+    if len(parts) >= 3 and parts[-1] == "policy":
+        name = "_".join(parts[-3:-1])
+    else:
+        name = parts[-1] if parts else "policy"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+
+
+OmegaConf.register_new_resolver("evaluation_name", evaluation_name, replace=True)
+
+
+def evaluation_args(args: list[str]) -> list[str]:
+    """The ``evaluate`` command's overrides ``args``, with Hydra's run directory (and so
+    ``output_dir``) set to the evaluation's folder (:data:`EVALUATION_DIR`) unless ``output_dir=``
+    or ``hydra.run.dir=`` is among them.
+
+    Args:
+        args: the command line's overrides.
+    """
+    if any(a.lstrip("+").startswith(("output_dir=", "hydra.run.dir=")) for a in args):
+        return list(args)
+    return [*args, f"hydra.run.dir='{EVALUATION_DIR}'"]
 
 
 def evaluate_policy(cfg: DictConfig) -> dict:
     """``eval/...`` metrics of ``model.policy`` on the held-out prompts of the PPO config (the
-    last ``eval.num_prompts``), against ``model.reference``'s responses when it is set; also
-    ``<output_dir>/eval.json`` with every response.
+    last ``eval.num_prompts``) or, with ``eval.source``, on every prompt of that file; against
+    ``model.reference``'s responses when it is set. Writes ``<output_dir>/eval.json`` (the
+    settings, the metrics and every response with its verdict and answer) and
+    ``<output_dir>/report.html``, and prints where.
 
     Args:
         cfg: the composed PPO config.
     """
-    from rlhf_torchrl.trainers.evaluation import format_metrics, rollout_samples
+    from rlhf_torchrl.record.eval_report import write_eval_report
+    from rlhf_torchrl.trainers.evaluation import format_metrics
 
+    e, m = cfg.eval, cfg.model
+    if e.source and OmegaConf.is_missing(cfg.data, "source"):
+        cfg.data.source = e.source  # no training data is read: the evaluation's file stands in
     validation.validate(cfg)
     check_output_dir(cfg)
     check_models(cfg)
@@ -41,15 +89,18 @@ def evaluate_policy(cfg: DictConfig) -> dict:
     device = make_device(cfg)
     torch.manual_seed(cfg.seed)
     tokenizer = make_tokenizer(cfg)
-    prompts = make_prompts(cfg, tokenizer)
-    _, held_out = hold_out(prompts, cfg.eval.num_prompts)
-    check_sequence_length(cfg, list(held_out), tokenizer)
+    if e.source:
+        prompts = make_eval_prompts(cfg, tokenizer)
+        what = f"the {len(prompts)} prompts of {e.source}"
+    else:
+        _, prompts = hold_out(make_prompts(cfg, tokenizer), e.num_prompts)
+        check_sequence_length(cfg, list(prompts), tokenizer)
+        what = f"{len(prompts)} held-out prompts"
     stop_ids = stop_token_ids(cfg, tokenizer)
     scorer = make_scorer(cfg, reward_functions, device, stop_text=tokenizer.decode(stop_ids[:1]),
                          tokenizer=tokenizer)
     scorer.check(make_reward_probe(cfg, prompts, tokenizer, stop_ids))
-    m = cfg.model
-    evaluator = new_evaluator(cfg, held_out, tokenizer, scorer, stop_ids, device)
+    evaluator = new_evaluator(cfg, prompts, tokenizer, scorer, stop_ids, device)
     if m.reference:
         reference = load_causal_lm(m.reference, tokenizer, dtype=m.dtype,
                                    attn_implementation=m.attn_implementation).to(device)
@@ -58,8 +109,42 @@ def evaluate_policy(cfg: DictConfig) -> dict:
     policy = load_causal_lm(m.policy, tokenizer, dtype=m.dtype,
                             attn_implementation=m.attn_implementation).to(device)
     metrics, rollout = evaluator(policy)
-    with open(os.path.join(cfg.output_dir, "eval.json"), "w") as f:
-        json.dump({"policy": m.policy, "reference": m.reference, **metrics,
-                   "responses": rollout_samples(rollout)}, f, indent=1)
-    print(f"{m.policy} on {len(held_out)} held-out prompts: {format_metrics(metrics)}", flush=True)
+    path = os.path.join(cfg.output_dir, "eval.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"policy": m.policy, "reference": m.reference,
+                   "prompts": e.source or "held out of data.source", "num_prompts": len(prompts),
+                   "samples_per_prompt": evaluator.samples_per_prompt,
+                   "temperature": evaluator.temperature, "max_new_tokens": evaluator.max_new_tokens,
+                   "k": evaluator.ks, "seed": cfg.seed, **metrics,
+                   "responses": evaluation_samples(evaluator, rollout)}, f, indent=1)
+    report = write_eval_report(cfg.output_dir)
+    samples = f", {evaluator.samples_per_prompt} samples each" if evaluator.samples_per_prompt > 1 else ""
+    print(f"{m.policy} on {what}{samples}: {format_metrics(metrics)}\n"
+          f"Evaluation written to {path} (report: {report})", flush=True)
     return metrics
+
+
+def evaluation_samples(evaluator, rollout) -> list[dict]:
+    """Every response of an evaluation, for ``eval.json``: ``prompt_index`` (the prompt's
+    position in the evaluated set; its samples consecutive), the prompt, the question, the
+    response and its score; with an accuracy reward also ``correct`` (full marks) and, where
+    the reward reads answers, ``answer`` (what maj@k counted; null: none read).
+
+    Args:
+        evaluator (rlhf_torchrl.trainers.evaluation.Evaluator): the evaluator that sampled it.
+        rollout (tensordict.TensorDictBase): its scored rollout.
+    """
+    from rlhf_torchrl import keys as K
+    from rlhf_torchrl.trainers.evaluation import rollout_samples
+
+    rows = rollout_samples(rollout)
+    for row, group in zip(rows, rollout.get(K.GROUP).tolist()):
+        row["prompt_index"] = group
+    if evaluator.accuracy is not None:
+        correct, answers = evaluator.verdicts(rollout)
+        for i, row in enumerate(rows):
+            row["correct"] = bool(correct[i])
+            if answers is not None:
+                a = answers[i]
+                row["answer"] = a if a is None or isinstance(a, (int, float, str)) else str(a)
+    return rows

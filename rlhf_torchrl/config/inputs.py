@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlhf_torchrl.config.components import make_tools
 from rlhf_torchrl.config.derived import eval_prompt_count
+from rlhf_torchrl.config.model_checks import check_sequence_length
 from rlhf_torchrl.data import load_prompts
 from rlhf_torchrl.data.prompt_sets import CHECK_ALL_UP_TO, PromptMixture, PromptSet
 from rlhf_torchrl.data.prompts import LengthCheck
@@ -74,9 +75,10 @@ def make_prompts(cfg: DictConfig, tokenizer, tools: dict | None = None) -> Promp
     return prompts
 
 
-def _load_source(cfg: DictConfig, entry: DictConfig, system: str | None) -> PromptSet:
+def _load_source(cfg: DictConfig, entry: DictConfig, system: str | None,
+                 whole: bool = False) -> PromptSet:
     """One source's prompts: ``entry`` is ``data`` itself or a ``data.sources`` entry, whose
-    loading settings left null are ``data``'s."""
+    loading settings left null are ``data``'s; ``whole``: every row (no ``data.limit``)."""
     d = cfg.data
 
     def setting(key):
@@ -85,13 +87,15 @@ def _load_source(cfg: DictConfig, entry: DictConfig, system: str | None) -> Prom
 
     try:
         return load_prompts(entry.source, split=setting("split"), column=setting("column"),
-                            template=setting("template") or "{prompt}", limit=setting("limit"),
+                            template=setting("template") or "{prompt}",
+                            limit=None if whole else setting("limit"),
                             max_words=d.max_words, system_prompt=system, config=setting("config"),
                             generator_args=(OmegaConf.to_container(d.generator_args, resolve=True)
                                             if d.generator_args else {}),
                             seed=cfg.seed, check=False)
     except ConnectionError as e:  # an HF dataset name, offline or unknown
-        raise ConfigError(f"data.source={entry.source}: not a local file, and the dataset hub could "
+        setting = "eval.source" if whole else "data.source"
+        raise ConfigError(f"{setting}={entry.source}: not a local file, and the dataset hub could "
                           f"not give it ({e}). Give a local file (.jsonl, .json, .parquet, .csv, "
                           ".tsv), a saved dataset's folder, 'polarity', or a dataset name reachable "
                           "from here.") from None
@@ -110,16 +114,46 @@ def _what_fits(n: int, held_out: int, per_batch: int, cfg: DictConfig) -> str:
     return ""
 
 
-def split_eval_prompts(cfg: DictConfig, prompts) -> tuple:
+def split_eval_prompts(cfg: DictConfig, prompts, tokenizer=None, tools: dict | None = None) -> tuple:
     """(training prompts, held-out evaluation prompts): the last ``eval.num_prompts`` rows (of
-    each source of a mixture, shared by weight: :meth:`~rlhf_torchrl.data.prompt_sets.PromptMixture.hold_out`).
+    each source of a mixture, shared by weight: :meth:`~rlhf_torchrl.data.prompt_sets.PromptMixture.hold_out`);
+    with ``eval.source``, every prompt and that file's (:func:`make_eval_prompts`).
 
     Args:
         cfg: the composed PPO config.
         prompts (Sequence | PromptSet | PromptMixture): the prompts.
+        tokenizer (transformers.PreTrainedTokenizerBase | None): the policy's, which checks the
+            lengths of ``eval.source``'s prompts (needed with it).
+        tools: the loaded ``env.tools`` their system prompt describes (None: loaded here).
     """
+    if cfg.eval.every and OmegaConf.select(cfg, "eval.source"):
+        return prompts, make_eval_prompts(cfg, tokenizer, tools)
     k = eval_prompt_count(cfg)
     return hold_out(prompts, k) if k else (prompts, [])
+
+
+def make_eval_prompts(cfg: DictConfig, tokenizer, tools: dict | None = None) -> PromptSet:
+    """Every prompt of ``eval.source`` (no ``data.limit``), read with ``data``'s column, template,
+    split, config and system prompt, each held to ``data.max_prompt_length`` tokens and checked
+    now (a bad row or an over-long prompt stops here, before any model loads).
+
+    Args:
+        cfg: the composed PPO config.
+        tokenizer (transformers.PreTrainedTokenizerBase): the policy's tokenizer.
+        tools: the loaded ``env.tools`` their system prompt describes (None: loaded here).
+    """
+    d = cfg.data
+    prompts = _load_source(cfg, OmegaConf.create({"source": cfg.eval.source}),
+                           system_prompt(cfg, tools), whole=True)
+    prompts = prompts.with_length_check(LengthCheck(
+        tokenizer, d.max_prompt_length, truncate=d.truncate_prompts, side=d.truncate_side,
+        at=d.truncate_at))
+    n_truncated = prompts.check()
+    check_sequence_length(cfg, prompts, tokenizer)
+    if n_truncated:
+        log.warning("Cut %d of the %d prompts of eval.source to %d tokens (data.truncate_side=%s).",
+                    n_truncated, len(prompts), d.max_prompt_length, d.truncate_side)
+    return prompts
 
 
 def hold_out(prompts, k: int) -> tuple:
@@ -167,6 +201,9 @@ def new_evaluator(cfg: DictConfig, prompts, tokenizer, scorer, stop_ids, device,
         tools = make_tools(cfg)
     episode = ({"tools": tools, "max_turns": env.max_turns, "max_tokens": env.max_tokens,
                 "tool_timeout": env.tool_timeout} if env.tools else None)
-    return Evaluator(prompts, tokenizer, scorer, max_new_tokens=cfg.generation.max_new_tokens,
+    return Evaluator(prompts, tokenizer, scorer,
+                     max_new_tokens=e.max_new_tokens or cfg.generation.max_new_tokens,
                      temperature=e.temperature, stop_token_ids=stop_ids, seed=cfg.seed, judge=judge,
-                     accuracy=e.accuracy_reward, device=device, episode=episode)
+                     accuracy=e.accuracy_reward, device=device, episode=episode,
+                     samples_per_prompt=e.samples_per_prompt,
+                     ks=list(e.k) if e.k is not None else None, batch_size=e.batch_size)

@@ -395,6 +395,11 @@ class Eval:
     temperature: float = MISSING
     judge: str | None = MISSING
     accuracy_reward: str | None = MISSING
+    samples_per_prompt: int = MISSING
+    k: list[int] | None = MISSING
+    max_new_tokens: int | None = MISSING
+    batch_size: int = MISSING
+    source: str | None = MISSING
 
 
 @dataclass

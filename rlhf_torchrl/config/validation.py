@@ -154,6 +154,9 @@ RANGES = {
     "eval.every": (0, _INF, True, True),
     "eval.num_prompts": (1, _INF, True, True),
     "eval.temperature": (0, _INF, False, True),
+    "eval.samples_per_prompt": (1, _INF, True, True),
+    "eval.max_new_tokens": (1, _INF, True, True),
+    "eval.batch_size": (1, _INF, True, True),
     "logging.num_samples": (0, _INF, True, True),
     "logging.log_every": (1, _INF, True, True),
 }
@@ -187,6 +190,38 @@ def validate(cfg: DictConfig) -> None:
     for i, entry in enumerate(OmegaConf.select(cfg, "data.sources") or []):
         for key, bounds in SOURCE_RANGES.items():
             _check_range(f"data.sources[{i}].{key}", entry[key], bounds)
+    check_eval_ks(cfg)
+
+
+def check_eval_ks(cfg: DictConfig) -> None:
+    """``eval.k``: each k of pass@k and maj@k in ``[1, eval.samples_per_prompt]`` (k samples are
+    drawn from the n of each prompt), and a verifiable reward to count correct answers with
+    (``eval.accuracy_reward``); a ConfigError naming the setting and the fix otherwise.
+
+    Args:
+        cfg: the composed recipe config.
+    """
+    from omegaconf import OmegaConf
+
+    e = cfg.eval
+    ks = OmegaConf.select(cfg, "eval.k")
+    if ks is None:
+        return
+    n = e.samples_per_prompt
+    shown = "[" + ",".join(str(k) for k in ks) + "]"
+    if not ks:
+        raise ConfigError(f"eval.k={shown} is empty: give the k of pass@k and maj@k "
+                          f"(e.g. eval.k=[1,{n}]), or null for 1, 2, 4, ... up to "
+                          "eval.samples_per_prompt.")
+    bad = [k for k in ks if not 1 <= k <= n]
+    if bad:
+        raise ConfigError(f"eval.k={shown}: {bad[0]} is outside [1, eval.samples_per_prompt={n}] "
+                          f"(pass@k and maj@k draw k of each prompt's {n} samples): raise "
+                          "eval.samples_per_prompt, or lower k.")
+    if e.accuracy_reward is None:
+        raise ConfigError(f"eval.k={shown} needs eval.accuracy_reward, the verifiable reward "
+                          "(1 = correct) whose correct answers pass@k and maj@k count: name one "
+                          "of reward.functions, e.g. eval.accuracy_reward=gsm8k_correct.")
 
 
 def check_choices_and_ranges(cfg: DictConfig, choices: dict, ranges: dict) -> None:

@@ -62,6 +62,12 @@ from rlhf_torchrl.functional.off_policy import (
     check_off_policy_correction,
     off_policy_log_weight,
 )
+from rlhf_torchrl.functional.pass_at_k import (
+    majority_at_k,
+    majority_vote,
+    mean_interval,
+    pass_at_k,
+)
 
 __all__ = [
     "K3_LOSS_BOUND",
@@ -91,13 +97,17 @@ __all__ = [
     "leave_one_out_mean",
     "length_adaptive_lmbda",
     "log_probs_from_logits",
+    "majority_at_k",
+    "majority_vote",
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "mean_interval",
     "merge_moments",
     "off_policy_log_weight",
     "overlong_penalty",
     "packing_order",
+    "pass_at_k",
     "per_token_rewards",
     "position_ids_from_mask",
     "positive_nll",

@@ -85,6 +85,10 @@ def gsm8k_correct(prompts: list[str], responses: list[str], answer: list[str]) -
     return out
 
 
+#: how maj@k reads the answer gsm8k_correct judges (rlhf_torchrl.trainers.evaluation.Evaluator)
+gsm8k_correct.extract_answer = extract_final_number
+
+
 def gsm8k_format(prompts: list[str], responses: list[str]) -> list[float]:
     """1.0 where the response states its answer in the asked format (``#### <number>``).
 
@@ -217,3 +221,7 @@ def reasoning_gym_score(prompts: list[str], responses: list[str], answer: list[s
         entry = {"question": prompt, "answer": a, "metadata": meta}
         out.append(float(check(extract_tagged_answer(response), entry)))
     return out
+
+
+#: how maj@k reads the answer reasoning_gym_score judges
+reasoning_gym_score.extract_answer = extract_tagged_answer
