@@ -166,7 +166,7 @@ def test_mlflow_run_has_the_name_tags_params_and_samples(tmp_path, monkeypatch):
                            run_name="tiny-run", tags=["baseline"])
     # more than the 100 parameters MLflow takes in one request
     writer.log_config({"ppo": {"batch_size": 4}, **{f"k{i}": i for i in range(150)}})
-    writer.log(0, {"objective/scores": 0.25})
+    writer.log(0, {"objective/scores": 0.25, "eval/pass@4": 0.5})  # MLflow refuses "@"
     writer.log_samples("eval/samples", 0, [{"prompt": "p", "question": "q", "response": "r",
                                             "score": 1.0}])
     writer.close()
@@ -176,5 +176,6 @@ def test_mlflow_run_has_the_name_tags_params_and_samples(tmp_path, monkeypatch):
     assert run.info.run_name == "tiny-run" and run.data.tags["baseline"] == "true"
     assert run.data.params["ppo.batch_size"] == "4" and len(run.data.params) == 151
     assert run.data.metrics["objective/scores"] == 0.25
+    assert run.data.metrics["eval/pass_at_4"] == 0.5
     [artifact] = mlflow.artifacts.list_artifacts(run_id=run.info.run_id, artifact_path="eval_samples")
     assert artifact.path == "eval_samples/iteration_000000.json"

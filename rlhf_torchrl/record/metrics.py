@@ -162,7 +162,7 @@ class MetricsWriter:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.project, self.tags = project, list(tags)
         self.run_name = run_name or trackers.default_run_name(output_dir)
-        self.logger = None
+        self.logger, self.kind = None, logger
         if logger:
             self.logger = trackers.open_logger(logger, output_dir, project=project,
                                                run_name=self.run_name, tags=self.tags,
@@ -179,9 +179,11 @@ class MetricsWriter:
         self._file.write(json.dumps({"iteration": step, **clean}) + "\n")
         self._file.flush()
         if self.logger is not None:
+            from rlhf_torchrl.record.trackers import metric_name
+
             for name, value in clean.items():
                 if isinstance(value, float) and math.isfinite(value):
-                    self.logger.log_scalar(name, value, step=step)
+                    self.logger.log_scalar(metric_name(self.kind, name), value, step=step)
 
     def log_config(self, config: dict) -> None:
         """The resolved config (a nested dict) as the run's hyperparameters.

@@ -205,6 +205,17 @@ def close_logger(logger) -> None:
         mlflow.end_run()
 
 
+def metric_name(kind: str | None, name: str) -> str:
+    """``name`` as the tracker ``kind`` takes it: MLflow accepts letters, digits, ``_ - . /`` and
+    spaces only, so ``eval/pass@4`` goes there as ``eval/pass_at_4``; the others take any name.
+
+    Args:
+        kind: the tracker (``logging.logger``).
+        name: the metric's name.
+    """
+    return name.replace("@", "_at_") if kind == "mlflow" else name
+
+
 def _kind(logger) -> str | None:
     name = type(logger).__name__
     return {"CSVLogger": "csv", "TensorboardLogger": "tensorboard", "WandbLogger": "wandb",
