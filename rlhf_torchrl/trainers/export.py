@@ -36,12 +36,13 @@ import logging
 import os
 import shutil
 import uuid
+import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from rlhf_torchrl.errors import ConfigError, MissingFileError
-from rlhf_torchrl.safe_loading import UnsafeFileError, load_dcp
+from rlhf_torchrl.safe_loading import UnsafeFileError, load_dcp, read_dcp_metadata
 from rlhf_torchrl.trainers.checkpoint import (
     CHECKPOINTS,
     WEIGHTS,
@@ -212,11 +213,27 @@ def export_policy(checkpoint: str, out_dir: str, *, policy: nn.Module, tokenizer
     tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        _save_tokenizer(tokenizer, tmp)
         os.replace(tmp, out_dir)  # atomic; an empty out_dir is replaced
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _save_tokenizer(tokenizer, path: str) -> None:
+    """Save ``tokenizer`` with the side it pads on: transformers writes ``padding_side`` only when
+    it was given at load, and the policy's tokenizer was set to pad on the left after loading (a
+    batch of prompts for ``generate``)."""
+    kwargs = tokenizer.init_kwargs
+    had, before = "padding_side" in kwargs, kwargs.get("padding_side")
+    kwargs["padding_side"] = tokenizer.padding_side
+    try:
+        tokenizer.save_pretrained(path)
+    finally:
+        if had:
+            kwargs["padding_side"] = before
+        else:
+            del kwargs["padding_side"]
 
 
 def _settings(checkpoint: str) -> dict:
@@ -244,13 +261,15 @@ def _written_by(settings: dict, trainer_state: dict) -> str:
 
 def _left_out(checkpoint: str) -> list[str]:
     """The parts of ``checkpoint`` an export leaves out, in words."""
-    saved = saved_weight_names(checkpoint)
+    names = read_dcp_metadata(os.path.join(checkpoint, WEIGHTS)).state_dict_metadata
     parts = []
-    if any(name.startswith("value_head.") for name in saved):
+    if any(name.startswith("model.value_head.") for name in names):
         parts.append("the value head")
-    if any(name.startswith("critic_trunk.") for name in saved):
+    if any(name.startswith("model.critic_trunk.") for name in names):
         parts.append("the critic's own trunk")
-    return [*parts, "the optimiser and trainer state"]
+    if any(name.startswith("optim.") for name in names):
+        parts.append("the optimiser state")
+    return [*parts, "the trainer's state"]
 
 
 def _check_base(base: str) -> None:
@@ -318,8 +337,10 @@ def export_checkpoint(source: str, out_dir: str, *, lora: str = "merge",
     policy = load_causal_lm(base, tokenizer, dtype=model.get("dtype") or "float32")
     if adapters:
         targets = lora_settings.get("target_modules", "all-linear")
-        policy = add_lora(policy, r=lora_settings["r"], alpha=lora_settings.get("alpha", 16.0),
-                          dropout=lora_settings.get("dropout", 0.0), target_modules=targets)
+        with warnings.catch_warnings():  # PEFT reads an attribute transformers 5 deprecates
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            policy = add_lora(policy, r=lora_settings["r"], alpha=lora_settings.get("alpha", 16.0),
+                              dropout=lora_settings.get("dropout", 0.0), target_modules=targets)
     path = export_policy(checkpoint, out_dir, policy=policy, tokenizer=tokenizer, lora=lora)
     return Exported(path=path, checkpoint=checkpoint, iteration=trainer_state.get("iteration"),
                     source=_written_by(settings, trainer_state), lora=lora if adapters else None,
