@@ -14,6 +14,12 @@ from rlhf_torchrl.functional.advantages import (
     length_adaptive_lmbda,
     returns_to_go,
 )
+from rlhf_torchrl.functional.at_k import (
+    majority_at_k,
+    majority_vote,
+    mean_interval,
+    pass_at_k,
+)
 from rlhf_torchrl.functional.distillation import (
     distillation_rewards,
     sequence_distillation_rewards,
@@ -61,12 +67,6 @@ from rlhf_torchrl.functional.off_policy import (
     OFF_POLICY_CORRECTIONS,
     check_off_policy_correction,
     off_policy_log_weight,
-)
-from rlhf_torchrl.functional.pass_at_k import (
-    majority_at_k,
-    majority_vote,
-    mean_interval,
-    pass_at_k,
 )
 
 __all__ = [

@@ -71,6 +71,7 @@ def extract_final_number(text: str) -> float | None:
 def gsm8k_correct(prompts: list[str], responses: list[str], answer: list[str]) -> list[float]:
     """1.0 where the response's final number equals the row's ``answer`` (a GSM8K answer field,
     reasoning then ``#### 72``, or a bare number), else 0.0. Reads the dataset column ``answer``.
+    Its attribute ``extract_answer`` (:func:`extract_final_number`) gives maj@k the answer it judges.
 
     Args:
         prompts: the rendered prompts (unused).
@@ -85,7 +86,7 @@ def gsm8k_correct(prompts: list[str], responses: list[str], answer: list[str]) -
     return out
 
 
-#: how maj@k reads the answer gsm8k_correct judges (rlhf_torchrl.trainers.evaluation.Evaluator)
+# how maj@k reads the answer gsm8k_correct judges (rlhf_torchrl.trainers.evaluation.Evaluator)
 gsm8k_correct.extract_answer = extract_final_number
 
 
@@ -207,7 +208,8 @@ def reasoning_gym_score(prompts: list[str], responses: list[str], answer: list[s
     """The task's own checker (``reasoning_gym.get_score_answer_fn``) on the answer each response
     gives (:func:`extract_tagged_answer`): 1.0 correct, 0.0 wrong, some tasks give partial credit.
     Reads the ``answer`` and ``metadata`` columns of a ``reasoning_gym:<task>`` prompt set (the
-    checkers do not read the question; the rendered prompt stands in for it).
+    checkers do not read the question; the rendered prompt stands in for it). Its attribute
+    ``extract_answer`` (:func:`extract_tagged_answer`) gives maj@k the answer it judges.
 
     Args:
         prompts: the rendered prompts (given to the checker as the question).
@@ -223,5 +225,5 @@ def reasoning_gym_score(prompts: list[str], responses: list[str], answer: list[s
     return out
 
 
-#: how maj@k reads the answer reasoning_gym_score judges
+# how maj@k reads the answer reasoning_gym_score judges
 reasoning_gym_score.extract_answer = extract_tagged_answer

@@ -14,7 +14,7 @@ import torch
 
 from rlhf_torchrl import keys as K
 from rlhf_torchrl.collectors import RolloutCollector, make_generation_env, make_generation_policy
-from rlhf_torchrl.functional.pass_at_k import majority_at_k, mean_interval, pass_at_k
+from rlhf_torchrl.functional.at_k import majority_at_k, mean_interval, pass_at_k
 
 _EVAL_BATCH = 2**40  # the batch index of the evaluation's row streams
 
@@ -71,7 +71,8 @@ class Evaluator:
     as :func:`~rlhf_torchrl.rewards.functions.gsm8k_correct` has), ``eval/maj@k`` (the majority
     answer's correctness, exact over all ``k``-subsets): each the mean over prompts, with
     ``eval/pass@k_ci95`` and ``eval/maj@k_ci95``, the half-width of a normal 95% interval over
-    prompts (:mod:`rlhf_torchrl.functional.pass_at_k`).
+    prompts (:func:`~rlhf_torchrl.functional.pass_at_k`, :func:`~rlhf_torchrl.functional.majority_at_k`,
+    :func:`~rlhf_torchrl.functional.mean_interval`).
 
     Args:
         prompts (Sequence): the held-out prompts, as

@@ -14,7 +14,7 @@ from rlhf_torchrl.config import compose
 from rlhf_torchrl.config.evaluate_policy import evaluation_name
 from rlhf_torchrl.config.validation import validate
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.functional.pass_at_k import majority_at_k, majority_vote, mean_interval, pass_at_k
+from rlhf_torchrl.functional.at_k import majority_at_k, majority_vote, mean_interval, pass_at_k
 from rlhf_torchrl.trainers.evaluation import default_ks
 
 
