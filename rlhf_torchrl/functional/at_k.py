@@ -38,7 +38,7 @@ def pass_at_k(num_correct: torch.Tensor, num_samples: int | torch.Tensor, k: int
         tensor([0.0000, 0.5000, 0.8333, 1.0000], dtype=torch.float64)
     """
     c = torch.as_tensor(num_correct, dtype=torch.float64)
-    n = torch.as_tensor(num_samples, dtype=torch.float64).expand_as(c)
+    n = torch.as_tensor(num_samples, dtype=torch.float64, device=c.device).expand_as(c)
     if c.numel() == 0:
         return c.clone()
     if not 1 <= k <= n.min():
@@ -46,7 +46,7 @@ def pass_at_k(num_correct: torch.Tensor, num_samples: int | torch.Tensor, k: int
                          "fewest): sample more, or lower k.")
     if (c < 0).any() or (c > n).any():
         raise ValueError("pass@k: a prompt's correct samples must be between 0 and its samples.")
-    i = torch.arange(1, int(n.max()) + 1, dtype=torch.float64)  # (n_max,)
+    i = torch.arange(1, int(n.max()) + 1, dtype=torch.float64, device=c.device)  # (n_max,)
     # the factors (1 - k / i) for i in (n - c, n]; 1 elsewhere
     in_product = (i > (n - c)[:, None]) & (i <= n[:, None])  # (P, n_max)
     factors = torch.where(in_product, 1.0 - k / i, torch.ones_like(i))

@@ -243,7 +243,7 @@ class Evaluator:
             answers: each response's answer (None: no maj@k).
         """
         n = self.samples_per_prompt
-        per_prompt = correct.reshape(-1, n)  # (P, n)
+        per_prompt = correct.cpu().reshape(-1, n)  # (P, n)
         metrics = {}
         for k in self.ks:
             values = pass_at_k(per_prompt.sum(-1), n, k).tolist()
