@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlhf_torchrl.trainers import checkpoint
+from rlhf_torchrl.trainers import disk as checkpoint_disk
 from rlhf_torchrl.trainers.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -172,3 +173,109 @@ def test_rng_states_are_set_after_the_collector_is_built(tmp_path, tiny_llama_di
     whole = run(build(tiny_llama_dir))
     resumed = run(build(tiny_llama_dir), resume=str(tmp_path / "checkpoints" / "iter_00000002"))
     assert len(whole) == 3 and resumed == whole[2:]
+
+
+# ---- the disk a run fills, and weights-only checkpoints -------------------------------------
+
+
+def _du(path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _trained(tiny_llama_dir):
+    """The tiny Llama after one AdamW step (its moments exist), its value head beside it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    head = torch.nn.Linear(policy.config.hidden_size, 1)
+    modules = {"policy": policy, "value_head": head}
+    optimizer = torch.optim.AdamW([p for m in modules.values() for p in m.parameters()], lr=1e-3)
+    policy(torch.tensor([[5, 6, 7]])).logits.sum().backward()
+    head.weight.grad, head.bias.grad = torch.ones_like(head.weight), torch.ones_like(head.bias)
+    optimizer.step()
+    return modules, optimizer
+
+
+def test_checkpoints_held_at_once_by_hand():
+    held = checkpoint_disk.checkpoints_held
+    assert held(20, 0, 10, 2) == 2  # iterations 10 and 20
+    assert held(25, 0, 10, 2) == 3  # 10, 20, 25: two kept, a third while it is written
+    assert held(25, 0, 10, None) == 3 and held(100, 0, 10, None) == 10
+    assert held(100, 0, 10, 1) == 2 and held(40, 35, 10, 2) == 1  # (resumed at 35: 40 alone)
+    assert held(40, 0, 0, 2) == 0
+
+
+@pytest.mark.parametrize("weights_only", [False, True], ids=["with-adamw", "weights-only"])
+def test_the_disk_plan_is_the_checkpoint_written(tmp_path, tiny_llama_dir, weights_only, caplog):
+    """The planned size of a checkpoint is what save_checkpoint writes (to 2%: DCP's metadata,
+    the trainer state); a weights-only one is a third of it and loads with AdamW afresh."""
+    import logging
+
+    modules, optimizer = _trained(tiny_llama_dir)
+    plan = checkpoint_disk.plan_disk(modules, modules["policy"], num_iterations=4, every=2, keep=1,
+                                     weights_only=weights_only)
+    path = save_checkpoint(str(tmp_path), 2, modules=modules, optimizer=optimizer,
+                           trainer_state={"iteration": 2}, config_yaml="a: 1\n",
+                           weights_only=weights_only)
+    assert _du(path) == pytest.approx(plan.checkpoint, rel=0.02)
+    assert plan.checkpoints == 2 and plan.policy == _du_params(modules["policy"])
+    tied = modules["policy"].get_input_embeddings().weight  # (written twice: two names)
+    assert plan.weights == _du_params(modules["policy"]) + tied.numel() * 4 + 4 * 33
+    assert plan.moments == (0 if weights_only else 2 * (plan.weights - tied.numel() * 4))
+
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)  # untrained, no moments yet
+    fresh = {"policy": policy, "value_head": torch.nn.Linear(policy.config.hidden_size, 1)}
+    fresh_optimizer = torch.optim.AdamW([p for m in fresh.values() for p in m.parameters()], lr=1e-3)
+    with caplog.at_level(logging.WARNING, logger="rlhf_torchrl.trainers.checkpoint"):
+        checkpoint.load_checkpoint(path, modules=fresh, optimizer=fresh_optimizer)
+    for name in modules:
+        for a, b in zip(fresh[name].parameters(), modules[name].parameters()):
+            assert torch.equal(a, b)
+    if weights_only:  # AdamW's moments start at zero, and the log says so
+        assert "AdamW's moments start afresh" in caplog.text
+        for state in fresh_optimizer.state.values():  # (DCP's state dict makes them, as zeros)
+            assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    else:
+        assert "afresh" not in caplog.text and len(fresh_optimizer.state) == len(optimizer.state)
+        for a, b in zip(fresh_optimizer.state.values(), optimizer.state.values()):
+            assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+
+def _du_params(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_a_run_that_would_fill_its_disk_stops_before_training(tmp_path, tiny_llama_dir):
+    """The real command on a real 12 MiB filesystem (tmpfs, in a user namespace): one line with
+    the estimate and the settings that write less, before any iteration; the same command with
+    checkpoint.every=0 and no saved policy fits and trains."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare -rm (user namespaces) to mount a small tmpfs")
+    from test_recipe import TINY
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    overrides = [f"model.policy={tiny_llama_dir}", *TINY, "ppo.num_iterations=1", "eval.every=0",
+                 "checkpoint.every=1", "threads=1"]
+    command = " ".join([sys.executable, "-m", "rlhf_torchrl.cli", "ppo",
+                        f"output_dir={disk}/run", f"hydra.run.dir={disk}/run", *overrides])
+    script = f"mount -t tmpfs -o size=12m tmpfs {disk} && {command}"
+    refused = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 1, refused.stderr[-2000:]
+    (line,) = [x for x in refused.stderr.splitlines() if x.startswith("Error:")]
+    assert "This run would write about" in line and "GiB free" in line
+    assert "checkpoint.weights_only=true" in line and "Traceback" not in refused.stderr
+    fits = subprocess.run(["unshare", "-rm", "sh", "-c",
+                           script + " checkpoint.every=0 logging.save_model=false && ls " +
+                           f"{disk}/run"], capture_output=True, text=True, timeout=300)
+    assert fits.returncode == 0, fits.stderr[-2000:]
+    assert "metrics.jsonl" in fits.stdout

@@ -92,6 +92,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     from rlhf_torchrl.record.run_log import RunLog
     from rlhf_torchrl.rewards.length import ScoreTransforms
     from rlhf_torchrl.runtime import reuse_freed_memory
+    from rlhf_torchrl.trainers.disk import check_disk, plan_disk
     from rlhf_torchrl.trainers.hooks import (
         Checkpointer,
         Evaluation,
@@ -196,7 +197,8 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
     if cfg.checkpoint.every:
         trainer.register_hook("checkpoint", Checkpointer(
             cfg.output_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
-            config_yaml=OmegaConf.to_yaml(cfg, resolve=True)))
+            config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+            weights_only=cfg.checkpoint.weights_only))
     if cfg.logging.save_model:  # before the report: report.json marks a finished run
         trainer.register_hook("save_policy", SavePolicy(cfg.output_dir, tokenizer,
                                                         save_merged=cfg.lora.r and cfg.lora.save_merged))
@@ -208,8 +210,15 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
             tags=list(cfg.logging.tags), config=OmegaConf.to_container(cfg, resolve=True)))
     if resume_from:
         trainer.load_checkpoint(resume_from)
-    log.info("Output directory: %s (device %s, %d process%s)", cfg.output_dir, device,
-             parallel.world_size, "es" if parallel.enabled else "")
+    # the disk the run fills (checkpoints, the policy): one that cannot fit stops here
+    disk = plan_disk(trainer.trained_modules, policy, num_iterations=p.num_iterations,
+                     every=cfg.checkpoint.every, keep=cfg.checkpoint.keep,
+                     weights_only=cfg.checkpoint.weights_only, save_model=cfg.logging.save_model,
+                     save_merged=bool(cfg.lora.r and cfg.lora.save_merged), start=trainer.iteration)
+    if parallel.is_main:
+        check_disk(disk, cfg.output_dir)
+    log.info("Output directory: %s (device %s, %d process%s); it will hold %s", cfg.output_dir,
+             device, parallel.world_size, "es" if parallel.enabled else "", disk.line())
     return trainer
 
 

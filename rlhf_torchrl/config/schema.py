@@ -38,6 +38,7 @@ class Checkpoint:
 
     every: int = MISSING
     keep: int | None = MISSING
+    weights_only: bool = MISSING
 
 
 @dataclass

@@ -70,6 +70,8 @@ _ROLLOUTS = "rollouts"
 _MANIFEST = "manifest.json"
 _RNG = "rng"
 _LINEAGE = "lineage.json"
+#: the trainer state's entry saying whether the weights folder holds the optimiser's state
+_OPTIMIZER_SAVED = "optimizer_saved"
 #: where checkpoints of another lineage go (a resumed run's abandoned future)
 ABANDONED = "abandoned"
 
@@ -231,7 +233,7 @@ def _state_dicts(modules: Mapping[str, nn.Module], optimizer):
 def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn.Module], optimizer,
                     trainer_state: dict, config_yaml: str, keep: int | None = None,
                     parallel=None, rollouts: Sequence = (), rng: Mapping | None = None,
-                    lineage: Sequence | None = None) -> str:
+                    lineage: Sequence | None = None, weights_only: bool = False) -> str:
     """Write checkpoint ``iter_<iteration>`` atomically and drop all but the last ``keep`` of its
     lineage.
 
@@ -255,6 +257,8 @@ def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn
         rng: this process's random states (:func:`rng_state`; None: not saved).
         lineage: ``[run, resumed_at]`` pairs, oldest first, the last this run's
             (:func:`in_lineage`); None: the checkpoints below ``iteration`` are its lineage.
+        weights_only: leave the optimiser's state out (a third of the size in fp32; a run
+            resumed from it starts AdamW's moments afresh, :func:`load_checkpoint`).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -267,9 +271,9 @@ def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn
         os.makedirs(tmp)
     _barrier(parallel)
     model_state, optim_state = _state_dicts(modules, optimizer)
+    state = {"model": model_state} if weights_only else {"model": model_state, "optim": optim_state}
     with single_process_quiet():
-        dcp.save({"model": model_state, "optim": optim_state},
-                 checkpoint_id=os.path.join(tmp, WEIGHTS))
+        dcp.save(state, checkpoint_id=os.path.join(tmp, WEIGHTS))
     rank = parallel.rank if parallel is not None else 0
     for i, rollout in enumerate(rollouts):
         rollout.detach().cpu().save(os.path.join(tmp, _ROLLOUTS, f"rank_{rank}", f"{i:04d}"))
@@ -278,7 +282,7 @@ def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn
         torch.save(dict(rng), os.path.join(tmp, _RNG, f"rank_{rank}.pt"))
     _barrier(parallel)
     if is_main:
-        torch.save(trainer_state, os.path.join(tmp, _TRAINER))
+        torch.save({**trainer_state, _OPTIMIZER_SAVED: not weights_only}, os.path.join(tmp, _TRAINER))
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(config_yaml)
         if lineage is not None:
@@ -395,14 +399,20 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
         optimizer (torch.optim.Optimizer): over exactly their parameters.
     """
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     if not is_checkpoint(path):
         raise MissingFileError(f"{path} is not a checkpoint (no {_TRAINER} and {WEIGHTS}/): give "
                                 "a checkpoints/iter_<N> directory of a run.")
     verify_checkpoint(path)
+    trainer_state = load_trainer_state(path)
+    with_optimizer = trainer_state.get(_OPTIMIZER_SAVED, True)  # (older checkpoints hold it)
     model_state, optim_state = _state_dicts(modules, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = {"model": model_state, "optim": optim_state} if with_optimizer else {"model": model_state}
     try:
         with single_process_quiet():
             load_dcp(state, os.path.join(path, WEIGHTS))
@@ -413,9 +423,16 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
         raise CheckpointError(f"Checkpoint {path} is unreadable: its weights could not be loaded "
                               f"({type(e).__name__}). Resume from an earlier one "
                               f"(resume=<output_dir>/{CHECKPOINTS}/iter_<N>).") from e
-    set_state_dict(nn.ModuleDict(dict(modules)), optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
-    return load_trainer_state(path)
+    if with_optimizer:
+        set_state_dict(nn.ModuleDict(dict(modules)), optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
+    else:
+        set_model_state_dict(nn.ModuleDict(dict(modules)), state["model"],
+                             options=StateDictOptions(strict=False))
+        log.warning("Checkpoint %s holds the weights alone (checkpoint.weights_only): AdamW's "
+                    "moments start afresh, so the run goes on as a new optimiser would, not as "
+                    "the uninterrupted run.", path)
+    return trainer_state
 
 
 def load_rollouts(path: str, rank: int = 0, device=None) -> list:

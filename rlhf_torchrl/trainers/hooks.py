@@ -240,11 +240,13 @@ class Checkpointer(TrainerHookBase):
         every: a checkpoint every this many iterations and after the last (0: none).
         keep: how many of the newest checkpoints to keep (None: all).
         config_yaml: the run's config, saved with each checkpoint.
+        weights_only: leave the optimiser's state out (``checkpoint.weights_only``).
     """
 
     def __init__(self, output_dir: str, *, every: int, keep: int | None = None,
-                 config_yaml: str = ""):
+                 config_yaml: str = "", weights_only: bool = False):
         self.output_dir, self.every, self.keep, self.config_yaml = output_dir, every, keep, config_yaml
+        self.weights_only = weights_only
         # [run, resumed_at] of the runs whose checkpoints this one continues, then this run's
         self.lineage: list[list] = []
         self.run_id = uuid.uuid4().hex[:12]
@@ -272,7 +274,8 @@ class Checkpointer(TrainerHookBase):
         self.last_path = save_checkpoint(self.output_dir, t.iterations_done, modules=t.trained_modules,
                         optimizer=t.optimizer, keep=self.keep, parallel=t.parallel,
                         config_yaml=self.config_yaml, trainer_state=t.state_dict(),
-                        rollouts=t.pending_rollouts(), rng=rng_state(), lineage=self.lineage)
+                        rollouts=t.pending_rollouts(), rng=rng_state(), lineage=self.lineage,
+                        weights_only=self.weights_only)
         seconds = time.perf_counter() - start
         log.info("Checkpoint %d written in %.2f s", t.iterations_done, seconds)
         return {"time/checkpoint": seconds}
