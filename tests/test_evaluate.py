@@ -138,6 +138,8 @@ def test_training_evaluates_several_samples_on_its_own_file(tmp_path, digits_dir
         assert found["eval/pass@1"] == pytest.approx(found["eval/accuracy"])
         assert found["eval/maj@1"] == pytest.approx(found["eval/accuracy"])
         assert found["eval/pass@1"] <= found["eval/pass@2"] <= 1
-    # the test file's 6 prompts, none held out of the 8 training prompts
-    assert len({s["prompt"] for s in report["held_out_samples"]}) <= 6
-    assert all("apples" in s["prompt"] for s in report["held_out_samples"])
+    # the test file's 6 prompts, none held out of the 8 training prompts; the report pairs one
+    # response of each before and after
+    pairs = report["held_out_samples"]
+    assert len(pairs) == len({s["prompt"] for s in pairs}) == 6
+    assert all("apples" in s["prompt"] for s in pairs)

@@ -262,7 +262,7 @@ def _with_interval(name: str, values: list[float]) -> dict[str, float]:
     return {name: mean} if half is None else {name: mean, f"{name}_ci95": half}
 
 
-def rollout_samples(rollout, n: int | None = None) -> list[dict]:
+def rollout_samples(rollout, n: int | None = None, *, one_per_prompt: bool = False) -> list[dict]:
     """``{"prompt", "question", "response", "score"}`` of the first ``n`` rows of a rollout (all:
     None): the prompt as the policy read it (chat template applied) and, for reading, the last
     user message alone (the prompt again where the rollout has no messages); a multi-turn
@@ -271,6 +271,8 @@ def rollout_samples(rollout, n: int | None = None) -> list[dict]:
     Args:
         rollout (tensordict.TensorDictBase): a scored rollout with its texts.
         n: the rows to take (None: all).
+        one_per_prompt: only the first row of each prompt's group (``"group"``): with several
+            samples per prompt, ``n`` prompts rather than ``n`` rows.
     """
     text = K.EPISODE_TEXT if K.EPISODE_TEXT in rollout.keys(True) else K.RESPONSE_TEXT
     prompts, responses = rollout.get(K.PROMPT_TEXT).tolist(), rollout.get(text).tolist()
@@ -278,8 +280,11 @@ def rollout_samples(rollout, n: int | None = None) -> list[dict]:
     questions = prompts
     if K.PROMPT_MESSAGES in rollout.keys(True):
         questions = [m[-1]["content"] for m in rollout.get(K.PROMPT_MESSAGES).tolist()]
-    return [{"prompt": p, "question": q, "response": r, "score": s}
-            for p, q, r, s in list(zip(prompts, questions, responses, scores))[:n]]
+    rows = list(zip(prompts, questions, responses, scores))
+    if one_per_prompt and K.GROUP in rollout.keys():
+        groups = rollout.get(K.GROUP).tolist()
+        rows = [row for i, row in enumerate(rows) if i == 0 or groups[i] != groups[i - 1]]
+    return [{"prompt": p, "question": q, "response": r, "score": s} for p, q, r, s in rows[:n]]
 
 
 def format_metrics(metrics: dict) -> str:

@@ -155,7 +155,7 @@ class Evaluation(TrainerHookBase):
             self.evaluator.set_reference(model)  # the reference's responses, once
         if self.before is None:
             self.before, rollout = self.evaluator(self.policy)
-            self.held_out_before = rollout_samples(rollout, HELD_OUT_SAMPLES)
+            self.held_out_before = rollout_samples(rollout, HELD_OUT_SAMPLES, one_per_prompt=True)
             self.unlogged_samples.append(("eval/samples_before", 0, self.held_out_before))
             log.info("Evaluation before training: %s", format_metrics(self.before))
 
@@ -167,7 +167,7 @@ class Evaluation(TrainerHookBase):
         # a background sampler may use this very model (overlap=0): it waits meanwhile
         with getattr(self.trainer.collector, "paused", nullcontext)():
             metrics, rollout = self.evaluator(self.policy)  # held-out prompts, after this update
-        self.held_out_after = rollout_samples(rollout, HELD_OUT_SAMPLES)
+        self.held_out_after = rollout_samples(rollout, HELD_OUT_SAMPLES, one_per_prompt=True)
         # at the step of this iteration's row (its eval/ metrics)
         self.unlogged_samples.append(("eval/samples", self.trainer.iteration, self.held_out_after))
         return {**metrics, "time/eval": time.perf_counter() - start}
