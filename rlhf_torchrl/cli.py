@@ -79,7 +79,7 @@ MOST_USED = {
             "advantage.estimator", "ppo.kl_coef", "ppo.kl_loss_coef", "ppo.kl_target", "optim.lr",
             "optim.critic_warmup"],
     "run": ["seed", "output_dir", "resume", "device", "model.autocast", "checkpoint.every",
-            "eval.every", "logging.logger"],
+            "eval.every", "eval.samples_per_prompt", "eval.source", "logging.logger"],
 }
 
 
