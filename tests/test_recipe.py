@@ -55,6 +55,9 @@ def test_recipe_runs_and_trains(tmp_path, tiny_llama_dir, overrides):
     before = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).state_dict()
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+    from transformers import AutoTokenizer  # its tokenizer pads as it sampled: on the left
+
+    assert AutoTokenizer.from_pretrained(tmp_path / "policy").padding_side == "left"
 
 
 @pytest.mark.parametrize("overrides", [

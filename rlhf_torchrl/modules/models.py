@@ -221,6 +221,27 @@ def load_tokenizer(name_or_path: str, padding_side: str = "left", chat_template:
     return tokenizer
 
 
+def save_tokenizer(tokenizer, path: str) -> None:
+    """Save ``tokenizer`` with the side it pads on: transformers writes ``padding_side`` only
+    when it was given at load, and the policy's tokenizer is set to pad on the left after
+    loading (a batch of prompts for ``generate``), which a reloaded copy would otherwise lose.
+
+    Args:
+        tokenizer (transformers.PreTrainedTokenizerBase): the tokenizer to save.
+        path: the folder.
+    """
+    kwargs = tokenizer.init_kwargs
+    had, before = "padding_side" in kwargs, kwargs.get("padding_side")
+    kwargs["padding_side"] = tokenizer.padding_side
+    try:
+        tokenizer.save_pretrained(path)
+    finally:
+        if had:
+            kwargs["padding_side"] = before
+        else:
+            del kwargs["padding_side"]
+
+
 def ensure_pad_token(tokenizer) -> int:
     """Make ``tokenizer.pad_token`` exist and differ from EOS; returns the pad id.
 

@@ -202,6 +202,7 @@ def export_policy(checkpoint: str, out_dir: str, *, policy: nn.Module, tokenizer
         lora: a PEFT ``policy``: ``merge`` (a plain model) or ``adapters`` (PEFT's directory).
     """
     from rlhf_torchrl.modules.lora import is_peft
+    from rlhf_torchrl.modules.models import save_tokenizer
 
     _check_lora_mode(lora)
     check_out_dir(out_dir)
@@ -213,27 +214,11 @@ def export_policy(checkpoint: str, out_dir: str, *, policy: nn.Module, tokenizer
     tmp = os.path.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         model.save_pretrained(tmp)
-        _save_tokenizer(tokenizer, tmp)
+        save_tokenizer(tokenizer, tmp)
         os.replace(tmp, out_dir)  # atomic; an empty out_dir is replaced
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def _save_tokenizer(tokenizer, path: str) -> None:
-    """Save ``tokenizer`` with the side it pads on: transformers writes ``padding_side`` only when
-    it was given at load, and the policy's tokenizer was set to pad on the left after loading (a
-    batch of prompts for ``generate``)."""
-    kwargs = tokenizer.init_kwargs
-    had, before = "padding_side" in kwargs, kwargs.get("padding_side")
-    kwargs["padding_side"] = tokenizer.padding_side
-    try:
-        tokenizer.save_pretrained(path)
-    finally:
-        if had:
-            kwargs["padding_side"] = before
-        else:
-            del kwargs["padding_side"]
 
 
 def _settings(checkpoint: str) -> dict:

@@ -309,6 +309,8 @@ class SavePolicy(_Stateless):
     def __call__(self) -> None:
         import copy
 
+        from rlhf_torchrl.modules.models import save_tokenizer
+
         t = self.trainer
         policy = t.actor.model
         state = t.parallel.full_state_dict(policy)  # every process takes part under FSDP2
@@ -316,9 +318,9 @@ class SavePolicy(_Stateless):
             return
         path = os.path.join(self.output_dir, "policy")
         policy.save_pretrained(path, state_dict=state)
-        self.tokenizer.save_pretrained(path)
+        save_tokenizer(self.tokenizer, path)  # (padding on the left, as it samples)
         if self.save_merged:
             merged_path = os.path.join(self.output_dir, "policy_merged")
             merged = copy.deepcopy(policy).merge_and_unload()  # the live policy keeps its adapters
             merged.save_pretrained(merged_path)
-            self.tokenizer.save_pretrained(merged_path)
+            save_tokenizer(self.tokenizer, merged_path)
