@@ -53,3 +53,16 @@ def test_metrics_writer_jsonl(tmp_path):
     writer.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0] == {"iteration": 0, "a": 1.0, "b": 2.0} and rows[1]["iteration"] == 1
+
+
+def test_numbers_print_without_a_negative_zero():
+    """A KL of -0.0002 (k1 averages to a hair below zero) prints 0.000, as every summary line,
+    the progress bar and the evaluation line write it."""
+    from rlhf_torchrl.record.metrics import number
+    from rlhf_torchrl.trainers.evaluation import format_metrics
+
+    assert f"{-0.0002:.3f}" == "-0.000"  # (what a plain format gives)
+    assert number(-0.0002) == "0.000" and number(-0.0002, "+.3f") == "+0.000"
+    assert number(-0.0016) == "-0.002" and number(0.25, "+.2f") == "+0.25"
+    assert format_metrics({"eval/reference_kl": -0.0001, "eval/score": 0.5}) == (
+        "reference_kl 0.000, score 0.500")

@@ -14,6 +14,22 @@ from rlhf_torchrl import functional as F
 from rlhf_torchrl import keys as K
 
 
+def number(value: float, spec: str = ".3f") -> str:
+    """``value`` formatted with ``spec``, never as a negative zero: a KL of -0.0002 prints as
+    ``0.000`` (``+0.000`` with ``+.3f``), not ``-0.000``.
+
+    Args:
+        value: the number.
+        spec: a format spec for a float (``.3f``, ``+.2f``, ...).
+
+    Example:
+        >>> number(-0.0002), number(-0.0002, "+.3f"), number(-0.0016)
+        ('0.000', '+0.000', '-0.002')
+    """
+    text = format(value, spec)
+    return format(0.0, spec) if float(text) == 0 else text
+
+
 def rollout_metrics(td: TensorDictBase, kl_coef: float) -> dict[str, float]:
     """Statistics of one shaped rollout (TRL/open-instruct names).
 

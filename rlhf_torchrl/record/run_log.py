@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from torchrl.trainers import TrainerHookBase
 
-from rlhf_torchrl.record.metrics import MetricsWriter, read_metrics
+from rlhf_torchrl.record.metrics import MetricsWriter, number, read_metrics
 from rlhf_torchrl.record.report import write_report
 from rlhf_torchrl.record.verdict import assess, trend
 from rlhf_torchrl.trainers.evaluation import format_metrics, rollout_samples
@@ -131,15 +131,15 @@ class RunLog(TrainerHookBase):
         if self.bar is not None:
             self.bar.update(1)
             if scored:
-                self.bar.set_postfix(score=f"{metrics['objective/scores']:.3f}",
-                                     kl=f"{metrics['objective/kl']:.3f}")
+                self.bar.set_postfix(score=number(metrics["objective/scores"]),
+                                     kl=number(metrics["objective/kl"]))
         elif scored and (t.iterations_done % self.every == 0 or t.iterations_done == t.num_iterations):
             done = t.iterations_done - t.first_iteration
             elapsed = time.perf_counter() - self._start
             left = elapsed / done * (t.num_iterations - t.iterations_done) if done else 0.0
-            log.info("Iteration %d/%d: score %.3f, KL %.3f, %.1f s/iteration, %s left",
-                     t.iterations_done, t.num_iterations, metrics["objective/scores"],
-                     metrics["objective/kl"], elapsed / max(done, 1), _duration(left))
+            log.info("Iteration %d/%d: score %s, KL %s, %.1f s/iteration, %s left",
+                     t.iterations_done, t.num_iterations, number(metrics["objective/scores"]),
+                     number(metrics["objective/kl"]), elapsed / max(done, 1), _duration(left))
 
     def close(self) -> None:
         if self.bar is not None:
@@ -217,9 +217,9 @@ def summary(history: list[dict], before: list[dict], after: list[dict], quiet: b
         "",
         "=" * 72,
         f"PPO report: {len(history)} iterations, {report['seconds_per_iteration']:.1f} s/iteration",
-        f"  mean score: {first:+.3f} -> {last:+.3f}, {call}"
+        f"  mean score: {number(first, '+.3f')} -> {number(last, '+.3f')}, {call}"
         f"   (first/last {k} iteration{'s' if k > 1 else ''})",
-        f"  KL to reference: {kl_first:.3f} -> {kl_last:.3f}",
+        f"  KL to reference: {number(kl_first)} -> {number(kl_last)}",
     ]
     for title, samples in (("before", before), ("after", after)):
         lines.append(f"  responses {title} training:")

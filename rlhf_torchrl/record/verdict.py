@@ -20,6 +20,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from rlhf_torchrl.record.metrics import number
+
 #: the held-out score's noise, in standard errors of the change: a change within NOISE_SE x
 #: sqrt(sem_before² + sem_after²) (``eval/score_sem``: the standard error of each evaluation's
 #: mean over its prompts) is flat
@@ -157,7 +159,7 @@ def assess(rows: list[dict], summary: dict) -> Assessment:
     quarter = f"first/last {k} iteration{'s' if k > 1 else ''}"
     found = Assessment(call, False)
     found.lines.append(f"Training score {first:+.3f} -> {last:+.3f} ({call}; {quarter}); KL to "
-                       f"the reference {kl:.2f} nats per response at the end.")
+                       f"the reference {number(kl, '.2f')} nats per response at the end.")
     flags = {}
     before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
     if "eval/score" in before and "eval/score" in after:

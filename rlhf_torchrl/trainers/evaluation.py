@@ -294,6 +294,8 @@ def format_metrics(metrics: dict) -> str:
     Args:
         metrics: name to value.
     """
-    return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}"
-                     + (f" +- {metrics[k + '_ci95']:.3f}" if k + "_ci95" in metrics else "")
+    from rlhf_torchrl.record.metrics import number
+
+    return ", ".join(f"{k.removeprefix('eval/')} {number(v)}"
+                     + (f" +- {number(metrics[k + '_ci95'])}" if k + "_ci95" in metrics else "")
                      for k, v in metrics.items() if not k.endswith("_ci95"))
