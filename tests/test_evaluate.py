@@ -4,6 +4,7 @@ loops; and a training run's periodic evaluation with several samples on a file o
 
 import itertools
 import json
+import logging
 import math
 import os
 import statistics
@@ -71,10 +72,18 @@ def test_evaluate_command_on_a_verl_test_file(tmp_path, monkeypatch, capsys, dig
 
     monkeypatch.chdir(tmp_path)  # outputs/ goes here
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # the command sets Hydra's
-    main(["evaluate", "task=gsm8k", f"model.policy={digits_dir}", f"eval.source={test_parquet}",
-          f"eval.samples_per_prompt={N}", "eval.temperature=1.0", "eval.max_new_tokens=8",
-          "eval.batch_size=8",  # 2 prompts a batch: 3 batches, joined
-          "reuse_freed_memory=false"])
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        main(["evaluate", "task=gsm8k", f"model.policy={digits_dir}", f"eval.source={test_parquet}",
+              f"eval.samples_per_prompt={N}", "eval.temperature=1.0", "eval.max_new_tokens=8",
+              "eval.batch_size=8",  # 2 prompts a batch: 3 batches, joined
+              "reuse_freed_memory=false"])
+    finally:  # Hydra's job logging (a file in the evaluation's folder) leaves with the test
+        for handler in logging.root.handlers[:]:
+            if handler not in handlers:
+                logging.root.removeHandler(handler)
+                handler.close()
+        logging.root.setLevel(level)
     # a folder named as an evaluation, after the policy; the command says where eval.json went
     folders = list((tmp_path / "outputs" / "evaluate").iterdir())
     assert len(folders) == 1 and folders[0].name.endswith("_" + os.path.basename(digits_dir))

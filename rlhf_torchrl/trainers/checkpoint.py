@@ -70,8 +70,6 @@ _ROLLOUTS = "rollouts"
 _MANIFEST = "manifest.json"
 _RNG = "rng"
 _LINEAGE = "lineage.json"
-#: the trainer state's entry saying whether the weights folder holds the optimiser's state
-_OPTIMIZER_SAVED = "optimizer_saved"
 #: where checkpoints of another lineage go (a resumed run's abandoned future)
 ABANDONED = "abandoned"
 
@@ -282,7 +280,7 @@ def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn
         torch.save(dict(rng), os.path.join(tmp, _RNG, f"rank_{rank}.pt"))
     _barrier(parallel)
     if is_main:
-        torch.save({**trainer_state, _OPTIMIZER_SAVED: not weights_only}, os.path.join(tmp, _TRAINER))
+        torch.save(trainer_state, os.path.join(tmp, _TRAINER))
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(config_yaml)
         if lineage is not None:
@@ -409,8 +407,7 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
         raise MissingFileError(f"{path} is not a checkpoint (no {_TRAINER} and {WEIGHTS}/): give "
                                 "a checkpoints/iter_<N> directory of a run.")
     verify_checkpoint(path)
-    trainer_state = load_trainer_state(path)
-    with_optimizer = trainer_state.get(_OPTIMIZER_SAVED, True)  # (older checkpoints hold it)
+    with_optimizer = _holds_optimizer(os.path.join(path, WEIGHTS))
     model_state, optim_state = _state_dicts(modules, optimizer)
     state = {"model": model_state, "optim": optim_state} if with_optimizer else {"model": model_state}
     try:
@@ -432,7 +429,18 @@ def load_checkpoint(path: str, *, modules: Mapping[str, nn.Module], optimizer) -
         log.warning("Checkpoint %s holds the weights alone (checkpoint.weights_only): AdamW's "
                     "moments start afresh, so the run goes on as a new optimiser would, not as "
                     "the uninterrupted run.", path)
-    return trainer_state
+    return load_trainer_state(path)
+
+
+def _holds_optimizer(weights: str) -> bool:
+    """Whether a checkpoint's ``weights/`` holds the optimiser's state (not one written with
+    ``weights_only``), from its metadata; True where that cannot be read (the load then names
+    the torn file)."""
+    try:
+        keys = read_dcp_metadata(weights).state_dict_metadata
+    except (OSError, UnsafeFileError, EOFError, ValueError):
+        return True
+    return any(key.startswith("optim.") for key in keys)
 
 
 def load_rollouts(path: str, rank: int = 0, device=None) -> list:
