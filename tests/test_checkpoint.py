@@ -279,3 +279,12 @@ def test_a_run_that_would_fill_its_disk_stops_before_training(tmp_path, tiny_lla
                            f"{disk}/run"], capture_output=True, text=True, timeout=300)
     assert fits.returncode == 0, fits.stderr[-2000:]
     assert "metrics.jsonl" in fits.stdout
+
+
+def test_the_start_up_line_reads_as_written():
+    plan = checkpoint_disk.DiskPlan
+    GiB = checkpoint_disk.GiB
+    assert plan(GiB, 2 * GiB, 1, GiB // 2).line() == (
+        "about 3.5 GiB: 1 checkpoint of 3.0 GiB (2.0 GiB of it AdamW's moments), the policy 0.5 GiB")
+    assert plan(GiB, 0, 3, 0).line() == "about 3.0 GiB: 3 checkpoints at once, 1.0 GiB each (weights only)"
+    assert plan(0, 0, 0, 0).line() == "about 0.0 GiB: no checkpoint, no policy"

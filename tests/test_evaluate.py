@@ -152,3 +152,29 @@ def test_training_evaluates_several_samples_on_its_own_file(tmp_path, digits_dir
     pairs = report["held_out_samples"]
     assert len(pairs) == len({s["prompt"] for s in pairs}) == 6
     assert all("apples" in s["prompt"] for s in pairs)
+
+
+def test_a_runs_policy_evaluated_with_other_prompt_settings_is_told_which(tmp_path):
+    """A run's saved policy evaluated under another task's prompt form (the default task's plain
+    six-word openings) gets the overrides that give the prompts it trained on; the folder of
+    the evaluation is named after the run."""
+    from omegaconf import OmegaConf
+
+    from rlhf_torchrl.config import compose
+    from rlhf_torchrl.config.evaluate_policy import evaluation_name, trained_settings
+
+    run = tmp_path / "run2"
+    (run / "policy").mkdir(parents=True)
+    trained = compose([f"output_dir={run}", "task=custom", "data.column=question",
+                       "data.template='Q: {prompt}'"])
+    (run / "report.json").write_text(json.dumps({"config": OmegaConf.to_container(trained)}))
+    default = compose([f"output_dir={tmp_path}/e", f"model.policy={run}/policy"])
+    assert trained_settings(default) == [
+        "data.column=question", 'data.template="Q: {prompt}"', "data.chat_template=null",
+        "data.max_words=null", "data.max_prompt_length=512"]
+    suggested = compose([f"output_dir={tmp_path}/e", f"model.policy={run}/policy",
+                         *trained_settings(default)])  # (the overrides as printed compose)
+    assert trained_settings(suggested) == []
+    elsewhere = compose([f"output_dir={tmp_path}/e", f"model.policy={tmp_path}/other/policy"])
+    assert trained_settings(elsewhere) == []  # (no run beside it)
+    assert evaluation_name("run2/policy") == "run2"

@@ -5,6 +5,7 @@ of a file of its own (``eval.source``), written to an evaluation's folder
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -25,6 +26,8 @@ from rlhf_torchrl.config.inputs import hold_out, make_eval_prompts, make_prompts
 from rlhf_torchrl.config.model_checks import check_models, check_sequence_length
 from rlhf_torchrl.modules import load_causal_lm
 
+log = logging.getLogger(__name__)
+
 #: where an evaluation goes unless ``output_dir`` says otherwise (Hydra resolves it)
 EVALUATION_DIR = "outputs/evaluate/${now:%Y-%m-%d_%H-%M-%S}_${evaluation_name:${model.policy}}"
 
@@ -42,7 +45,7 @@ def evaluation_name(policy: str) -> str:
         'gsm8k_2026-11-24_10-00-00'
     """
     parts = [p for p in os.path.normpath(str(policy)).split(os.sep) if p not in ("", ".", "..")]
-    if len(parts) >= 3 and parts[-1] == "policy":
+    if len(parts) >= 2 and parts[-1] in ("policy", "policy_merged"):
         name = "_".join(parts[-3:-1])
     else:
         name = parts[-1] if parts else "policy"
@@ -50,6 +53,41 @@ def evaluation_name(policy: str) -> str:
 
 
 OmegaConf.register_new_resolver("evaluation_name", evaluation_name, replace=True)
+
+#: the settings that shape a prompt and end a response: a run's policy evaluated with others
+#: answers other prompts than it trained on
+PROMPT_SETTINGS = ("data.column", "data.template", "data.chat_template", "data.system_prompt",
+                   "data.max_words", "data.max_prompt_length", "generation.stop_token")
+
+
+def trained_settings(cfg: DictConfig) -> list[str]:
+    """The overrides that would evaluate a run's saved policy (``<run>/policy``, the run's
+    ``report.json`` beside it) with the prompts it trained on: each of :data:`PROMPT_SETTINGS`
+    that the run had otherwise, as ``key=value`` (empty: the same, or not a run's policy).
+
+    Args:
+        cfg: the evaluation's composed config.
+    """
+    report = os.path.join(os.path.dirname(os.path.normpath(str(cfg.model.policy))), "report.json")
+    if not os.path.isfile(report):
+        return []
+    with open(report, encoding="utf-8") as f:
+        trained = OmegaConf.create(json.load(f).get("config") or {})
+    differ = []
+    for key in PROMPT_SETTINGS:
+        then, now = OmegaConf.select(trained, key, default="?"), OmegaConf.select(cfg, key)
+        if then != "?" and then != now:
+            differ.append(f"{key}={_override_value(then)}")
+    return differ
+
+
+def _override_value(value) -> str:
+    if value is None:
+        return "null"
+    text = str(value)
+    if re.fullmatch(r"[\w./:@+-]+", text):
+        return text
+    return json.dumps(text)  # (a template: "Q: {prompt}"; quote the whole override in a shell)
 
 
 def evaluation_args(args: list[str]) -> list[str]:
@@ -85,6 +123,10 @@ def evaluate_policy(cfg: DictConfig) -> dict:
     check_output_dir(cfg)
     check_models(cfg)
     check_remote_rewards(cfg)
+    differ = trained_settings(cfg)
+    if differ:  # (the run's task and prompt form are not read from it: the command line wins)
+        log.warning("%s was trained on prompts made otherwise; to evaluate it on prompts like "
+                    "those, add: %s", m.policy, " ".join(f"'{d}'" for d in differ))
     reward_functions = make_reward_functions(cfg)
     device = make_device(cfg)
     torch.manual_seed(cfg.seed)

@@ -60,11 +60,12 @@ class DiskPlan:
         the policy 0.5 GiB``."""
         parts = []
         if self.checkpoints:
-            what = ("1 checkpoint" if self.checkpoints == 1
-                    else f"{self.checkpoints} checkpoints at once")
+            size = f"{self.checkpoint / GiB:.1f} GiB"
+            what = (f"1 checkpoint of {size}" if self.checkpoints == 1
+                    else f"{self.checkpoints} checkpoints at once, {size} each")
             inside = (f"{self.moments / GiB:.1f} GiB of it AdamW's moments" if self.moments
                       else "weights only")
-            parts.append(f"{what}, {self.checkpoint / GiB:.1f} GiB each ({inside})")
+            parts.append(f"{what} ({inside})")
         if self.policy:
             parts.append(f"the policy {self.policy / GiB:.1f} GiB")
         return f"about {self.total / GiB:.1f} GiB: {', '.join(parts) or 'no checkpoint, no policy'}"
