@@ -128,3 +128,22 @@ def test_the_handler_restores_the_previous_handlers():
             handler._handle(signal.SIGINT, None)
         assert stop.value.exit_status == 130 and isinstance(stop.value, KeyboardInterrupt)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_the_resume_line_names_the_install_that_ran(tmp_path, monkeypatch):
+    """Started as a virtual environment's rlhf-torchrl that PATH does not find first, the resume
+    line names that one; started as the one PATH finds (or as python -m), the plain name."""
+    from rlhf_torchrl.config.builders import _this_command
+
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    script = venv / "rlhf-torchrl"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "argv", [str(script), "ppo"])
+    monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))
+    assert _this_command() == str(script.resolve())
+    monkeypatch.setenv("PATH", str(venv))
+    assert _this_command() == "rlhf-torchrl"
+    monkeypatch.setattr(sys, "argv", ["/x/rlhf_torchrl/cli.py", "ppo"])
+    assert _this_command() == "rlhf-torchrl"

@@ -268,5 +268,19 @@ def resume_command(cfg: DictConfig) -> str:
     args = [*kept, f"output_dir={os.path.abspath(cfg.output_dir)}"]
     world = int(os.environ.get("WORLD_SIZE", 1))
     head = (f"torchrun --nproc_per_node={world} -m rlhf_torchrl.cli ppo" if world > 1
-            else "rlhf-torchrl ppo")
+            else f"{shlex.quote(_this_command())} ppo")
     return " ".join([head, *(shlex.quote(a) for a in args)])
+
+
+def _this_command(name: str = "rlhf-torchrl") -> str:
+    """``rlhf-torchrl``, or the path this process was started as where the command of that name
+    on ``PATH`` is another (a virtual environment not activated): the resume line runs the same
+    install."""
+    import shutil
+    import sys
+
+    started = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if os.path.basename(started) != name:
+        return name
+    found = shutil.which(name)
+    return name if found and os.path.realpath(found) == started else started
