@@ -410,12 +410,15 @@ class PPOTrainer(StagedLoop):
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["episode"] = self.iterations_done * batch.shape[0]
         self.run_stage("post_steps_log", batch)  # evaluation, the KL ceiling, the report's samples
-        # a stop signal (Ctrl-C, SIGTERM) on any process: every process checkpoints this iteration
-        interrupt = getattr(self, "interrupt", None)
-        self.stopping = self.parallel.max_int(interrupt.requested or 0) if interrupt else 0
         # a background sampler of the trained model itself (overlap=0) waits: under FSDP2 its
-        # forwards and a sharded checkpoint are both collectives (AsyncCollector.paused)
+        # forwards, the stop signal's all-reduce and a sharded checkpoint are all collectives,
+        # and two threads' collectives interleaved differently on two processes deadlock
+        # (AsyncCollector.paused)
         with getattr(self.collector, "paused", nullcontext)():
+            # a stop signal (Ctrl-C, SIGTERM) on any process: every process checkpoints this
+            # iteration
+            interrupt = getattr(self, "interrupt", None)
+            self.stopping = self.parallel.max_int(interrupt.requested or 0) if interrupt else 0
             self.run_stage("checkpoint")  # (timed: in time/total)
         metrics["time/total"] = time.perf_counter() - start
         self.run_stage("log", metrics)
