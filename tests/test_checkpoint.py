@@ -288,3 +288,13 @@ def test_the_start_up_line_reads_as_written():
         "about 3.5 GiB: 1 checkpoint of 3.0 GiB (2.0 GiB of it AdamW's moments), the policy 0.5 GiB")
     assert plan(GiB, 0, 3, 0).line() == "about 3.0 GiB: 3 checkpoints at once, 1.0 GiB each (weights only)"
     assert plan(0, 0, 0, 0).line() == "about 0.0 GiB: no checkpoint, no policy"
+
+
+def test_a_resumed_runs_own_checkpoints_count_as_room(tmp_path, model):
+    """The checkpoints already there are pruned as the run writes (keep): their bytes are room
+    the plan's count of checkpoints at once already includes; with keep=None none is freed."""
+    path = _save(tmp_path, 1, model)
+    written = _du(path)
+    assert checkpoint_disk.reclaimable_bytes(str(tmp_path), keep=2) == written > 0
+    assert checkpoint_disk.reclaimable_bytes(str(tmp_path), keep=None) == 0
+    assert checkpoint_disk.reclaimable_bytes(str(tmp_path / "none"), keep=2) == 0

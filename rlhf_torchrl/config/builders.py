@@ -216,7 +216,7 @@ def build_trainer(cfg: DictConfig, *, advantage=None, reward_transform=None):
                      weights_only=cfg.checkpoint.weights_only, save_model=cfg.logging.save_model,
                      save_merged=bool(cfg.lora.r and cfg.lora.save_merged), start=trainer.iteration)
     if parallel.is_main:
-        check_disk(disk, cfg.output_dir)
+        check_disk(disk, cfg.output_dir, keep=cfg.checkpoint.keep if cfg.checkpoint.every else None)
     log.info("Output directory: %s (device %s, %d process%s); it will hold %s", cfg.output_dir,
              device, parallel.world_size, "es" if parallel.enabled else "", disk.line())
     return trainer

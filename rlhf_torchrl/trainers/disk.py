@@ -142,15 +142,37 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
-def check_disk(plan: DiskPlan, output_dir: str) -> None:
+def reclaimable_bytes(output_dir: str, keep: int | None) -> int:
+    """The bytes of the checkpoints already in ``output_dir`` (a resumed run's) that pruning to
+    ``keep`` frees as the run writes its own (0 with ``keep=None``: none is deleted). The plan
+    counts every checkpoint it holds at once, so these are room it will have.
+
+    Args:
+        output_dir: the run's directory.
+        keep: ``checkpoint.keep``.
+    """
+    root = os.path.join(output_dir, "checkpoints")
+    if keep is None or not os.path.isdir(root):
+        return 0
+    total = 0
+    for name in os.listdir(root):
+        if name.startswith("iter_"):
+            for folder, _, files in os.walk(os.path.join(root, name)):
+                total += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
+    return total
+
+
+def check_disk(plan: DiskPlan, output_dir: str, keep: int | None = None) -> None:
     """Refuse, in one :class:`ConfigError` line with the settings that write less, a run whose
     output would not fit on the disk of ``output_dir``.
 
     Args:
         plan: :func:`plan_disk`'s.
         output_dir: the run's directory.
+        keep: ``checkpoint.keep``: a resumed run's own checkpoints are pruned to it, and their
+            room counts as free.
     """
-    free = free_bytes(output_dir)
+    free = free_bytes(output_dir) + reclaimable_bytes(output_dir, keep)
     if plan.total <= free:
         return
     fixes = []
