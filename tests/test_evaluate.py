@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from conftest import _save_tiny, _tiny_llama
+from test_at_k import _plain_vote as _vote  # the majority vote as a plain loop
 from test_data import verl_rows
 
 from rlhf_torchrl.rewards.functions import extract_final_number
@@ -48,18 +49,6 @@ def test_parquet(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("gsm8k") / "test.parquet")
     datasets.Dataset.from_list(rows).to_parquet(path)
     return path
-
-
-def _vote(answers, correct):
-    """The majority answer's correctness over one set of samples; ties averaged; None: no vote."""
-    counts = {}
-    for a in answers:
-        if a is not None:
-            counts[a] = counts.get(a, 0) + 1
-    if not counts:
-        return 0.0
-    winners = [a for a in counts if counts[a] == max(counts.values())]
-    return sum(next(ok for b, ok in zip(answers, correct) if b == a) for a in winners) / len(winners)
 
 
 def _ci95(values):
