@@ -13,8 +13,9 @@ iteration then runs as follows:
    floats per token): every process now holds the global batch, and the KL rewards, GAE, advantage
    whitening, the KL controller and every logged metric are computed on it, identically everywhere;
 4. the PPO update draws the same minibatches everywhere; process ``r`` runs the ``r``-th slice of
-   each, its gradients averaged across processes by DDP (``DistributedDataParallel`` around the
-   loss) or by FSDP2 (``fully_shard`` on every decoder layer and on each model) once per minibatch.
+   each (``balance``: the ``r``-th of sets of rows of near-equal real tokens), its gradients
+   averaged across processes by DDP (``DistributedDataParallel`` around the loss) or by FSDP2
+   (``fully_shard`` on every decoder layer and on each model) once per minibatch.
 
 The result equals one process on the same global batch, up to float rounding
 (``tests/test_distributed.py`` runs both with gloo and compares them). Only rank 0 prints, logs and
@@ -37,6 +38,8 @@ from rlhf_torchrl.errors import ConfigError
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("ddp", "fsdp2")
+#: ``distributed.balance``'s default (benchmarks/README.md, balance)
+BALANCE = False
 
 
 class DataParallel:
@@ -52,14 +55,18 @@ class DataParallel:
         local_rank: this process's rank on its machine (its GPU).
         strategy: ``ddp`` or ``fsdp2``.
         device: this process's device (None: the CPU).
+        balance: the PPO update gives each process rows of near-equal real tokens rather than
+            equal slices of each minibatch
+            (:func:`~rlhf_torchrl.trainers.micro_batches.micro_batches`): the same loss, less
+            waiting on the process with the longest rows.
     """
 
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
-                 strategy: str = "ddp", device: torch.device | None = None):
+                 strategy: str = "ddp", device: torch.device | None = None, balance: bool = BALANCE):
         if strategy not in STRATEGIES:
             raise ConfigError(f"Unknown distributed.strategy {strategy!r}: choose one of {STRATEGIES}.")
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-        self.strategy = strategy
+        self.strategy, self.balance = strategy, balance
         self.device = device or torch.device("cpu")
         self._ddp = None
         self._sharded: list[nn.Module] = []
@@ -283,8 +290,34 @@ class _LossCall(nn.Module):
         return self.loss_module(td)
 
 
+#: what gloo says when the other end of a collective has gone (its process died or was killed)
+_GLOO_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                   "Socket closed")
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """One line for an error that says another process of the job is gone (a collective's peer
+    died: gloo's connection reset, NCCL's ``DistBackendError``), or None for any other error.
+
+    torchrun then stops the job's other processes; this process's own traceback would only point
+    at whichever collective it was in, so the command prints this line instead."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    message = str(error)
+    if not (isinstance(error, dist.DistError)
+            or isinstance(error, RuntimeError) and any(m in message for m in _GLOO_PEER_GONE)):
+        return None
+    first = next((line.strip() for line in message.splitlines() if line.strip()), type(error).__name__)
+    return (f"process {dist.get_rank()} of {dist.get_world_size()} lost another process of the job "
+            f"({first[:200]}): the job stops here. Its checkpoints are whole (each is written to a "
+            "temporary folder, then renamed); run the same command again and resume=auto "
+            "continues from the newest.")
+
+
 def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None,
-                       backend: str | None = None) -> DataParallel:
+                       backend: str | None = None, balance: bool = BALANCE) -> DataParallel:
     """Join the process group torchrun set up (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
     ``MASTER_ADDR``...), or return the single process when there is none.
 
@@ -292,12 +325,13 @@ def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None
         strategy: ``ddp`` or ``fsdp2``.
         device: this process's device (None: the CPU).
         backend: the process group's backend (None: NCCL for CUDA devices, gloo for the CPU).
+        balance: rows of near-equal real tokens per process in the update (:class:`DataParallel`).
     """
     world = int(os.environ.get("WORLD_SIZE", 1))
     device = device or torch.device("cpu")
     # one process runs FSDP2 only when torchrun started it (a group of one to shard over)
     if world <= 1 and not (strategy == "fsdp2" and "RANK" in os.environ):
-        return DataParallel(strategy=strategy, device=device)
+        return DataParallel(strategy=strategy, device=device, balance=balance)
     import torch.distributed as dist
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
@@ -308,8 +342,9 @@ def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None
     if not dist.is_initialized():
         dist.init_process_group(backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
                                 device_id=device if device.type == "cuda" else None)
-    log.info("Process %d of %d (%s, %s)", rank, world, strategy, device)
+    log.info("Process %d of %d (%s, %s%s)", rank, world, strategy, device,
+             ", update rows balanced by tokens" if balance and world > 1 else "")
     parallel = DataParallel(rank=rank, world_size=world, local_rank=local_rank, strategy=strategy,
-                            device=device)
+                            device=device, balance=balance)
     parallel._one_process_group = world == 1
     return parallel

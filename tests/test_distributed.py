@@ -80,10 +80,19 @@ CASES = {
                                      "data.chat_template=null",
                                      "generation.max_new_tokens=16", "generation.samples_per_prompt=2",
                                      "env.max_tokens=31"],
+    # distributed.balance: each minibatch's rows split over the processes by real tokens (sets of
+    # any size under a token budget, so as many micro-batches as the busiest process's), on
+    # responses that stop at varied steps
+    "fsdp2-critic-balanced-token-budget-stopping": ["distributed.strategy=fsdp2",
+                                                    "distributed.balance=true",
+                                                    "value_model.init=policy",
+                                                    "ppo.micro_batch_tokens=40",
+                                                    "generation.max_new_tokens=8"],
 }
 #: the model of the cases that need their own (the others: tiny_llama_dir)
 MODELS = {"fsdp2-shared-accumulation-stopping": "stopping_llama_dir",
-          "ddp-shared-critic-multi-turn": "tool_llama_dir"}
+          "ddp-shared-critic-multi-turn": "tool_llama_dir",
+          "fsdp2-critic-balanced-token-budget-stopping": "stopping_llama_dir"}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -122,6 +131,9 @@ def test_two_processes_match_one(tmp_path, request, case):
     if MODELS.get(case) == "stopping_llama_dir":  # responses stopped early, at varied steps
         lengths = [m["val/sequence_lengths"] for m in one]
         assert all(1 < n < 8 for n in lengths), lengths
+    if "distributed.balance=true" in overrides:  # the processes took balanced sets of rows
+        logged = "".join(f.read_text() for f in (tmp_path / "two").glob("*.log"))
+        assert "update rows balanced by tokens" in logged
     # the run learned something (the comparison is not between two untouched models)
     assert one[-1]["objective/kl"] != 0.0 and one[-1]["loss/policy_avg"] != 0.0
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")

@@ -54,7 +54,8 @@ def make_device(cfg: DictConfig) -> torch.device:
 
 def make_data_parallel(cfg: DictConfig, device: torch.device) -> DataParallel:
     """This process's place in a torchrun job (the single process without one)."""
-    return init_data_parallel(cfg.distributed.strategy, device=device, backend=cfg.distributed.backend)
+    return init_data_parallel(cfg.distributed.strategy, device=device, backend=cfg.distributed.backend,
+                              balance=cfg.distributed.balance)
 
 
 def make_thread_tuner(cfg: DictConfig) -> ThreadTuner:

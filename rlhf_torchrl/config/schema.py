@@ -25,6 +25,7 @@ class Distributed:
 
     strategy: str = MISSING
     backend: str | None = MISSING
+    balance: bool = MISSING
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 - :func:`micro_batches`: this process's slice of a minibatch, as ``gradient_accumulation_steps``
   equal row slices or token-budget groups, each with the weight of its loss.
+- :func:`balanced_partition`: rows split over processes into sets of near-equal token sums
+  (``distributed.balance``).
 - :func:`token_budget_split`: rows grouped by length under a token budget (padded or packed).
 - :func:`trim_padding`: a slice cut to its own prompt and response widths.
 
@@ -9,6 +11,10 @@
 """
 
 from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -99,6 +105,56 @@ def token_budget_split(mask_prompt: torch.Tensor, mask_response: torch.Tensor, m
     return [torch.tensor(g, dtype=torch.long) for g in groups]
 
 
+def balanced_partition(costs: Sequence[int], parts: int, equal_size: bool = False) -> list[list[int]]:
+    """The indices of ``costs`` split into ``parts`` sets of near-equal sums, by Karmarkar and
+    Karp's largest differencing method (1982), k-way, as verl's ``seqlen_balancing`` spreads
+    sequence lengths over data-parallel ranks.
+
+    Every item starts as a partial partition of ``parts`` sets: itself in one, the others empty.
+    The two partial partitions of largest spread (heaviest set's sum minus lightest's) are merged,
+    the heaviest set of one joined to the lightest of the other, the second heaviest to the second
+    lightest, and so on, until one partition is left. A heuristic: ``[8, 7, 6, 5, 4]`` in two
+    gives sums 16 and 14 where 15 and 15 exist, but its spread never exceeds the largest cost.
+    ``equal_size``: the sorted items start in runs of ``parts``, one in each set, so every set gets
+    as many items (one fewer in some, where ``parts`` does not divide their number). Deterministic:
+    equal inputs give equal sets on every process.
+
+    Args:
+        costs: each item's cost (a row's real tokens).
+        parts: the number of sets.
+        equal_size: every set gets as many items (within one).
+
+    Returns ``parts`` lists of indices, heaviest set first, each ascending.
+
+    Example:
+        >>> balanced_partition([8, 7, 6, 5, 4], 2)
+        [[1, 3, 4], [0, 2]]
+    """
+    if parts < 1:
+        raise ValueError(f"balanced_partition into {parts} sets: give at least 1.")
+    order = sorted(range(len(costs)), key=lambda i: (costs[i], i))
+    heap: list = []
+    tie = itertools.count()  # equal spreads merge in the order they were made: deterministic
+
+    def push(sets: list[tuple[int, list[int]]]) -> None:  # sets: (sum, indices)
+        sets.sort(key=lambda s: -s[0])  # heaviest first (stable)
+        heapq.heappush(heap, (sets[-1][0] - sets[0][0], next(tie), sets))  # largest spread on top
+
+    if equal_size:
+        order = [-1] * (-len(order) % parts) + order  # stand-ins of no cost, the lightest run
+        for start in range(0, len(order), parts):
+            push([(costs[i], [i]) if i >= 0 else (0, []) for i in order[start : start + parts]])
+    else:
+        for i in order:
+            push([(costs[i], [i])] + [(0, []) for _ in range(parts - 1)])
+    if not heap:
+        return [[] for _ in range(parts)]
+    while len(heap) > 1:
+        a, b = heapq.heappop(heap)[2], heapq.heappop(heap)[2]
+        push([(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))])
+    return [sorted(indices) for _, indices in heap[0][2]]
+
+
 def micro_batches(
     minibatch: TensorDictBase,
     *,
@@ -110,12 +166,14 @@ def micro_batches(
     loss_aggregation_constant: float | None = None,
     max_parts=None,
     packed: bool = False,
+    balance: bool = False,
 ) -> list[tuple[TensorDictBase, float]]:
     """This process's micro-batches of one minibatch, each with the weight of its loss.
 
     Process ``rank`` takes the ``rank``-th of ``world_size`` near-equal row slices of
-    ``minibatch`` and splits it into ``gradient_accumulation_steps`` equal row slices or, with
-    ``micro_batch_tokens``, token-budget groups (:func:`token_budget_split`; ``packed``: of real
+    ``minibatch`` (``balance``: the ``rank``-th set of rows of near-equal real tokens,
+    :func:`balanced_partition`) and splits it into ``gradient_accumulation_steps`` equal row
+    slices or, with ``micro_batch_tokens``, token-budget groups (:func:`token_budget_split`; ``packed``: of real
     tokens), each cut to its own widths (:func:`trim_padding`). A micro-batch's loss is aggregated over its own rows
     (:func:`~rlhf_torchrl.functional.aggregate_loss`); its weight is its share of the whole
     minibatch's :func:`~rlhf_torchrl.functional.aggregation_size` (every process's rows):
@@ -139,16 +197,30 @@ def micro_batches(
             any process has; every process runs as many (one with no rows runs a stand-in row
             with weight 0). None: this process's own count (one process).
         packed: ``micro_batch_tokens`` counts real tokens, not padded ones.
+        balance: processes get rows of near-equal real tokens (prompt and response), not equal
+            slices: sets of any size under a token budget or packed (micro-batches of real
+            tokens), of equal row counts otherwise (equal row slices of a padded batch), each
+            process's rows longest first. Changes which process runs a row, never the loss.
 
     Returns ``[(micro_batch, weight), ...]``, ``weight`` a float.
     """
-    size = minibatch.shape[0]
-    shares = [size // world_size + (r < size % world_size) for r in range(world_size)]
-    start = sum(shares[:rank])
-    mine = minibatch[start : start + shares[rank]]  # this process's slice (maybe no rows)
-    if micro_batch_tokens:
-        from rlhf_torchrl.modules.sequences import response_attention
+    from rlhf_torchrl.modules.sequences import response_attention
 
+    if balance and world_size > 1:
+        # every attended token, as token_budget_split counts them; the same sets on every process
+        lengths = (minibatch.get(K.PROMPT_MASK).sum(-1) + response_attention(minibatch).sum(-1)).tolist()
+        chosen = balanced_partition(lengths, world_size,
+                                    equal_size=not (micro_batch_tokens or packed))[rank]
+        # longest first: equal row slices then hold rows of similar length (less padding), and
+        # the j-th micro-batches of the processes similar work (FSDP2 gathers at each forward)
+        chosen.sort(key=lambda i: -lengths[i])
+        mine = minibatch[torch.tensor(chosen, dtype=torch.long, device=minibatch.device)]
+    else:
+        size = minibatch.shape[0]
+        shares = [size // world_size + (r < size % world_size) for r in range(world_size)]
+        start = sum(shares[:rank])
+        mine = minibatch[start : start + shares[rank]]  # this process's slice (maybe no rows)
+    if micro_batch_tokens:
         masks = mine.get(K.PROMPT_MASK), response_attention(mine)  # every attended token
         parts = token_budget_split(*masks, micro_batch_tokens, packed=packed)
         busiest = max_parts(len(parts)) if max_parts is not None else len(parts)

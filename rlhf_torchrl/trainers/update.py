@@ -254,10 +254,11 @@ def ppo_update(
 
     Data parallel: ``rollout`` is the global batch on every process (the same minibatches are
     drawn everywhere); process ``r`` runs the ``r``-th of ``world_size`` equal slices of each
-    minibatch, its losses go through the DDP wrapper (or FSDP2-sharded modules) and the gradients
-    are averaged across processes once per minibatch. The result equals the single-process update
-    up to float rounding. (Slices differ by at most a row where a minibatch does not divide
-    evenly: the token weights keep the gradient exact.) A missing entry is refused first.
+    minibatch (``parallel.balance``: the ``r``-th of sets of rows of near-equal real tokens), its
+    losses go through the DDP wrapper (or FSDP2-sharded modules) and the gradients are averaged
+    across processes once per minibatch. The result equals the single-process update up to float
+    rounding. (Slices differ by at most a row where a minibatch does not divide evenly, balanced
+    sets by more: the token weights keep the gradient exact.) A missing entry is refused first.
 
     Args:
         rollout: the scored rollout with its advantages (and value targets, with a critic).
@@ -371,7 +372,7 @@ def _serve(rollout: TensorDictBase, replay_buffer, sizes: list[int]):
 def _split_settings(loss_module, parallel, gradient_accumulation_steps: int,
                     micro_batch_tokens: int | None, packed: bool | None) -> dict:
     """:func:`~rlhf_torchrl.trainers.micro_batches.micro_batches`' settings for this loss and process."""
-    return dict(rank=parallel.rank, world_size=parallel.world_size,
+    return dict(rank=parallel.rank, world_size=parallel.world_size, balance=parallel.balance,
                 gradient_accumulation_steps=gradient_accumulation_steps,
                 micro_batch_tokens=micro_batch_tokens, max_parts=parallel.max_int,
                 packed=getattr(loss_module.actor_network, "packing", False) is True
