@@ -20,13 +20,14 @@ import os
 import sys
 
 from rlhf_torchrl.collectors.on_policy import OffPolicyError
-from rlhf_torchrl.errors import ConfigError
+from rlhf_torchrl.errors import ConfigError, SamplerError
 from rlhf_torchrl.rewards.scoring import RewardError
 from rlhf_torchrl.trainers.guards import DivergenceError
 
 #: errors that explain themselves: bad settings, data, files or packages (ConfigError and its
-#: kin), a reward that fails, and the guards that stop a run. Anything else is a bug: traceback.
-USER_ERRORS = (ConfigError, RewardError, DivergenceError, OffPolicyError)
+#: kin), a reward that fails, the guards that stop a run, and a sampler lost past its restarts.
+#: Anything else is a bug: traceback.
+USER_ERRORS = (ConfigError, RewardError, DivergenceError, OffPolicyError, SamplerError)
 
 
 def run(fn, cfg):

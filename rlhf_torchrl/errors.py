@@ -1,4 +1,5 @@
-"""The errors that are the user's to fix: a setting, an argument, a file or a package.
+"""The errors that are the user's to fix: a setting, an argument, a file or a package, or a
+sampler the machine lost.
 
 Their messages name what was wrong and how to fix it; the command line prints them as one line
 (``Error: ...``, exit status 1), while any other exception is a bug of this code or a library's
@@ -17,3 +18,9 @@ class MissingDependencyError(ConfigError, ImportError):
 
 class MissingFileError(ConfigError, FileNotFoundError):
     """A file or directory a setting names does not exist or is not what it should be."""
+
+
+class SamplerError(RuntimeError):
+    """A sampler the run cannot do without (a Ray worker, the vLLM engine) died or hung more often
+    than its restarts allow: the run stops before training on the batch it owed, its checkpoints
+    intact, and ``resume=auto`` continues it."""

@@ -1,7 +1,9 @@
 """Collection on Ray workers, on a real local Ray cluster (CPU)."""
 
 import json
+import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -75,3 +77,63 @@ def test_ray_workers_run_episodes_with_tools(tmp_path, tool_llama_dir, cluster):
         assert a.keys() == b.keys()
         for key in a:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-5), key
+
+
+def _kill_worker(trainer, rank: int, after: int):
+    """A trainer op: SIGKILL Ray worker ``rank``'s process once ``after`` iterations are done."""
+    def op():
+        if trainer.iterations_done == after:
+            worker = trainer.collector.collector.workers[rank]  # the SyncedCollector's RayCollector
+            os.kill(ray.get(worker.__ray_call__.remote(lambda _: os.getpid()), timeout=60),
+                    signal.SIGKILL)
+    return op
+
+
+def test_killed_ray_workers_are_replaced_and_the_run_is_the_same(tmp_path, tiny_llama_dir, cluster,
+                                                                  caplog):
+    """Worker 1 SIGKILLed after update 1 (the weight push finds it dead) and worker 0 before
+    batch 2 (asked for it dead): each is replaced at batch 2 with the pushed weights, and the run
+    logs what the uninterrupted run logs. With no restarts left the run stops with one line, its
+    checkpoint intact, and resume=auto continues it to the same rows."""
+    from test_recipe import _cfg
+
+    from rlhf_torchrl.cli import USER_ERRORS
+    from rlhf_torchrl.config import builders
+    from rlhf_torchrl.errors import SamplerError
+    from rlhf_torchrl.trainers.checkpoint import list_checkpoints, verify_checkpoint
+
+    settings = ["threads=1", "collection.ray_workers=2", "checkpoint.every=1", "eval.every=0"]
+    builders.train(_cfg(tmp_path / "whole", tiny_llama_dir, *settings))
+    whole = [_comparable(m) for m in _rows(tmp_path / "whole")]
+
+    def killing_run(out, *extra, kills):
+        trainer = builders.build_trainer(_cfg(out, tiny_llama_dir, *settings, *extra))
+        for stage, rank in kills:  # registered before the weight push, which fit() adds
+            trainer.register_op(stage, _kill_worker(trainer, rank, after=1))
+        try:
+            trainer.fit()
+        finally:
+            trainer.parallel.shutdown()
+
+    with caplog.at_level(logging.WARNING, logger="rlhf_torchrl.collectors.ray"):
+        killing_run(tmp_path / "killed", kills=[("post_steps", 1), ("pre_collect", 0)])
+    assert [_comparable(m) for m in _rows(tmp_path / "killed")] == whole
+    replaced = [r.getMessage() for r in caplog.records if "takes its place" in r.getMessage()]
+    assert [m.split(":")[0] for m in replaced] == [
+        "Ray worker 1 died (ActorDiedError) while loading weights",
+        "Ray worker 0 died (ActorDiedError) while sampling batch 2"], replaced
+
+    with pytest.raises(SamplerError, match="Ray worker 1 died .* while sampling batch 2, and "
+                                           "collection.worker_restarts=0") as stop:
+        killing_run(tmp_path / "stops", "collection.worker_restarts=0",
+                    kills=[("pre_collect", 1)])
+    assert isinstance(stop.value, USER_ERRORS) and "\n" not in str(stop.value)  # one line
+    (done, path), = list_checkpoints(tmp_path / "stops")
+    assert done == 1
+    verify_checkpoint(path)
+    builders.train(_cfg(tmp_path / "stops", tiny_llama_dir, *settings))  # resume=auto
+    assert [_comparable(m) for m in _rows(tmp_path / "stops")] == whole
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

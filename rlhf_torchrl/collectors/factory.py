@@ -92,6 +92,10 @@ class CollectorSpec:
         ray_address: the Ray cluster to join (None: a local one started here).
         ray_cpus_per_worker: CPUs Ray reserves for each worker.
         ray_gpus_per_worker: GPUs Ray reserves for each worker (0: they sample on the CPU).
+        worker_restarts: Ray workers replaced over the run (died, or hung past
+            ``worker_timeout``) before the run stops.
+        worker_timeout: seconds a Ray worker may take to answer one call (start-up and a batch,
+            or a weight load).
         samples_per_prompt: responses sampled for each prompt (a group; ``batch_size`` counts
             responses); vLLM draws a group as one request with ``n`` samples.
         max_turns: turns per episode; above 1, episodes of several turns with tools
@@ -129,6 +133,8 @@ class CollectorSpec:
     ray_address: str | None = None
     ray_cpus_per_worker: float = 1
     ray_gpus_per_worker: float = 0
+    worker_restarts: int = 3
+    worker_timeout: float = 1800.0
     samples_per_prompt: int = 1
     max_turns: int = 1
     tools: tuple[str, ...] = ()
@@ -249,8 +255,9 @@ def make_ray_collector(spec: CollectorSpec, prompts: Sequence, tokenizer, *, dev
         ray.init(address=spec.ray_address, include_dashboard=False, log_to_driver=False)
     # a prompt set travels as its table (a memory-mapped one pickles as its files), not its rows
     shipped = prompts if isinstance(prompts, (PromptSet, PromptMixture)) else list(prompts)
-    factory = functools.partial(ray_worker, spec, shipped, start_batch=start_batch)
-    return RayCollector(factory, spec.ray_workers, pad_token_id=tokenizer.pad_token_id,
+    return RayCollector(functools.partial(ray_worker, spec, shipped), spec.ray_workers,
+                        pad_token_id=tokenizer.pad_token_id, start_batch=start_batch,
+                        restarts=spec.worker_restarts, timeout=spec.worker_timeout,
                         num_cpus=spec.ray_cpus_per_worker, num_gpus=spec.ray_gpus_per_worker,
                         device=device, shutdown_ray=started)
 
@@ -258,8 +265,8 @@ def make_ray_collector(spec: CollectorSpec, prompts: Sequence, tokenizer, *, dev
 def ray_worker(spec: CollectorSpec, prompts: list, rank: int, world_size: int,
                start_batch: int = 0):
     """Runs in Ray worker ``rank``: its own tokenizer and policy (or vLLM engine), and the collector
-    of its rows of every global batch from ``start_batch`` on; returns ``(collector, weights
-    target)``.
+    of its rows of every global batch from ``start_batch`` on (a resumed run, or a worker that
+    replaces a dead one); returns ``(collector, weights target)``.
 
     Args:
         spec: how to sample.

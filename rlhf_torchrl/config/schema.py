@@ -279,6 +279,8 @@ class Collection:
     ray_address: str | None = MISSING
     ray_cpus_per_worker: float = MISSING
     ray_gpus_per_worker: float = MISSING
+    worker_restarts: int = MISSING
+    worker_timeout: float = MISSING
     partial_rollout: bool = MISSING
     partial_rollout_tokens: int | None = MISSING
 

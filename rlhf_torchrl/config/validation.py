@@ -112,6 +112,8 @@ RANGES = {
     "collection.ray_workers": (0, _INF, True, True),
     "collection.ray_cpus_per_worker": (0, _INF, True, True),
     "collection.ray_gpus_per_worker": (0, _INF, True, True),
+    "collection.worker_restarts": (0, _INF, True, True),
+    "collection.worker_timeout": (0, _INF, False, True),
     "collection.partial_rollout_tokens": (1, _INF, True, True),
     "vllm.max_model_len": (1, _INF, True, True),
     "vllm.gpu_memory_utilization": (0, 1, False, True),
