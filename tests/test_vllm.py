@@ -274,6 +274,40 @@ def test_recipe_with_vllm_resumes_exactly(tmp_path, tokenizer):
     assert _rows(cut) == _rows(tmp_path / "whole")
 
 
+def test_a_ray_worker_whose_vllm_engine_dies_is_replaced(tmp_path, tokenizer, caplog):
+    """The engine runs in its sampler's process (vLLM's in-process engine core), so an engine
+    that dies is a process that dies: here a Ray worker's, SIGKILLed before batch 2. A new worker
+    starts a new engine at batch 2 with the pushed weights, and the run logs what the
+    uninterrupted run logs (each row's own seed: the new engine samples the same tokens)."""
+    ray = pytest.importorskip("ray", reason="needs Ray: pip install 'ray==2.60.0'")
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from test_ray import _comparable, _kill_worker, _rows
+    from test_recipe import _cfg
+
+    from rlhf_torchrl.config import builders
+
+    model_dir = _save_tiny(tmp_path / "model", _tiny_llama(tokenizer, hidden_size=128,
+                                                           intermediate_size=256), tokenizer)
+    settings = ["generation.backend=vllm", "vllm.kv_cache_gb=0.25", "threads=1",
+                "collection.ray_workers=1", "eval.every=0"]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        builders.train(_cfg(tmp_path / "whole", model_dir, *settings))
+        trainer = builders.build_trainer(_cfg(tmp_path / "killed", model_dir, *settings))
+        trainer.register_op("pre_collect", _kill_worker(trainer, 0, after=1))
+        with caplog.at_level("WARNING", logger="rlhf_torchrl.collectors.ray"):
+            try:
+                trainer.fit()
+            finally:
+                trainer.parallel.shutdown()
+    finally:
+        ray.shutdown()
+    assert "Ray worker 0 died (ActorDiedError) while sampling batch 2" in caplog.text
+    whole, killed = _rows(tmp_path / "whole"), _rows(tmp_path / "killed")
+    assert [_comparable(m) for m in killed] == [_comparable(m) for m in whole] and len(whole) == 2
+
+
 @pytest.mark.xfail(strict=True, reason="vLLMWrapper drops generate_kwargs it does not list, seed "
                    "among them, and sends one SamplingParams for every row: rows cannot have their "
                    "own random streams (VLLMGenerator replaces it)", raises=AssertionError)
