@@ -163,7 +163,7 @@ class RayCollector:
                 "here, its checkpoints intact; resume=auto continues from the newest.") from error
         self.restarts_left -= 1
         log.warning("Ray worker %d %s while %s: a new one takes its place at batch %d with the "
-                    "last pushed weights (%d restarts left).", rank, what, doing, self.batch + 1,
+                    "last pushed weights (restarts left: %d).", rank, what, doing, self.batch + 1,
                     self.restarts_left)
         ray.kill(self.workers[rank], no_restart=True)  # a hung one stops; a dead one stays dead
         self.workers[rank] = self._start(rank)
