@@ -263,6 +263,25 @@ def test_partial_rollout_benchmark_tiny(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+@pytest.mark.xdist_group("serial")  # torchrun, as tests/test_distributed.py
+def test_balance_benchmark_tiny(tmp_path, capsys):
+    """``rlhf-torchrl bench balance``: one torchrun job of 2 processes for the layout, the update
+    balanced and not in alternating order; seconds reported (never asserted), the token balance
+    of each way's minibatches computed as the update splits them."""
+    out = tmp_path / "b.json"
+    cli(["bench", "balance", "--layouts", "packed", "--repeats", "1", "--batch-size", "8",
+         "--minibatches", "2", "--prompt-length", "8", "--median-length", "4",
+         "--response-length", "16", "--out", str(out)])
+    assert "critical busy s" in capsys.readouterr().out
+    layout = json.loads(out.read_text())["layouts"]["packed"]
+    assert [r["way"] for r in layout["rows"]] == ["balanced", "unbalanced"]  # repeat 0: reversed
+    for way in ("unbalanced", "balanced"):
+        assert layout[way]["seconds"] > 0 and len(layout[way]["busy_seconds"]) == 2
+    # the sets KK gives are at least as even as equal slices (1: every process as many tokens)
+    assert 1 <= layout["balanced"]["token_imbalance"] <= layout["unbalanced"]["token_imbalance"]
+    assert (tmp_path / "b.png").stat().st_size > 0
+
+
 def test_data_loading_benchmark(tmp_path, capsys):
     """A form's start-up in a process of its own, converted once (cold) and from the cache (warm):
     times and peak memory; the rows it writes in each form load as the same prompts."""

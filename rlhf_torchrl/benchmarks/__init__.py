@@ -24,5 +24,6 @@ BENCHMARKS = {
     "data_loading": "start-up time and peak memory of a prompt set by form and size (10k-1M rows)",
     "reward_server": "a served reward model under N concurrent clients: p50/p99 latency, throughput",
     "partial_rollout": "partial rollouts against whole responses of widely varying lengths: s/iteration, tokens/s",
+    "balance": "distributed.balance: the update on 2 torchrun processes, rows balanced by tokens against equal slices, on ragged responses",
     "compare": "the figures two or more --out files share, side by side with ratios (--plot draws them)",
 }

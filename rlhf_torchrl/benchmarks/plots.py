@@ -236,6 +236,25 @@ def partial_rollout(plt, payload: dict):
     return fig
 
 
+def balance(plt, payload: dict):
+    """Per layout, the update's seconds unbalanced and balanced: the slowest process's wall clock,
+    and the slowest process of each minibatch's busy seconds, summed."""
+    layouts = payload.get("layouts", {})
+    if not layouts:
+        return None
+    names = list(layouts)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, figure, title in ((left, "seconds", "slowest process, wall clock"),
+                              (right, "critical_busy_seconds", "slowest per minibatch, busy CPU")):
+        _grouped_bars(ax, names, {way: [layouts[n][way][figure] for n in names]
+                                  for way in ("unbalanced", "balanced")})
+        ax.set(ylabel="seconds per update (median)", title=title)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"distributed.balance on ragged responses ({_subtitle(payload)})", fontsize=10)
+    return fig
+
+
 def compare(plt, payload: dict):
     """Each shared figure of the compared files as its ratio to the first file's."""
     files, metrics = payload["files"], payload["metrics"]
@@ -373,4 +392,5 @@ PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": b
          "estimators": estimators_table, "estimators_table": estimators_table, "data_loading": data_loading,
          "reward_server": reward_server, "partial_rollout": partial_rollout, "compare": compare,
          "judge_sentiment": judge_sentiment,
-         "process_rewards": process_rewards, "overlong": overlong, "distillation": distillation}
+         "process_rewards": process_rewards, "overlong": overlong, "distillation": distillation,
+         "balance": balance}
