@@ -17,9 +17,11 @@ exit with status 1; internal errors keep their traceback.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from rlhf_torchrl.collectors.on_policy import OffPolicyError
+from rlhf_torchrl.distributed import PeerLost
 from rlhf_torchrl.errors import ConfigError, SamplerError
 from rlhf_torchrl.rewards.scoring import RewardError
 from rlhf_torchrl.trainers.guards import DivergenceError
@@ -56,6 +58,12 @@ def run(fn, cfg):
               "final policy and report were written): run the command again; with resume=auto "
               "it continues from the newest checkpoint, if any.", file=sys.stderr, flush=True)
         sys.exit(130)
+    except PeerLost as error:  # another torchrun process died: one line, not the collective's
+        if os.environ.get("RLHF_TORCHRL_TRACEBACK"):
+            raise
+        print(f"Error: {error}", file=sys.stderr, flush=True)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (held back since: now)
+        sys.exit(1)
 
 
 def quiet_third_party_bars() -> None:

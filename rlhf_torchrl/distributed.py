@@ -295,6 +295,10 @@ _GLOO_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Bro
                    "Socket closed")
 
 
+class PeerLost(RuntimeError):
+    """Another process of the job died mid-run; the message is :func:`lost_peer`'s line."""
+
+
 def lost_peer(error: BaseException) -> str | None:
     """One line for an error that says another process of the job is gone (a collective's peer
     died: gloo's connection reset, NCCL's ``DistBackendError``), or None for any other error.
@@ -303,15 +307,19 @@ def lost_peer(error: BaseException) -> str | None:
     at whichever collective it was in, so the command prints this line instead."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    # (read from torchrun's environment: by now the run's ``finally`` may have ended the group)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if world <= 1 or not dist.is_available():
         return None
     message = str(error)
     if not (isinstance(error, dist.DistError)
             or isinstance(error, RuntimeError) and any(m in message for m in _GLOO_PEER_GONE)):
         return None
+    # gloo's "[file:line] Connection reset by peer [address]. This is typically ..." -> the middle
     first = next((line.strip() for line in message.splitlines() if line.strip()), type(error).__name__)
-    return (f"process {dist.get_rank()} of {dist.get_world_size()} lost another process of the job "
-            f"({first[:200]}): the job stops here. Its checkpoints are whole (each is written to a "
+    first = first.split("] ", 1)[-1].split(". ", 1)[0]
+    return (f"process {rank} of {world} lost another process of the job "
+            f"({first[:160]}): the job stops here. Its checkpoints are whole (each is written to a "
             "temporary folder, then renamed); run the same command again and resume=auto "
             "continues from the newest.")
 

@@ -18,6 +18,7 @@ or registers a hook::
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
@@ -27,7 +28,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from rlhf_torchrl import keys as K
-from rlhf_torchrl.distributed import DataParallel
+from rlhf_torchrl.distributed import DataParallel, PeerLost, lost_peer
 from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.modules import compute_old_quantities
 from rlhf_torchrl.objectives.advantages import (
@@ -251,7 +252,16 @@ class PPOTrainer(StagedLoop):
         where = lambda: f"iteration {self.iteration + 1} of {self.num_iterations}"  # noqa: E731
         try:
             with InterruptHandler(where) as self.interrupt:
-                self._iterate(rollouts)
+                try:
+                    self._iterate(rollouts)
+                except RuntimeError as error:
+                    line = lost_peer(error)
+                    if line is None:
+                        raise
+                    # torchrun's SIGTERM to this process follows within a tenth of a second: held
+                    # back (delivered when the command has said why, or at exit), the line is said
+                    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+                    raise PeerLost(line) from error
         except RunInterrupted as stop:  # a second Ctrl-C: at once; the newest checkpoint stays
             self._shutdown_collector()
             stop.iteration = self.iterations_done
