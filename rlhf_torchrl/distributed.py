@@ -38,8 +38,11 @@ from rlhf_torchrl.errors import ConfigError
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("ddp", "fsdp2")
-#: ``distributed.balance``'s default (benchmarks/README.md, balance)
-BALANCE = False
+#: ``distributed.balance``: equal slices, rows balanced by real tokens, or balanced where the
+#: update's micro-batches count real tokens (packed or under a token budget), the default: there it
+#: measured faster, with equal row slices of a padded batch not (benchmarks/README.md, balance)
+BALANCE_CHOICES = (False, True, "auto")
+BALANCE = "auto"
 
 
 class DataParallel:
@@ -58,13 +61,17 @@ class DataParallel:
         balance: the PPO update gives each process rows of near-equal real tokens rather than
             equal slices of each minibatch
             (:func:`~rlhf_torchrl.trainers.micro_batches.micro_batches`): the same loss, less
-            waiting on the process with the longest rows.
+            waiting on the process with the longest rows. ``"auto"``: where its micro-batches
+            count real tokens (packed, or under a token budget).
     """
 
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
-                 strategy: str = "ddp", device: torch.device | None = None, balance: bool = BALANCE):
+                 strategy: str = "ddp", device: torch.device | None = None,
+                 balance: bool | str = BALANCE):
         if strategy not in STRATEGIES:
             raise ConfigError(f"Unknown distributed.strategy {strategy!r}: choose one of {STRATEGIES}.")
+        if balance not in BALANCE_CHOICES:
+            raise ConfigError(f"Unknown distributed.balance {balance!r}: choose one of {BALANCE_CHOICES}.")
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.strategy, self.balance = strategy, balance
         self.device = device or torch.device("cpu")
@@ -325,7 +332,7 @@ def lost_peer(error: BaseException) -> str | None:
 
 
 def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None,
-                       backend: str | None = None, balance: bool = BALANCE) -> DataParallel:
+                       backend: str | None = None, balance: bool | str = BALANCE) -> DataParallel:
     """Join the process group torchrun set up (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
     ``MASTER_ADDR``...), or return the single process when there is none.
 
@@ -333,7 +340,8 @@ def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None
         strategy: ``ddp`` or ``fsdp2``.
         device: this process's device (None: the CPU).
         backend: the process group's backend (None: NCCL for CUDA devices, gloo for the CPU).
-        balance: rows of near-equal real tokens per process in the update (:class:`DataParallel`).
+        balance: rows of near-equal real tokens per process in the update: True, False or
+            ``"auto"`` (:class:`DataParallel`).
     """
     world = int(os.environ.get("WORLD_SIZE", 1))
     device = device or torch.device("cpu")
@@ -351,7 +359,8 @@ def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None
         dist.init_process_group(backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
                                 device_id=device if device.type == "cuda" else None)
     log.info("Process %d of %d (%s, %s%s)", rank, world, strategy, device,
-             ", update rows balanced by tokens" if balance and world > 1 else "")
+             "" if world <= 1 or balance is False else ", update rows balanced by tokens"
+             + (" where packed or under a token budget" if balance == "auto" else ""))
     parallel = DataParallel(rank=rank, world_size=world, local_rank=local_rank, strategy=strategy,
                             device=device, balance=balance)
     parallel._one_process_group = world == 1

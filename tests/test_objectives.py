@@ -521,6 +521,28 @@ def test_micro_batch_weights_over_two_processes(mode, tokenizer):
             assert 0.0 in weights  # a process with fewer micro-batches runs an empty one
 
 
+def test_balance_auto_where_micro_batches_count_tokens():
+    """distributed.balance=auto balances the update's rows where its micro-batches count real
+    tokens (packed, or under a token budget), not for equal row slices of a padded batch; true
+    and false everywhere; any other value is refused with the choices."""
+    from types import SimpleNamespace
+
+    from rlhf_torchrl.distributed import DataParallel
+    from rlhf_torchrl.errors import ConfigError
+    from rlhf_torchrl.trainers.update import _split_settings
+
+    for packing in (False, True):
+        loss = SimpleNamespace(actor_network=SimpleNamespace(packing=packing))
+        for budget in (None, 64):
+            for balance in (False, True, "auto"):
+                split = _split_settings(loss, DataParallel(world_size=2, balance=balance), 1,
+                                        budget, None)
+                expected = balance is True or (balance == "auto" and (packing or budget is not None))
+                assert split["balance"] is expected, (packing, budget, balance)
+    with pytest.raises(ConfigError, match="choose one of"):
+        DataParallel(balance="sometimes")
+
+
 def test_balanced_partition_against_brute_force():
     """Karmarkar-Karp's differencing by hand on [8, 7, 6, 5, 4] (16 and 14, where 15 and 15
     exist); on 200 small random cases every row once, a spread of at most the largest cost, equal

@@ -25,7 +25,7 @@ class Distributed:
 
     strategy: str = MISSING
     backend: str | None = MISSING
-    balance: bool = MISSING
+    balance: Any = MISSING  # false, true or "auto"
 
 
 @dataclass

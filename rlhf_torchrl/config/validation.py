@@ -9,7 +9,7 @@ import math
 from omegaconf import DictConfig
 
 from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
-from rlhf_torchrl.distributed import STRATEGIES
+from rlhf_torchrl.distributed import BALANCE_CHOICES, STRATEGIES
 from rlhf_torchrl.envs.sandbox import KINDS as SANDBOXES
 from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.functional import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
@@ -32,6 +32,7 @@ CHOICES = {
     "data.check_prompts": ("auto", "all", "served"),
     "distributed.strategy": STRATEGIES,
     "distributed.backend": (None, "gloo", "nccl"),
+    "distributed.balance": BALANCE_CHOICES,
     "model.dtype": DTYPES,
     "model.autocast": (None, "auto", "bfloat16", "float16"),
     "model.packing": PACKING,

@@ -372,11 +372,12 @@ def _serve(rollout: TensorDictBase, replay_buffer, sizes: list[int]):
 def _split_settings(loss_module, parallel, gradient_accumulation_steps: int,
                     micro_batch_tokens: int | None, packed: bool | None) -> dict:
     """:func:`~rlhf_torchrl.trainers.micro_batches.micro_batches`' settings for this loss and process."""
-    return dict(rank=parallel.rank, world_size=parallel.world_size, balance=parallel.balance,
+    packed = getattr(loss_module.actor_network, "packing", False) is True if packed is None else packed
+    # balance="auto": where micro-batches count real tokens (benchmarks/README.md, balance)
+    balance = parallel.balance is True or (parallel.balance == "auto" and bool(packed or micro_batch_tokens))
+    return dict(rank=parallel.rank, world_size=parallel.world_size, balance=balance,
                 gradient_accumulation_steps=gradient_accumulation_steps,
-                micro_batch_tokens=micro_batch_tokens, max_parts=parallel.max_int,
-                packed=getattr(loss_module.actor_network, "packing", False) is True
-                if packed is None else packed,
+                micro_batch_tokens=micro_batch_tokens, max_parts=parallel.max_int, packed=packed,
                 loss_aggregation=getattr(loss_module, "loss_aggregation", "token_mean"),
                 loss_aggregation_constant=getattr(loss_module, "loss_aggregation_constant", None))
 
