@@ -16,20 +16,23 @@ exit with status 1; internal errors keep their traceback.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 
 from rlhf_torchrl.collectors.on_policy import OffPolicyError
 from rlhf_torchrl.distributed import PeerLost
-from rlhf_torchrl.errors import ConfigError, SamplerError
+from rlhf_torchrl.errors import ConfigError, DiskFullError, SamplerError
 from rlhf_torchrl.rewards.scoring import RewardError
 from rlhf_torchrl.trainers.guards import DivergenceError
 
 #: errors that explain themselves: bad settings, data, files or packages (ConfigError and its
-#: kin), a reward that fails, the guards that stop a run, and a sampler lost past its restarts.
+#: kin), a reward that fails, the guards that stop a run, a sampler lost past its restarts, a full
+#: disk while a checkpoint is written.
 #: Anything else is a bug: traceback.
-USER_ERRORS = (ConfigError, RewardError, DivergenceError, OffPolicyError, SamplerError)
+USER_ERRORS = (ConfigError, RewardError, DivergenceError, OffPolicyError, SamplerError,
+               DiskFullError)
 
 
 def run(fn, cfg):
@@ -58,6 +61,14 @@ def run(fn, cfg):
               "final policy and report were written): run the command again; with resume=auto "
               "it continues from the newest checkpoint, if any.", file=sys.stderr, flush=True)
         sys.exit(130)
+    except OSError as error:  # a full disk while writing metrics, samples or the policy: one line
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT) or os.environ.get("RLHF_TORCHRL_TRACEBACK"):
+            raise
+        print(f"Error: the disk filled while the run wrote {error.filename or 'a file'} "
+              f"({os.strerror(error.errno)}). The checkpoints are whole (each is written to a "
+              "temporary folder, then renamed): make room, then run the same command again; "
+              "resume=auto continues from the newest.", file=sys.stderr, flush=True)
+        sys.exit(1)
     except PeerLost as error:  # another torchrun process died: one line, not the collective's
         if os.environ.get("RLHF_TORCHRL_TRACEBACK"):
             raise

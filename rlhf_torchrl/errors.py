@@ -24,3 +24,9 @@ class SamplerError(RuntimeError):
     """A sampler the run cannot do without (a Ray worker, the vLLM engine) died or hung more often
     than its restarts allow: the run stops before training on the batch it owed, its checkpoints
     intact, and ``resume=auto`` continues it."""
+
+
+class DiskFullError(OSError):
+    """The disk filled while the run wrote to it (a checkpoint, the metrics, the policy): the run
+    stops in one line; a checkpoint's partial files are removed and the ones before it are whole,
+    so ``resume=auto`` continues once there is room."""

@@ -236,6 +236,51 @@ def test_sigkill_mid_mixture_run_then_resume(tmp_path, tiny_llama_dir):
     assert _rows(out) == _rows(whole) and len(_rows(whole)) == 5
 
 
+@SERIAL
+def test_the_disk_filling_mid_run_stops_it_in_one_line_then_it_resumes(tmp_path, tiny_llama_dir,
+                                                                       uninterrupted):
+    """A real filesystem filling up (a tmpfs in a user namespace, filled by another process once
+    checkpoint 1 exists): the run stops with one line, leaves no partial checkpoint, the ones
+    written verify, and once there is room the same command ends as the uninterrupted run."""
+    import shlex
+
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare -rm (user namespaces) to mount a small tmpfs")
+    disk, kept = tmp_path / "disk", tmp_path / "kept"
+    disk.mkdir()
+    kept.mkdir()
+    out = disk / "run"
+    command = shlex.join(_command(tiny_llama_dir, out))
+    # the tmpfs lives as long as the namespace: the whole story runs in one shell there
+    script = f"""
+        mount -t tmpfs -o size=256m tmpfs {disk}
+        {command} 2> {kept}/first.err &
+        run=$!
+        while [ ! -d {out}/checkpoints/iter_00000001 ] && kill -0 $run 2>/dev/null; do sleep 0.01; done
+        cat /dev/zero > {disk}/filler 2>/dev/null
+        wait $run; echo $? > {kept}/first.status
+        cp -r {out}/checkpoints {kept}/checkpoints
+        rm {disk}/filler
+        {command} 2> {kept}/second.err; echo $? > {kept}/second.status
+        cp {out}/metrics.jsonl {kept}/metrics.jsonl
+    """
+    subprocess.run(["unshare", "-rm", "sh", "-c", script], env=_env(), timeout=600, check=True)
+    first = (kept / "first.err").read_text()
+    assert (kept / "first.status").read_text().strip() == "1", first[-3000:]
+    assert "Traceback" not in first, first[-3000:]
+    (line,) = [x for x in first.splitlines() if x.startswith("Error:")]
+    assert "disk" in line and "resume=auto continues from the newest" in line
+    assert not list((kept / "checkpoints").glob(".tmp-*"))  # no partial write left
+    written = sorted((kept / "checkpoints").glob("iter_*"))
+    assert written and written[0].name == "iter_00000001"
+    for path in written:
+        checkpoint.verify_checkpoint(str(path))
+    second = (kept / "second.err").read_text()
+    assert (kept / "second.status").read_text().strip() == "0", second[-3000:]
+    assert _rows(kept) == uninterrupted
+
+
 def _safe_rows(out) -> list:
     try:
         return (out / "metrics.jsonl").read_text().splitlines()

@@ -51,7 +51,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from rlhf_torchrl.errors import ConfigError, MissingFileError
+from rlhf_torchrl.errors import ConfigError, DiskFullError, MissingFileError
 from rlhf_torchrl.safe_loading import (
     UnsafeFileError,
     load_dcp,
@@ -258,6 +258,32 @@ def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn
         weights_only: leave the optimiser's state out (a third of the size in fp32; a run
             resumed from it starts AdamW's moments afresh, :func:`load_checkpoint`).
     """
+    name = f"iter_{iteration:08d}"
+    try:
+        return _save(output_dir, iteration, modules=modules, optimizer=optimizer,
+                     trainer_state=trainer_state, config_yaml=config_yaml, keep=keep,
+                     parallel=parallel, rollouts=rollouts, rng=rng, lineage=lineage,
+                     weights_only=weights_only)
+    except BaseException as error:  # (DCP's CheckpointException is a BaseException)
+        root = os.path.join(output_dir, CHECKPOINTS)
+        if isinstance(error, KeyboardInterrupt | SystemExit) or not disk_full(error, root):
+            raise
+        if parallel is None or parallel.is_main:  # the room the partial write took, back
+            shutil.rmtree(os.path.join(root, f".tmp-{name}"), ignore_errors=True)
+        before = [os.path.basename(path) for _, path in list_checkpoints(output_dir)]
+        raise DiskFullError(
+            f"The disk of {root} filled while checkpoint {name} was written ({_cause(error)}): its "
+            f"partial files are removed; the checkpoints before it are whole "
+            f"({', '.join(before) if before else 'none yet'}). Make room (or write less: "
+            "checkpoint.keep=1, checkpoint.weights_only=true), then run the same command again: "
+            "resume=auto continues from the newest checkpoint.") from error
+
+
+def _save(output_dir: str, iteration: int, *, modules: Mapping[str, nn.Module], optimizer,
+          trainer_state: dict, config_yaml: str, keep: int | None = None,
+          parallel=None, rollouts: Sequence = (), rng: Mapping | None = None,
+          lineage: Sequence | None = None, weights_only: bool = False) -> str:
+    """:func:`save_checkpoint` itself: its files into ``.tmp-iter_<N>``, renamed when whole."""
     import torch.distributed.checkpoint as dcp
 
     is_main = parallel is None or parallel.is_main
@@ -298,6 +324,40 @@ def save_checkpoint(output_dir: str, iteration: int, *, modules: Mapping[str, nn
                 shutil.rmtree(old, ignore_errors=True)
     _barrier(parallel)
     return final
+
+
+#: free bytes below which a failed write is taken for a full disk (the writers' own errors do not
+#: always say so: torch.save's is "unexpected pos 704 vs 598")
+_FULL = 1 << 20
+
+
+def disk_full(error: BaseException, path: str) -> bool:
+    """Whether ``error`` is a write that failed for want of room on ``path``'s disk: ENOSPC or
+    EDQUOT anywhere in its chain (DCP's per-rank failures included), or under 1 MiB left."""
+    import errno
+
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> error
+        if isinstance(failures, dict):
+            todo.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+        todo.extend((e.__cause__, e.__context__))
+    try:
+        return shutil.disk_usage(path).free < _FULL
+    except OSError:
+        return False
+
+
+def _cause(error: BaseException) -> str:
+    """The failed write in a few words: the OSError's own text where there is one."""
+    return (os.strerror(error.errno) if isinstance(error, OSError) and error.errno
+            else "No space left on device")
 
 
 def in_lineage(lineage: Sequence, iteration: int, writer: str | None) -> bool:
