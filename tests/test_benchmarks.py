@@ -282,6 +282,32 @@ def test_balance_benchmark_tiny(tmp_path, capsys):
     assert (tmp_path / "b.png").stat().st_size > 0
 
 
+def test_soak_benchmark_tiny(tmp_path, capsys):
+    """``rlhf-torchrl bench soak``: the ppo command SIGKILLed once between two checkpoints and the
+    same command started again; each iteration's row read once per start, stamped with the run's
+    resident set; the block figures and their drift reported (never asserted), the run's
+    metrics.jsonl every iteration once."""
+    out = tmp_path / "soak.json"
+    cli(["bench", "soak", "--iterations", "30", "--every", "5", "--windows", "1",
+         "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "verdict: s/it (median time/total)" in printed
+    result = json.loads(out.read_text())
+    assert result["kill_at"] == 16 and result["metrics"] == {"rows": 30, "each_once": True}
+    first, second = result["segments"]
+    assert first["exit_code"] == -9 and 16 <= first["killed_after"] <= first["last_row_written"]
+    assert (first["first_iteration"], second["exit_code"]) == (0, 0)
+    resumed = second["first_iteration"]  # the newest checkpoint's: 15 unless the kill came late
+    assert resumed == 5 * ((first["last_row_written"] + 1) // 5)
+    assert second["rows"]["iteration"] == list(range(resumed, 30))
+    assert [b["block"] for b in result["blocks"][1]] == list(range(resumed // 5, 6))
+    for block in result["blocks"][0] + result["blocks"][1]:
+        assert block["seconds"] > 0 and block["rss_mb"] > 100 and block["checkpoint_s"] > 0
+    assert result["drift"]["segment_1"]["rss_mb"]["first"] > 100
+    assert set(result["drift"]) == {"segment_1", "segment_2", "run"}
+    assert (tmp_path / "soak.png").stat().st_size > 0
+
+
 def test_data_loading_benchmark(tmp_path, capsys):
     """A form's start-up in a process of its own, converted once (cold) and from the cache (warm):
     times and peak memory; the rows it writes in each form load as the same prompts."""

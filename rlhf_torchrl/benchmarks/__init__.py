@@ -25,5 +25,6 @@ BENCHMARKS = {
     "reward_server": "a served reward model under N concurrent clients: p50/p99 latency, throughput",
     "partial_rollout": "partial rollouts against whole responses of widely varying lengths: s/iteration, tokens/s",
     "balance": "distributed.balance: the update on 2 torchrun processes, rows balanced by tokens against equal slices, on ragged responses",
+    "soak": "the ppo command for 3,000 iterations (evaluations and checkpoints every 100), SIGKILLed midway and resumed: s/iteration and RSS, flat?",
     "compare": "the figures two or more --out files share, side by side with ratios (--plot draws them)",
 }

@@ -385,6 +385,56 @@ def overlong(plt, payload: dict):
     return fig
 
 
+def soak(plt, payload: dict):
+    """Seconds per iteration and the resident set against the iteration, per segment (before and
+    after the kill), the kill and the resume marked; the load average beside the seconds."""
+    segments = payload.get("segments") or []
+    if not segments:
+        return None
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    load_ax = top.twinx()
+    colors = ("tab:blue", "tab:orange")
+    for k, (segment, blocks) in enumerate(zip(segments, payload.get("blocks", [[]] * 2))):
+        rows, samples, color = segment["rows"], segment["samples"], colors[k % 2]
+        label = "before the kill" if k == 0 else "resumed"
+        ticks = set(map(int, segment.get("eval_s", {}))) | set(map(int, segment.get("checkpoint_s", {})))
+        plain = [(i, s) for i, s in zip(rows["iteration"], rows["seconds"])
+                 if s is not None and i not in ticks]
+        if plain:
+            top.plot(*zip(*plain), ".", color=color, markersize=1.5, alpha=0.35)
+        middle = [(b["iterations"][0] + b["iterations"][1]) / 2 for b in blocks]
+        top.plot(middle, [b["seconds"] for b in blocks], "-", color=color, linewidth=2,
+                 label=f"{label}: median time/total per block")
+        top.plot(middle, [b["wall_seconds"] for b in blocks], "--", color=color, linewidth=1,
+                 label=f"{label}: wall clock per block")
+        known = [(i, load) for i, load in zip(samples["iteration"], samples["load"]) if i is not None]
+        if known:
+            load_ax.plot(*zip(*known), color="gray", linewidth=0.6, alpha=0.5)
+        bottom.plot(rows["iteration"], rows["rss_mb"], "-", color=color, linewidth=1,
+                    label=f"{label}: VmRSS")
+        known = [(i, h) for i, h in zip(samples["iteration"], samples["hwm_mb"]) if i is not None]
+        if known:
+            bottom.plot(*zip(*known), ":", color=color, linewidth=1.2, label=f"{label}: VmHWM (peak)")
+    for ax in (top, bottom):
+        killed = segments[0].get("last_row_written") or segments[0].get("killed_after")
+        if killed is not None:
+            ax.axvline(killed, color="red", linewidth=1, label="SIGKILL" if ax is bottom else None)
+        if len(segments) > 1:
+            ax.axvline(segments[1]["first_iteration"], color="red", linestyle=":", linewidth=1,
+                       label="resumed from its checkpoint" if ax is bottom else None)
+        ax.grid(alpha=0.3)
+    load_ax.set_ylabel("load average (1 min, gray)", fontsize=8)
+    top.set_ylabel("seconds per iteration")
+    top.set_ylim(bottom=0)
+    load_ax.set_ylim(bottom=0)
+    bottom.set(xlabel="iteration", ylabel="resident set (MB)")
+    top.legend(fontsize=7, loc="lower left")
+    bottom.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"Soak: {payload.get('args', {}).get('iterations')} iterations, killed and resumed "
+                 f"({_subtitle(payload)})", fontsize=10)
+    return fig
+
+
 #: benchmark name -> its drawing function
 PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": backends,
          "scaling": scaling, "vs_trl": vs_trl, "gpu_suite": gpu_suite,
@@ -393,4 +443,4 @@ PLOTS = {"ppo_iteration": ppo_iteration, "collectors": collectors, "backends": b
          "reward_server": reward_server, "partial_rollout": partial_rollout, "compare": compare,
          "judge_sentiment": judge_sentiment,
          "process_rewards": process_rewards, "overlong": overlong, "distillation": distillation,
-         "balance": balance}
+         "balance": balance, "soak": soak}
