@@ -81,6 +81,7 @@ def test_backends_benchmark_transformers(tmp_path, capsys):
     assert result["weight_sync_s"]["ModelCopy"] > 0 and result["weight_mb"] > 0
 
 
+@pytest.mark.processes
 @pytest.mark.xdist_group("serial")  # a torchrun variant: with the other torchrun runs (pytest -n)
 def test_scaling_benchmark(tmp_path):
     """Recipe variants in their own processes (``rlhf-torchrl ppo``, torchrun), on the tiny Llama
@@ -263,6 +264,7 @@ def test_partial_rollout_benchmark_tiny(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+@pytest.mark.processes
 @pytest.mark.xdist_group("serial")  # torchrun, as tests/test_distributed.py
 def test_balance_benchmark_tiny(tmp_path, capsys):
     """``rlhf-torchrl bench balance``: one torchrun job of 2 processes for the layout, the update

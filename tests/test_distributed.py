@@ -25,7 +25,8 @@ TINY = ["ppo.num_iterations=2", "ppo.batch_size=8", "ppo.num_mini_batches=2",
 IGNORED = {"threads", "iteration"}  # and every time/* entry
 
 pytestmark = [pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed"),
-              pytest.mark.xdist_group("serial")]  # under pytest -n: one worker, one at a time
+              pytest.mark.xdist_group("serial"),  # under pytest -n: one worker, one at a time
+              pytest.mark.processes]  # the suite of its own (pyproject.toml's markers)
 
 
 def _run(out: Path, model_dir: str, nproc: int, *overrides: str, device: str = "cpu",

@@ -20,7 +20,9 @@ TINY = ["ppo.batch_size=4", "ppo.num_mini_batches=2", "ppo.forward_batch_size=2"
         "generation.max_new_tokens=6", "logging.progress_bar=false", "data.limit=16",
         "optim.lr=1e-3", "eval.every=0", "optim.critic_warmup=0", "model.autocast=null",
         "threads=1", "checkpoint.every=100", "checkpoint.keep=null"]
-SERIAL = pytest.mark.xdist_group("interrupt")
+def SERIAL(test):
+    """One worker, one at a time; in the suite of its own (pyproject.toml's markers)."""
+    return pytest.mark.processes(pytest.mark.xdist_group("interrupt")(test))
 
 
 def _env():

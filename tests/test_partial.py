@@ -218,6 +218,7 @@ def test_partial_rollout_settings_that_cannot_work_are_refused(tmp_path, tiny_ll
         checks.check_config(_cfg(tmp_path, tiny_llama_dir, *overrides))
 
 
+@pytest.mark.processes  # the suite of its own (pyproject.toml's markers)
 def test_sigkill_with_paused_responses_then_resume(tmp_path, stopping_llama_dir):
     """Killed with SIGKILL mid-run and started again with the same command, a run with partial
     rollouts logs what the uninterrupted run logs: every checkpoint holds the responses paused

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ray = pytest.importorskip("ray", reason="needs Ray: pip install 'ray==2.60.0'")
-pytestmark = pytest.mark.xdist_group("serial")  # under pytest -n: one worker holds the cluster
+pytestmark = [pytest.mark.xdist_group("serial"),  # under pytest -n: one worker holds the cluster
+              pytest.mark.processes]  # the suite of its own (pyproject.toml's markers)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))

@@ -172,7 +172,9 @@ def _complete(command, out) -> None:
 
 #: the tests of one uninterrupted run (a module fixture): one worker, one at a time, under pytest -n
 #: (beside the torchrun and Ray tests' worker, not after them)
-SERIAL = pytest.mark.xdist_group("resume")
+def SERIAL(test):
+    """One worker, one at a time; in the suite of its own (pyproject.toml's markers)."""
+    return pytest.mark.processes(pytest.mark.xdist_group("resume")(test))
 
 
 @pytest.fixture(scope="module")

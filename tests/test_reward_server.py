@@ -30,7 +30,13 @@ pytest.importorskip("uvicorn")
 
 from rlhf_torchrl.rewards.server import ServerProcess, ServerThread, make_app  # noqa: E402
 
-SERIAL = pytest.mark.xdist_group("reward_server")  # one worker: the reward model built once
+
+def SERIAL(test):
+    """One worker (the reward model built once), one at a time; in the suite of its own
+    (pyproject.toml's markers)."""
+    return pytest.mark.processes(pytest.mark.xdist_group("reward_server")(test))
+
+
 #: the reward model's own chat template (MiniLM has none): each turn as "role: content [SEP]"
 TEMPLATE = ("{{ cls_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} "
             "{{ sep_token }} {% endfor %}")
