@@ -412,7 +412,10 @@ def soak(plt, payload: dict):
             load_ax.plot(*zip(*known), color="gray", linewidth=0.6, alpha=0.5)
         bottom.plot(rows["iteration"], rows["rss_mb"], "-", color=color, linewidth=1,
                     label=f"{label}: VmRSS")
-        known = [(i, h) for i, h in zip(samples["iteration"], samples["hwm_mb"]) if i is not None]
+        # (a sample of the resource tracker alone as the run exited: older files hold one)
+        floor = 0.5 * min((r for r in rows["rss_mb"] if r), default=0.0)
+        known = [(i, h) for i, h, r in zip(samples["iteration"], samples["hwm_mb"], samples["rss_mb"])
+                 if i is not None and r and r > floor]
         if known:
             bottom.plot(*zip(*known), ":", color=color, linewidth=1.2, label=f"{label}: VmHWM (peak)")
     for ax in (top, bottom):
@@ -425,10 +428,12 @@ def soak(plt, payload: dict):
         ax.grid(alpha=0.3)
     load_ax.set_ylabel("load average (1 min, gray)", fontsize=8)
     top.set_ylabel("seconds per iteration")
-    top.set_ylim(bottom=0)
+    figures = [b[f] for blocks in payload.get("blocks", []) for b in blocks
+               for f in ("seconds", "wall_seconds") if b.get(f)]
+    top.set_ylim(0, 2.5 * max(figures) if figures else None)  # a few slow iterations cut off
     load_ax.set_ylim(bottom=0)
     bottom.set(xlabel="iteration", ylabel="resident set (MB)")
-    top.legend(fontsize=7, loc="lower left")
+    top.legend(fontsize=7, loc="upper left", ncol=2)
     bottom.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"Soak: {payload.get('args', {}).get('iterations')} iterations, killed and resumed "
                  f"({_subtitle(payload)})", fontsize=10)
