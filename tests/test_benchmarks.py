@@ -284,6 +284,7 @@ def test_balance_benchmark_tiny(tmp_path, capsys):
     assert (tmp_path / "b.png").stat().st_size > 0
 
 
+@pytest.mark.processes  # a run SIGKILLed and resumed: the suite of its own
 def test_soak_benchmark_tiny(tmp_path, capsys):
     """``rlhf-torchrl bench soak``: the ppo command SIGKILLed once between two checkpoints and the
     same command started again; each iteration's row read once per start, stamped with the run's
