@@ -306,9 +306,21 @@ def test_soak_benchmark_tiny(tmp_path, capsys):
     assert [b["block"] for b in result["blocks"][1]] == list(range(resumed // 5, 6))
     for block in result["blocks"][0] + result["blocks"][1]:
         assert block["seconds"] > 0 and block["rss_mb"] > 100 and block["checkpoint_s"] > 0
+    assert any(b["probe_ms"] for b in result["blocks"][0] + result["blocks"][1])
+    assert all(p > 0 for p in first["samples"]["probe_ms"])
     assert result["drift"]["segment_1"]["rss_mb"]["first"] > 100
     assert set(result["drift"]) == {"segment_1", "segment_2", "run"}
     assert (tmp_path / "soak.png").stat().st_size > 0
+
+    # the uninterrupted arm: the same command once, to its end
+    cli(["bench", "soak", "--iterations", "12", "--every", "4", "--windows", "1", "--no-kill",
+         "--out", str(tmp_path / "whole.json")])
+    whole = json.loads((tmp_path / "whole.json").read_text())
+    assert whole["kill_at"] is None and whole["metrics"] == {"rows": 12, "each_once": True}
+    (only,) = whole["segments"]
+    assert only["exit_code"] == 0 and only["killed_after"] is None
+    assert [b["block"] for (b_list) in whole["blocks"] for b in b_list] == [0, 1, 2]
+    assert set(whole["drift"]) == {"segment_1"}
 
 
 def test_data_loading_benchmark(tmp_path, capsys):

@@ -387,7 +387,8 @@ def overlong(plt, payload: dict):
 
 def soak(plt, payload: dict):
     """Seconds per iteration and the resident set against the iteration, per segment (before and
-    after the kill), the kill and the resume marked; the load average beside the seconds."""
+    after the kill), the kill and the resume marked; beside the seconds, the fixed probe's
+    milliseconds per block (the machine's speed; in older files the load average)."""
     segments = payload.get("segments") or []
     if not segments:
         return None
@@ -407,9 +408,14 @@ def soak(plt, payload: dict):
                  label=f"{label}: median time/total per block")
         top.plot(middle, [b["wall_seconds"] for b in blocks], "--", color=color, linewidth=1,
                  label=f"{label}: wall clock per block")
-        known = [(i, load) for i, load in zip(samples["iteration"], samples["load"]) if i is not None]
-        if known:
-            load_ax.plot(*zip(*known), color="gray", linewidth=0.6, alpha=0.5)
+        probes = [(m, b["probe_ms"]) for m, b in zip(middle, blocks) if b.get("probe_ms")]
+        if probes:  # the machine's speed per block (older files: the load average)
+            load_ax.plot(*zip(*probes), "x", color="black", markersize=4)
+        else:
+            known = [(i, load) for i, load in zip(samples["iteration"], samples["load"])
+                     if i is not None]
+            if known:
+                load_ax.plot(*zip(*known), color="gray", linewidth=0.6, alpha=0.5)
         bottom.plot(rows["iteration"], rows["rss_mb"], "-", color=color, linewidth=1,
                     label=f"{label}: VmRSS")
         # (a sample of the resource tracker alone as the run exited: older files hold one)
@@ -426,7 +432,9 @@ def soak(plt, payload: dict):
             ax.axvline(segments[1]["first_iteration"], color="red", linestyle=":", linewidth=1,
                        label="resumed from its checkpoint" if ax is bottom else None)
         ax.grid(alpha=0.3)
-    load_ax.set_ylabel("load average (1 min, gray)", fontsize=8)
+    probed = any(b.get("probe_ms") for blocks in payload.get("blocks", []) for b in blocks)
+    load_ax.set_ylabel("fixed probe, ms per block (x)" if probed else "load average (1 min, gray)",
+                       fontsize=8)
     top.set_ylabel("seconds per iteration")
     figures = [b[f] for blocks in payload.get("blocks", []) for b in blocks
                for f in ("seconds", "wall_seconds") if b.get(f)]

@@ -8,7 +8,9 @@ this benchmark watches it: every ``--poll`` seconds it reads the rows ``metrics.
 stamps each with the wall clock, the resident set (``VmRSS``, summed over the run's process
 tree), its peak (``VmHWM``) and the tree's CPU seconds (``/proc/<pid>/stat``); every
 ``--sample-every`` seconds it also records those and the 1-minute load average between rows (an
-evaluation's peak, the start-up). The kill comes once the row of ``--kill-at`` is read (default:
+evaluation's peak, the start-up), and times a fixed probe (:func:`probe`: a loop of the
+interpreter and a hash of 2 MB, a few milliseconds, in the watcher's own thread on the core the
+single-threaded run leaves free): the machine's own speed at that moment. The kill comes once the row of ``--kill-at`` is read (default:
 half-way between two checkpoints past the middle, so that the resumed run redoes the iterations
 after the newest checkpoint). At the end the whole run's ``metrics.jsonl`` must hold every
 iteration once, ``0 .. --iterations - 1``.
@@ -17,10 +19,12 @@ Figures, per block of ``--every`` iterations and per segment (before and after t
 median ``time/total`` of the iterations without an evaluation or a checkpoint (the library's own
 clock), wall-clock and CPU seconds per iteration (the block's span over its iterations: logging,
 evaluations, checkpoints included), the median resident set, its peak in the block, the mean load
-average; the evaluation's and the checkpoint's seconds apart. The drift of each: the median of the
+average and the probe's median milliseconds (context: the machine's speed, not judged); the
+evaluation's and the checkpoint's seconds apart. The drift of each: the median of the
 last ``--windows`` blocks against the first ``--windows`` after the segment's first block (its
 warm-up), in %, for each segment, and for the run (the first segment's first blocks against the
-second's last). Flat: every drift within ``--tolerance``.
+second's last). Flat: every drift within ``--tolerance``. ``--no-kill`` runs the same command
+once, uninterrupted: the arm to compare a killed and resumed soak with, at the same iterations.
 
     OMP_WAIT_POLICY=PASSIVE rlhf-torchrl bench soak --out runs/soak.json
 
@@ -35,6 +39,7 @@ Overrides after the options go to the command, e.g. ``ppo.batch_size=16``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -62,6 +67,8 @@ SETTINGS = ["ppo.batch_size=8", "ppo.num_mini_batches=2", "ppo.forward_batch_siz
 #: the per-block figures whose drift is reported, and the label of each
 FIGURES = {"seconds": "s/it (median time/total)", "wall_seconds": "wall s/it",
            "cpu_seconds": "CPU s/it", "rss_mb": "RSS MB (median)", "peak_rss_mb": "peak RSS MB"}
+#: figures whose drift is reported beside, never judged: the machine's, not the run's
+CONTEXT = ("load", "probe_ms")
 
 
 def word_task_model(folder: str) -> str:
@@ -130,6 +137,17 @@ def tree_stats(pid: int) -> dict | None:
 def _load() -> float:
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
+
+
+def probe() -> float:
+    """Milliseconds of a fixed piece of work: 40,000 steps of the interpreter and SHA-256 over
+    2 MB (about 4 ms on an idle core here). Its changes over a soak are the machine's."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(40_000):
+        total += i * i
+    hashlib.sha256(bytes(2_000_000)).digest()
+    return 1e3 * (time.perf_counter() - start)
 
 
 class Watcher(threading.Thread):
@@ -206,7 +224,7 @@ class Watcher(threading.Thread):
                 if now >= next_sample:
                     last = self.rows[-1]["iteration"] if self.rows else None
                     self.samples.append({"t": now - start, "iteration": last, "load": _load(),
-                                         **stats})
+                                         "probe_ms": probe(), **stats})
                     next_sample = now + self.sample_every
                 if self.kill_at is not None and rows and rows[-1]["iteration"] >= self.kill_at:
                     os.killpg(self.pid, signal.SIGKILL)  # the run's whole group (its own session)
@@ -280,9 +298,13 @@ def blocks(segment: dict, every: int) -> list[dict]:
         n = mine[-1]["iteration"] - start["iteration"]
         in_block = [s for s in samples if s["iteration"] is not None
                     and b * every <= s["iteration"] < (b + 1) * every]
+        probes = [s["probe_ms"] for s in in_block if s.get("probe_ms") is not None]
+        seconds = statistics.median(r["seconds"] for r in plain) if plain else None
+        probe_ms = statistics.median(probes) if probes else None
         out.append({
             "block": b, "iterations": [b * every, (b + 1) * every - 1],
-            "seconds": statistics.median(r["seconds"] for r in plain) if plain else None,
+            "seconds": seconds,
+            "probe_ms": probe_ms,
             "wall_seconds": (mine[-1]["t"] - start["t"]) / n,
             "cpu_seconds": (mine[-1]["cpu_s"] - start["cpu_s"]) / n,
             "rss_mb": statistics.median(r["rss_mb"] for r in mine),
@@ -301,7 +323,7 @@ def blocks(segment: dict, every: int) -> list[dict]:
 def drift(first: list[dict], last: list[dict]) -> dict:
     """Each figure's median over the ``last`` blocks against the ``first`` blocks, in %."""
     out = {}
-    for name in (*FIGURES, "load"):
+    for name in (*FIGURES, *CONTEXT):
         a = [b[name] for b in first if b[name] is not None]
         z = [b[name] for b in last if b[name] is not None]
         if a and z:
@@ -348,8 +370,8 @@ def _compact(segment: dict) -> dict:
             "eval_s": {r["iteration"]: round(r["eval_s"], 4) for r in rows if r["eval_s"]},
             "checkpoint_s": {r["iteration"]: round(r["checkpoint_s"], 4) for r in rows
                              if r["checkpoint_s"]},
-            "samples": _columns(segment["samples"], ("t", "iteration", "load", "rss_mb",
-                                                      "hwm_mb", "cpu_s"))}
+            "samples": _columns(segment["samples"], ("t", "iteration", "load", "probe_ms",
+                                                      "rss_mb", "hwm_mb", "cpu_s"))}
 
 
 def check_metrics(run_dir: str, iterations: int) -> dict:
@@ -370,6 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kill-at", type=int, default=None,
                         help="SIGKILL the run once this iteration's row is read (from 0; default: "
                              "the middle of the block past half-way, not a checkpoint)")
+    parser.add_argument("--no-kill", action="store_true",
+                        help="run the command once, uninterrupted (the arm to compare with)")
     parser.add_argument("--windows", type=int, default=3,
                         help="blocks at each end of a segment whose medians are compared")
     parser.add_argument("--tolerance", type=float, default=5.0, help="flat: drifts within this %%")
@@ -387,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
     kill_at = args.kill_at
     if kill_at is None:
         kill_at = (args.iterations // 2 // args.every) * args.every + args.every // 2 - 1
-    if not 0 < kill_at < args.iterations - 1:
+    if not args.no_kill and not 0 < kill_at < args.iterations - 1:
         parser.error(f"--kill-at {kill_at} is not inside the run (0..{args.iterations - 1})")
 
     if args.dir:
@@ -403,14 +427,18 @@ def main(argv: list[str] | None = None) -> dict:
                    f"threads={args.threads}", f"ppo.num_iterations={args.iterations}",
                    f"eval.every={args.every}", f"checkpoint.every={args.every}",
                    f"output_dir={run_dir}", f"hydra.run.dir={run_dir}", *args.overrides]
-        print(f"soak: {args.iterations} iterations, killed after {kill_at}, in {root}",
+        if args.no_kill:
+            kill_at = None
+        print(f"soak: {args.iterations} iterations, "
+              f"{'uninterrupted' if kill_at is None else f'killed after {kill_at}'}, in {root}",
               file=sys.stderr, flush=True)
         segments = [run_segment(command, run_dir, os.path.join(root, "segment_1.log"), args,
                                 kill_at)]
-        print(f"killed after iteration {segments[0]['killed_after']}; resuming from "
-              f"{_newest_checkpoint(run_dir)}", file=sys.stderr, flush=True)
-        segments.append(run_segment(command, run_dir, os.path.join(root, "segment_2.log"), args,
-                                    None))
+        if kill_at is not None:
+            print(f"killed after iteration {segments[0]['killed_after']}; resuming from "
+                  f"{_newest_checkpoint(run_dir)}", file=sys.stderr, flush=True)
+            segments.append(run_segment(command, run_dir, os.path.join(root, "segment_2.log"),
+                                        args, None))
         check = check_metrics(run_dir, args.iterations)
     finally:
         if holder:
@@ -419,10 +447,11 @@ def main(argv: list[str] | None = None) -> dict:
     per_segment = [blocks(s, args.every) for s in segments]
     found = drifts(per_segment, args.windows)
     verdict = _verdict(found, args.tolerance)
-    header = ["segment", "block", *FIGURES.values(), "load", "eval s", "ckpt s"]
+    header = ["segment", "block", *FIGURES.values(), "load", "probe ms", "eval s", "ckpt s"]
+    digits = {"seconds": 4, "wall_seconds": 4, "cpu_seconds": 4, "load": 2, "probe_ms": 2}
     lines = [[k + 1, f"{b['iterations'][0]}-{b['iterations'][1]}",
-              *(f"{b[f]:.4f}" if "seconds" in f else f"{b[f]:.0f}" for f in FIGURES),
-              f"{b['load']:.2f}" if b["load"] is not None else "-",
+              *("-" if b.get(f) is None else f"{b[f]:.{digits.get(f, 0)}f}"
+                for f in (*FIGURES, *CONTEXT)),
               f"{b['eval_s']:.2f}", f"{b['checkpoint_s']:.2f}"]
              for k, mine in enumerate(per_segment) for b in mine]
     print(table(lines, header))
