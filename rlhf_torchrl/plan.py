@@ -719,6 +719,7 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
                 sampler.pop()
 
         with autocast():  # (the casts of the weights kept from the warm-up on: counted apart)
+            generation()  # every copy of the layer takes a turn (and is cast) before the clock
             first, (first_layer,) = _best_of(prefill, [clock], repeats)
             whole, (whole_layer,) = _best_of(generation, [clock], repeats)
         step, step_layer = (whole - first) / steps, (whole_layer - first_layer) / steps
@@ -852,9 +853,12 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
         for param in (q for c in copies for q in c.parameters()):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        stepping = itertools.cycle([functools.partial(step, list(c.parameters()),
-                                                      adamw(list(c.parameters()), lr=0.0))
-                                    for c in copies])
+        steppers = [functools.partial(step, list(c.parameters()), adamw(list(c.parameters()),
+                                                                       lr=0.0))
+                    for c in copies]
+        for stepper in steppers:  # each optimiser's first step allocates its moments
+            stepper()
+        stepping = itertools.cycle(steppers)
 
         def layer_step(stepping=stepping):
             next(stepping)()

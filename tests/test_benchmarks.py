@@ -457,7 +457,8 @@ def test_plan_check_runs_the_plan_and_the_run_on_the_tiny_model(tmp_path, capsys
     from rlhf_torchrl.benchmarks import plan_check
 
     out = tmp_path / "pc.json"
-    result = plan_check.main(["--quick", "--dir", str(tmp_path / "work"), "--out", str(out)])
+    result = plan_check.main(["--quick", "--repeat", "2", "--dir", str(tmp_path / "work"),
+                              "--out", str(out)])
     (entry,) = json.loads(out.read_text())["sizes"]
     assert entry == json.loads(json.dumps(result["sizes"][0], default=str))
     assert entry["size"] == "tiny" and "error" not in entry, entry.get("error")
@@ -466,6 +467,13 @@ def test_plan_check_runs_the_plan_and_the_run_on_the_tiny_model(tmp_path, capsys
     for figure in entry["compare"].values():
         assert figure["predicted"] > 0 and figure["measured"] > 0
         assert figure["ratio"] == pytest.approx(figure["predicted"] / figure["measured"])
+    # --repeat 2: each figure is the median (here the mean) of its two rounds' figures
+    assert len(entry["rounds"]) == 2
+    for name, figure in entry["compare"].items():
+        rounds = [r["compare"][name] for r in entry["rounds"]]
+        assert figure["rounds"] == [r["ratio"] for r in rounds]
+        for key in ("predicted", "measured"):
+            assert figure[key] == pytest.approx(sum(r[key] for r in rounds) / 2)
     # (a note follows when other processes were busy: tests pass on a loaded machine)
     assert entry["plan"]["settings"]["times"].startswith("timed on one-layer copies on this CPU")
     assert entry["plan"]["components_gb"]["runtime"] > 0.05  # a torch process

@@ -22,7 +22,10 @@ Per size, each step in a process of its own:
    own peak resident memory (the high-water mark reset as the phase starts).
 
 Printed and written to ``--out``: predicted, measured and their ratio for the peak memory and
-each planned phase's seconds (generation, old quantities, update), the target being within 20%;
+each planned phase's seconds (generation, old quantities, update), the target being within 20%
+(with ``--repeat N``, steps 2 and 3 run N times and each figure is the median of its rounds:
+this machine's speed drifts by 10-30% from one minute to the next, the plan's timing and the run
+alike);
 the share of the CPUs other processes took while the plan timed its copies and while the run ran
 (timings are only valid on a quiet machine).
 
@@ -223,35 +226,61 @@ def check_size(name: str, args, work: Path) -> dict:
                                "process_seconds": started["seconds"]}
     result["prompt_tokens"] = {"longest": check["longest"], "mean": check["mean"]}
 
-    # 2. the plan, as a user runs it: first (measuring) and cached
     plan_cmd = ["-m", "rlhf_torchrl.cli", "plan", "--json",
                 "--prompt-tokens", str(check["longest"]),
                 *(["--mean-prompt-tokens", f"{check['mean']:.2f}"] if check["mean"] else []),
                 *run_overrides(args, policy, work / "plan", name)]
+    rounds = []
+    for k in range(args.repeat):  # steps 2 and 3, again
+        entry = one_round(name, policy, plan_cmd, args, work / f"round{k}")
+        rounds.append(entry)
+        if "error" in entry:
+            return {**result, "rounds": rounds, "error": entry["error"]}
+    result["load_after"] = os.getloadavg()
+    last = rounds[-1]
+    result.update(plan_seconds=last["plan_seconds"], plan=last["plan"], run=last["run"],
+                  rounds=rounds)
+    # each figure: the median over the rounds of what was planned and of what was measured
+    compare = {}
+    for figure in last["compare"]:
+        planned = statistics.median(r["compare"][figure]["predicted"] for r in rounds)
+        measured = statistics.median(r["compare"][figure]["measured"] for r in rounds)
+        compare[figure] = {**_ratio(planned, measured),
+                           "rounds": [r["compare"][figure]["ratio"] for r in rounds]}
+        if "run_spread" in last["compare"][figure]:
+            compare[figure]["run_spread"] = [
+                min(r["compare"][figure]["run_spread"][0] for r in rounds),
+                max(r["compare"][figure]["run_spread"][1] for r in rounds)]
+    result["compare"] = compare
+    result["within_target"] = all(abs(c["ratio"] - 1) <= TARGET for c in compare.values())
+    return result
+
+
+def one_round(name: str, policy: str, plan_cmd: list[str], args, work: Path) -> dict:
+    """Step 2, the plan as a user runs it (first, measuring, then cached), and step 3, the run;
+    the comparison."""
+    work.mkdir(parents=True, exist_ok=True)
+    me = [sys.executable, "-m", "rlhf_torchrl.benchmarks.plan_check"]
     plans = {}
     for kind, extra in (("first", ["--fresh"]), ("cached", [])):
-        log = work / f"plan_{kind}.log"
         start = time.perf_counter()
         proc = subprocess.run([sys.executable, *plan_cmd[:3], *extra, *plan_cmd[3:]], text=True,
                               capture_output=True, timeout=args.timeout)
         seconds = time.perf_counter() - start
-        log.write_text(proc.stdout + proc.stderr)
+        (work / f"plan_{kind}.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode:
-            return {**result, "error": f"plan ({kind}): " + proc.stderr[-1500:]}
+            return {"error": f"plan ({kind}): " + proc.stderr[-1500:]}
         plans[kind] = (json.loads(proc.stdout[proc.stdout.index("{"):]), seconds)
     plan = plans["cached"][0]
-    result["plan_seconds"] = {kind: seconds for kind, (_, seconds) in plans.items()}
-    result["plan"] = {"peak_gb": plan["peak_gb"], "peak_phase": plan["peak_phase"],
-                      "components_gb": plan["components"], "settings": plan["settings"],
-                      "phases": {p: {k: v for k, v in plan["phases"][p].items() if k != "held"}
-                                 for p in PHASES}}
-
-    # 3. the run
+    result = {"plan_seconds": {kind: seconds for kind, (_, seconds) in plans.items()},
+              "plan": {"peak_gb": plan["peak_gb"], "peak_phase": plan["peak_phase"],
+                       "components_gb": plan["components"], "settings": plan["settings"],
+                       "phases": {p: {k: v for k, v in plan["phases"][p].items() if k != "held"}
+                                  for p in PHASES}}}
     sidecar = work / "run.jsonl"
     run_dir = work / "run"
     ran = _launch([*me, "--child", str(sidecar), "--", *run_overrides(args, policy, run_dir, name)],
                   work / "run.log", args.timeout)
-    result["load_after"] = os.getloadavg()
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     if ran["returncode"] or len(rows) < iterations(args, name):
@@ -278,7 +307,6 @@ def check_size(name: str, args, work: Path) -> dict:
         times = [r[f"time/{p}"] for r in steady]
         compare[f"{p}_s"]["run_spread"] = [min(times) / measured[p], max(times) / measured[p]]
     result["compare"] = compare
-    result["within_target"] = all(abs(c["ratio"] - 1) <= TARGET for c in compare.values())
     return result
 
 
@@ -300,14 +328,18 @@ def _print(result: dict) -> None:
         for what, c in entry["compare"].items():
             flag = "" if abs(c["ratio"] - 1) <= TARGET else "  (off by more than 20%)"
             spread = ("{:.2f}-{:.2f}".format(*c["run_spread"]) if "run_spread" in c else "")
+            rounds = " ".join(f"{r:.2f}" for r in c.get("rounds", []))
             rows.append([entry["size"], what, f"{c['predicted']:.3f}", f"{c['measured']:.3f}",
-                         spread, f"{c['ratio']:.2f}{flag}"])
-        rows.append([entry["size"], "others' CPU share", _share(
-            entry["plan"]["settings"].get("timed_while_others_used")),
-            _share(entry["run"].get("others_cpu_share")), "", "(plan's timing, the run)"])
-    print(table(rows, ["size", "figure", "plan", "measured", "run's spread", "plan / measured"]))
+                         spread, rounds, f"{c['ratio']:.2f}{flag}"])
+        shares = [(_share(r["plan"]["settings"].get("timed_while_others_used")),
+                   _share(r["run"].get("others_cpu_share"))) for r in entry["rounds"]]
+        rows.append([entry["size"], "others' CPU share", " ".join(a for a, _ in shares),
+                     " ".join(b for _, b in shares), "", "", "(plan's timing; the run)"])
+    print(table(rows, ["size", "figure", "plan", "measured", "run's spread", "each round",
+                       "plan / measured"]))
     print("(measured: the median of the run's iterations from the second on; its spread: their "
-          "fastest and slowest over that median)")
+          "fastest and slowest over that median; with --repeat, plan and measured are medians "
+          "over the rounds, and each round's ratio is shown)")
     costs = [[e["size"], f"{e['plan_seconds']['first']:.2f}", f"{e['plan_seconds']['cached']:.2f}",
               f"{e['startup_check']['seconds']:.3f}", f"{e['startup_check']['seconds_again']:.3f}"]
              for e in result["sizes"] if "plan_seconds" in e]
@@ -329,6 +361,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--response-length", type=int, default=16,
                         help="generation.max_new_tokens")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="the run's threads")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of the plan (timed afresh) and the run per size: each "
+                             "figure is then the median of its rounds (this machine's speed "
+                             "drifts by 10-30%% from one minute to the next)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a step may take")
     parser.add_argument("--quick", action="store_true",
                         help="the tiny size, 2 iterations of 4 rows and 4 tokens: checks the script")
