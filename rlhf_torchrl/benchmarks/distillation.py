@@ -28,8 +28,14 @@ import json
 import os
 import statistics
 
-from rlhf_torchrl.benchmarks.common import add_out_arg, make_parser, write_json
-from rlhf_torchrl.benchmarks.estimators import command, run, run_name
+from rlhf_torchrl.benchmarks.arms import (
+    arm_parser,
+    gather,
+    publish,
+    run_arms,
+    run_dir,
+    run_dirs,
+)
 from rlhf_torchrl.errors import ConfigError
 
 VADER = "rlhf_torchrl.rewards.functions.vader_sentiment"
@@ -113,60 +119,35 @@ def table(runs: dict[str, dict[int, dict]]) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    parser = make_parser(__doc__)
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--arms", nargs="+", default=["reward", "teacher"], choices=ARMS)
+    parser = arm_parser(__doc__, ARMS, "outputs/distillation", default_arms=["reward", "teacher"])
     parser.add_argument("--teacher", default=None,
                         help="a saved policy folder to teach with (default: the reward arm's "
                              "seed-0 run's <run>/policy, trained first)")
     parser.add_argument("--teacher-coef", type=float, default=1.0, help="reward.teacher_coef")
-    parser.add_argument("--runs", default="outputs/distillation", help="the folder the runs go to")
-    parser.add_argument("--extra", nargs="*", default=[],
-                        help="overrides added to every run (a quick check: model.policy=<dir> "
-                             "ppo.num_iterations=2); their runs are tagged _extra")
-    parser.add_argument("--table-only", action="store_true", help="no runs: the table of those done")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the commands of the runs still to do, run nothing")
-    add_out_arg(parser)
     args = parser.parse_args(argv)
     if args.teacher_coef <= 0:
         raise ConfigError(f"--teacher-coef {args.teacher_coef}: give a positive coefficient.")
-    tag = "_extra" if args.extra else ""
-    os.makedirs(args.runs, exist_ok=True)
-    names = {(arm, seed): os.path.join(args.runs, run_name("sentiment", "gae", seed, arm + tag))
-             for arm in args.arms for seed in args.seeds}
-    teacher_run = os.path.join(args.runs, run_name("sentiment", "gae", 0, "reward" + tag))
+    names = run_dirs(args, "sentiment")
+    teacher_run = run_dir(args, "sentiment", "reward", 0)
     teacher = os.path.abspath(args.teacher or os.path.join(teacher_run, "policy"))
-    todo = [(key, path) for key, path in names.items()]
+    todo = list(names.items())
     if args.teacher is None and any(arm != "reward" for arm in args.arms):
         todo = [(("reward", 0), teacher_run)] + [(k, p) for k, p in todo if p != teacher_run]
-    if not args.table_only:
-        for (arm, seed), run_dir in todo:
-            if os.path.exists(os.path.join(run_dir, "report.json")):
-                continue
-            cmd = command("sentiment", "gae", seed, run_dir,
-                          [*arm_settings(arm, teacher, args.teacher_coef), *args.extra])
-            if run_dir == teacher_run and args.teacher is None:  # the teacher: its policy saved
-                cmd = [c if c != "logging.save_model=false" else "logging.save_model=true" for c in cmd]
-            elif arm != "reward" and not args.dry_run and not os.path.isdir(teacher):
-                print(f"skipped: {run_dir} (no teacher at {teacher})", flush=True)
-                continue
-            print(" ".join(cmd[4:]) if args.dry_run else f"running {run_dir}", flush=True)
-            if not args.dry_run and run(cmd, run_dir + ".log", run_dir + ".time"):
-                print(f"failed: {run_dir} (see {run_dir}.log)", flush=True)
+
+    def adjust(arm: str, path: str, cmd: list[str]) -> list[str] | None:
+        if path == teacher_run and args.teacher is None:  # the teacher: its policy saved
+            return [c if c != "logging.save_model=false" else "logging.save_model=true" for c in cmd]
+        if arm != "reward" and not args.dry_run and not os.path.isdir(teacher):
+            print(f"skipped: {path} (no teacher at {teacher})", flush=True)
+            return None
+        return cmd
+
+    run_arms(args, "sentiment", todo, lambda arm: arm_settings(arm, teacher, args.teacher_coef),
+             adjust)
     if args.dry_run:
         return {}
-    runs: dict[str, dict[int, dict]] = {}
-    for (arm, seed), run_dir in names.items():
-        if os.path.exists(os.path.join(run_dir, "report.json")):
-            runs.setdefault(arm, {})[seed] = run_curve(run_dir)
-    print("\n".join(table(runs)))
-    payload = {"benchmark": "distillation", "args": vars(args), "teacher": teacher, "runs": runs}
-    write_json(args.out, payload)
-    if args.out is not None and runs:
-        from rlhf_torchrl.benchmarks.plots import distillation, plot_path, save
-
-        save(distillation, payload, plot_path(args.out))
+    runs = gather(names, run_curve)
+    publish(args, "distillation", runs, table(runs), teacher=teacher)
     return runs
 
 

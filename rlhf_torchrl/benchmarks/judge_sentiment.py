@@ -28,8 +28,7 @@ import json
 import os
 import statistics
 
-from rlhf_torchrl.benchmarks.common import add_out_arg, make_parser, write_json
-from rlhf_torchrl.benchmarks.estimators import command, run, run_name
+from rlhf_torchrl.benchmarks.arms import arm_parser, gather, publish, run_arms, run_dirs
 
 VADER = "rlhf_torchrl.rewards.functions.vader_sentiment"
 #: the arms, in the order they run
@@ -132,52 +131,22 @@ def sample_lines(runs: dict[str, dict[int, dict]], judge_model: str, per_run: in
 
 
 def main(argv=None) -> dict:
-    parser = make_parser(__doc__)
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser = arm_parser(__doc__, ARMS, "outputs/judge_sentiment")
     parser.add_argument("--judge-model", default="smollm2-135m-instruct",
                         help="the judge (reward.judge.model), in process")
-    parser.add_argument("--runs", default="outputs/judge_sentiment", help="the folder the runs go to")
-    parser.add_argument("--extra", nargs="*", default=[],
-                        help="overrides added to every run (a quick check: model.policy=<dir> "
-                             "ppo.num_iterations=2); their runs are tagged _extra")
     parser.add_argument("--samples", type=int, default=4, help="held-out samples shown per run")
-    parser.add_argument("--table-only", action="store_true", help="no runs: the table of those done")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the commands of the runs still to do, run nothing")
-    add_out_arg(parser)
     args = parser.parse_args(argv)
-    tag = "_extra" if args.extra else ""
-    os.makedirs(args.runs, exist_ok=True)
+    names = run_dirs(args, "sentiment")
     rubric = os.path.abspath(os.path.join(args.runs, "rubric.txt"))
     with open(rubric, "w", encoding="utf-8") as f:
         f.write(RUBRIC)
-    names = {(arm, seed): os.path.join(args.runs, run_name("sentiment", "gae", seed, arm + tag))
-             for arm in args.arms for seed in args.seeds}
-    if not args.table_only:
-        for (arm, seed), run_dir in names.items():
-            if os.path.exists(os.path.join(run_dir, "report.json")):
-                continue
-            cmd = command("sentiment", "gae", seed, run_dir,
-                          [*arm_settings(arm, args.judge_model, rubric), *args.extra])
-            print(" ".join(cmd[4:]) if args.dry_run else f"running {run_dir}", flush=True)
-            if not args.dry_run and run(cmd, run_dir + ".log", run_dir + ".time"):
-                print(f"failed: {run_dir} (see {run_dir}.log)", flush=True)
+    run_arms(args, "sentiment", list(names.items()),
+             lambda arm: arm_settings(arm, args.judge_model, rubric))
     if args.dry_run:
         return {}
-    runs: dict[str, dict[int, dict]] = {}
-    for (arm, seed), run_dir in names.items():
-        if os.path.exists(os.path.join(run_dir, "report.json")):
-            runs.setdefault(arm, {})[seed] = run_figures(run_dir)
-    print("\n".join(table(runs)))
+    runs = gather(names, run_figures)
     samples = sample_lines(runs, args.judge_model, args.samples) if runs and args.samples else []
-    print("\n" + "\n".join(samples))
-    payload = {"benchmark": "judge_sentiment", "args": vars(args), "runs": runs, "samples": samples}
-    write_json(args.out, payload)
-    if args.out is not None and runs:
-        from rlhf_torchrl.benchmarks.plots import judge_sentiment, plot_path, save
-
-        save(judge_sentiment, payload, plot_path(args.out))
+    publish(args, "judge_sentiment", runs, table(runs), after=samples, samples=samples)
     return runs
 
 

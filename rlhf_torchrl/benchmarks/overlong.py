@@ -27,8 +27,7 @@ import json
 import os
 import statistics
 
-from rlhf_torchrl.benchmarks.common import add_out_arg, make_parser, write_json
-from rlhf_torchrl.benchmarks.estimators import command, run, run_name
+from rlhf_torchrl.benchmarks.arms import arm_parser, gather, publish, run_arms, run_dirs
 from rlhf_torchrl.errors import ConfigError
 
 #: the arms, in the order they run
@@ -99,54 +98,25 @@ def table(runs: dict[str, dict[int, dict]]) -> list[str]:
 
 
 def main(argv=None) -> dict:
-    parser = make_parser(__doc__)
+    parser = arm_parser(__doc__, ARMS, "outputs/overlong")
     parser.add_argument("--task", default="arithmetic", help="the task preset (task=...)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     parser.add_argument("--max-new-tokens", type=int, default=32,
                         help="generation.max_new_tokens of every run: L_max")
     parser.add_argument("--buffer", type=int, default=8,
                         help="reward.overlong_buffer of the overlong arm: L_cache")
     parser.add_argument("--penalty", type=float, default=1.0,
                         help="reward.overlong_penalty of the overlong arm")
-    parser.add_argument("--runs", default="outputs/overlong", help="the folder the runs go to")
-    parser.add_argument("--extra", nargs="*", default=[],
-                        help="overrides added to every run (a quick check: model.policy=<dir> "
-                             "ppo.num_iterations=2); their runs are tagged _extra")
-    parser.add_argument("--table-only", action="store_true", help="no runs: the table of those done")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the commands of the runs still to do, run nothing")
-    add_out_arg(parser)
     args = parser.parse_args(argv)
     if not 0 < args.buffer < args.max_new_tokens:
         raise ConfigError(f"--buffer {args.buffer}: give a buffer > 0 and below --max-new-tokens "
                           f"{args.max_new_tokens}.")
-    tag = "_extra" if args.extra else ""
-    os.makedirs(args.runs, exist_ok=True)
-    names = {(arm, seed): os.path.join(args.runs, run_name(args.task, "gae", seed, arm + tag))
-             for arm in args.arms for seed in args.seeds}
-    if not args.table_only:
-        for (arm, seed), run_dir in names.items():
-            if os.path.exists(os.path.join(run_dir, "report.json")):
-                continue
-            settings = arm_settings(arm, args.max_new_tokens, args.buffer, args.penalty)
-            cmd = command(args.task, "gae", seed, run_dir, [*settings, *args.extra])
-            print(" ".join(cmd[4:]) if args.dry_run else f"running {run_dir}", flush=True)
-            if not args.dry_run and run(cmd, run_dir + ".log", run_dir + ".time"):
-                print(f"failed: {run_dir} (see {run_dir}.log)", flush=True)
+    names = run_dirs(args, args.task)
+    run_arms(args, args.task, list(names.items()),
+             lambda arm: arm_settings(arm, args.max_new_tokens, args.buffer, args.penalty))
     if args.dry_run:
         return {}
-    runs: dict[str, dict[int, dict]] = {}
-    for (arm, seed), run_dir in names.items():
-        if os.path.exists(os.path.join(run_dir, "report.json")):
-            runs.setdefault(arm, {})[seed] = run_curve(run_dir)
-    print("\n".join(table(runs)))
-    payload = {"benchmark": "overlong", "args": vars(args), "runs": runs}
-    write_json(args.out, payload)
-    if args.out is not None and runs:
-        from rlhf_torchrl.benchmarks.plots import PLOTS, plot_path, save
-
-        save(PLOTS["overlong"], payload, plot_path(args.out))
+    runs = gather(names, run_curve)
+    publish(args, "overlong", runs, table(runs))
     return runs
 
 

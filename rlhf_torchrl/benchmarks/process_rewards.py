@@ -20,8 +20,7 @@ import json
 import os
 import statistics
 
-from rlhf_torchrl.benchmarks.common import add_out_arg, make_parser, write_json
-from rlhf_torchrl.benchmarks.estimators import command, run, run_name
+from rlhf_torchrl.benchmarks.arms import arm_parser, gather, publish, run_arms, run_dirs
 from rlhf_torchrl.errors import ConfigError
 
 OUTCOME = "rlhf_torchrl.rewards.functions.gsm8k_correct"
@@ -98,48 +97,18 @@ def mean_curve(seeds: dict[int, dict]) -> list[float]:
 
 
 def main(argv=None) -> dict:
-    parser = make_parser(__doc__)
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser = arm_parser(__doc__, ARMS, "outputs/process_rewards")
     parser.add_argument("--step-weight", type=float, default=0.5,
                         help="the per-step verifier's weight beside the outcome reward's 1.0")
-    parser.add_argument("--runs", default="outputs/process_rewards", help="the folder the runs go to")
-    parser.add_argument("--extra", nargs="*", default=[],
-                        help="overrides added to every run (a quick check: model.policy=<dir> "
-                             "ppo.num_iterations=2); their runs are tagged _extra")
-    parser.add_argument("--table-only", action="store_true", help="no runs: the table of those done")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the commands of the runs still to do, run nothing")
-    add_out_arg(parser)
     args = parser.parse_args(argv)
     if args.step_weight <= 0:
         raise ConfigError(f"--step-weight {args.step_weight}: give a positive weight.")
-    tag = "_extra" if args.extra else ""
-    os.makedirs(args.runs, exist_ok=True)
-    names = {(arm, seed): os.path.join(args.runs, run_name("arithmetic", "gae", seed, arm + tag))
-             for arm in args.arms for seed in args.seeds}
-    if not args.table_only:
-        for (arm, seed), run_dir in names.items():
-            if os.path.exists(os.path.join(run_dir, "report.json")):
-                continue
-            cmd = command("arithmetic", "gae", seed, run_dir,
-                          [*arm_settings(arm, args.step_weight), *args.extra])
-            print(" ".join(cmd[4:]) if args.dry_run else f"running {run_dir}", flush=True)
-            if not args.dry_run and run(cmd, run_dir + ".log", run_dir + ".time"):
-                print(f"failed: {run_dir} (see {run_dir}.log)", flush=True)
+    names = run_dirs(args, "arithmetic")
+    run_arms(args, "arithmetic", list(names.items()), lambda arm: arm_settings(arm, args.step_weight))
     if args.dry_run:
         return {}
-    runs: dict[str, dict[int, dict]] = {}
-    for (arm, seed), run_dir in names.items():
-        if os.path.exists(os.path.join(run_dir, "report.json")):
-            runs.setdefault(arm, {})[seed] = run_curve(run_dir)
-    print("\n".join(table(runs)))
-    payload = {"benchmark": "process_rewards", "args": vars(args), "runs": runs}
-    write_json(args.out, payload)
-    if args.out is not None and runs:
-        from rlhf_torchrl.benchmarks.plots import PLOTS, plot_path, save
-
-        save(PLOTS["process_rewards"], payload, plot_path(args.out))
+    runs = gather(names, run_curve)
+    publish(args, "process_rewards", runs, table(runs))
     return runs
 
 
