@@ -32,7 +32,8 @@ def arm_parser(doc: str, arms: tuple[str, ...], runs: str,
     parser.add_argument("--extra", nargs="*", default=[],
                         help="overrides added to every run (a quick check: model.policy=<dir> "
                              "ppo.num_iterations=2); their runs are tagged _extra")
-    parser.add_argument("--table-only", action="store_true", help="no runs: the table of those done")
+    parser.add_argument("--table-only", action="store_true",
+                        help="no runs: the table of those done")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the commands of the runs still to do, run nothing")
     add_out_arg(parser)
@@ -41,7 +42,8 @@ def arm_parser(doc: str, arms: tuple[str, ...], runs: str,
 
 def run_dir(args, task: str, arm: str, seed: int) -> str:
     """The folder of one run (``--extra`` tags it ``_extra``)."""
-    return os.path.join(args.runs, run_name(task, "gae", seed, arm + ("_extra" if args.extra else "")))
+    tag = "_extra" if args.extra else ""
+    return os.path.join(args.runs, run_name(task, "gae", seed, arm + tag))
 
 
 def run_dirs(args, task: str) -> Runs:

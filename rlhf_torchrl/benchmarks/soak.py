@@ -12,8 +12,8 @@ evaluation's peak, the start-up), and times a fixed probe (:func:`probe`: a loop
 interpreter and a hash of 2 MB, a few milliseconds, in the watcher's own thread on the core the
 single-threaded run leaves free): the machine's own speed at that moment. The kill comes once
 the row of ``--kill-at`` is read (default: half-way between two checkpoints past the middle, so
-that the resumed run redoes the iterations after the newest checkpoint). At the end the whole run's ``metrics.jsonl`` must hold every
-iteration once, ``0 .. --iterations - 1``.
+that the resumed run redoes the iterations after the newest checkpoint). At the end the whole
+run's ``metrics.jsonl`` must hold every iteration once, ``0 .. --iterations - 1``.
 
 Figures, per block of ``--every`` iterations and per segment (before and after the kill): the
 median ``time/total`` of the iterations without an evaluation or a checkpoint (the library's own
