@@ -2,6 +2,8 @@
 tokenizer: no SmolLM2), and write their JSON where told (figures are never asserted)."""
 
 import json
+import sys
+import time
 
 import pytest
 import torch
@@ -89,7 +91,8 @@ def test_scaling_benchmark(tmp_path):
     from rlhf_torchrl.benchmarks import scaling
 
     out = tmp_path / "s.json"
-    scaling.main(["--model", "tiny-llama", "--variants", "fp32", "token-budget", "two-processes",
+    scaling.main(["--timeout", "600", "--model", "tiny-llama",
+                  "--variants", "fp32", "token-budget", "two-processes",
                   "--iterations", "2", "--batch-size", "4", "--response-length", "4",
                   "--micro-batch-tokens", "64", "--threads", "1", "--out", str(out),
                   "data.limit=16", "ppo.num_mini_batches=2", "ppo.forward_batch_size=2"])
@@ -271,7 +274,8 @@ def test_balance_benchmark_tiny(tmp_path, capsys):
     balanced and not in alternating order; seconds reported (never asserted), the token balance
     of each way's minibatches computed as the update splits them."""
     out = tmp_path / "b.json"
-    cli(["bench", "balance", "--layouts", "packed", "--repeats", "1", "--batch-size", "8",
+    cli(["bench", "balance", "--timeout", "600", "--layouts", "packed", "--repeats", "1",
+         "--batch-size", "8",
          "--minibatches", "2", "--prompt-length", "8", "--median-length", "4",
          "--response-length", "16", "--out", str(out)])
     assert "critical busy s" in capsys.readouterr().out
@@ -291,7 +295,7 @@ def test_soak_benchmark_tiny(tmp_path, capsys):
     resident set; the block figures and their drift reported (never asserted), the run's
     metrics.jsonl every iteration once."""
     out = tmp_path / "soak.json"
-    cli(["bench", "soak", "--iterations", "30", "--every", "5", "--windows", "1",
+    cli(["bench", "soak", "--timeout", "600", "--iterations", "30", "--every", "5", "--windows", "1",
          "--out", str(out)])
     printed = capsys.readouterr().out
     assert "verdict: s/it (median time/total)" in printed
@@ -313,7 +317,8 @@ def test_soak_benchmark_tiny(tmp_path, capsys):
     assert (tmp_path / "soak.png").stat().st_size > 0
 
     # the uninterrupted arm: the same command once, to its end
-    cli(["bench", "soak", "--iterations", "12", "--every", "4", "--windows", "1", "--no-kill",
+    cli(["bench", "soak", "--timeout", "600", "--iterations", "12", "--every", "4", "--windows", "1",
+         "--no-kill",
          "--out", str(tmp_path / "whole.json")])
     whole = json.loads((tmp_path / "whole.json").read_text())
     assert whole["kill_at"] is None and whole["metrics"] == {"rows": 12, "each_once": True}
@@ -483,3 +488,29 @@ def test_plan_check_runs_the_plan_and_the_run_on_the_tiny_model(tmp_path, capsys
     assert entry["run"]["threads"] == [result["args"]["threads"]] * 2
     assert "plan / measured" in capsys.readouterr().out
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_run_bounded_kills_the_whole_tree_past_its_deadline():
+    """A benchmark's started process past ``--timeout``: its session (children too) SIGKILLed and
+    one error naming the deadline, with the output so far; within it, the finished process."""
+    from rlhf_torchrl.benchmarks.common import run_bounded
+
+    done = run_bounded([sys.executable, "-c", "print('ok')"], timeout=60)
+    assert (done.returncode, done.stdout) == (0, "ok\n")
+    child = "import time; time.sleep(120)"
+    parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+              f"{child!r}]); print('child', p.pid, flush=True); time.sleep(120)")
+    with pytest.raises(RuntimeError, match=r"took more than 3 s \(raise --timeout") as caught:
+        run_bounded([sys.executable, "-c", parent], timeout=3)
+    pid = int(str(caught.value).split("child ", 1)[1].split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # gone, or a zombie its new parent has yet to reap
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the child {pid} outlived the deadline")

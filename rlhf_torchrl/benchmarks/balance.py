@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,9 +41,11 @@ from rlhf_torchrl import keys as K
 from rlhf_torchrl.benchmarks.common import (
     add_model_args,
     add_out_arg,
+    add_timeout_arg,
     finish,
     machine,
     make_parser,
+    run_bounded,
     table,
 )
 
@@ -79,6 +80,7 @@ def _parser():
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="padded", help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    add_timeout_arg(parser, 3600)
     add_out_arg(parser)
     return parser
 
@@ -222,7 +224,7 @@ def _job(args, layout: str) -> list[dict]:
                    *_worker_args(args), "--worker", "--layout", layout, "--result", result]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        proc = subprocess.run(command, env=env, capture_output=True, text=True)
+        proc = run_bounded(command, args.timeout, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"the {layout} job failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         with open(result) as f:

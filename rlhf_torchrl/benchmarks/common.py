@@ -8,7 +8,9 @@ import json
 import os
 import platform
 import resource
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -62,6 +64,39 @@ def add_out_arg(parser) -> None:
                         help="write the figures (and the arguments and machine) as JSON to this "
                              "file, and their plot beside it (the same name, .png); without it "
                              "only the table is printed")
+
+
+def add_timeout_arg(parser, default: float) -> None:
+    """``--timeout``: the seconds each process the benchmark starts may take."""
+    parser.add_argument("--timeout", type=float, default=default,
+                        help="seconds each started process (with its children) may take before "
+                             "it is killed and the benchmark stops")
+
+
+def run_bounded(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)`` with a deadline that holds for
+    the whole process tree: the command starts in a session of its own (torchrun's workers with
+    it), and past ``timeout`` seconds the session is SIGKILLed and ``RuntimeError`` names the
+    command and shows the end of its output."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        out, err = proc.communicate()
+        raise RuntimeError(f"{' '.join(command[:6])} ... took more than {timeout:g} s (raise "
+                           f"--timeout if it is only slow); killed. Its output ended:\n"
+                           f"{out[-2000:]}{err[-2000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def kill_session(pid: int) -> None:
+    """SIGKILL the session (process group) ``pid`` leads, if it is still there."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def apply_runtime_args(args) -> None:

@@ -23,17 +23,18 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 from rlhf_torchrl.benchmarks.common import (
     add_model_args,
     add_out_arg,
+    add_timeout_arg,
     finish,
     machine,
     make_parser,
     recipe_model,
+    run_bounded,
     table,
 )
 
@@ -97,8 +98,7 @@ def run_variant(name: str, args, out_dir: str, model: list[str]) -> dict:
                *overrides]
     # in the user's folder, so relative paths in --model and the overrides hold; the run writes
     # only into out_dir (output_dir and hydra.run.dir)
-    proc = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], env=env, capture_output=True,
-                          text=True)
+    proc = run_bounded([sys.executable, "-c", _WRAPPER, *cmd], args.timeout, env=env)
     if proc.returncode:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
     peak_kb = int(proc.stdout.rsplit("PEAK_RSS_KB", 1)[1].split()[0])
@@ -131,6 +131,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=2,
                         help="torch's threads (the torchrun variants: one per process)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (torchrun variants: a GPU each)")
+    add_timeout_arg(parser, 3600)
     add_out_arg(parser)
     parser.add_argument("overrides", nargs="*", default=[],
                         help="more recipe overrides, e.g. ppo.num_mini_batches=2")

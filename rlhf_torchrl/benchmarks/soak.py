@@ -52,7 +52,9 @@ import time
 
 from rlhf_torchrl.benchmarks.common import (
     add_out_arg,
+    add_timeout_arg,
     finish,
+    kill_session,
     machine,
     make_parser,
     recipe_model,
@@ -256,7 +258,16 @@ def run_segment(command: list[str], run_dir: str, log_path: str, args,
                                 start_new_session=True)
         watcher = Watcher(proc.pid, metrics, first, args.poll, args.sample_every, stale, kill_at)
         watcher.start()
-        rc = proc.wait()
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            kill_session(proc.pid)  # the run's whole group (its own session)
+            rc = proc.wait()
+            watcher.stop.set()
+            watcher.join()
+            with open(log_path) as f:
+                raise RuntimeError(f"the run took more than {args.timeout:g} s (--timeout); "
+                                   f"killed. Its log ends:\n{f.read()[-3000:]}") from None
         watcher.stop.set()
         watcher.join()
     seconds = time.monotonic() - started
@@ -405,6 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dir", default=None,
                         help="keep the run here (a new folder inside; default: a temporary one, "
                              "removed at the end)")
+    add_timeout_arg(parser, 4 * 3600)
     add_out_arg(parser)
     parser.add_argument("overrides", nargs="*", default=[], help="more recipe overrides")
     args = parser.parse_args(argv)
