@@ -490,27 +490,56 @@ def test_plan_check_runs_the_plan_and_the_run_on_the_tiny_model(tmp_path, capsys
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-def test_run_bounded_kills_the_whole_tree_past_its_deadline():
+def _gone(pid: int, within: float = 10.0) -> bool:
+    """The process ``pid`` ended (gone, or a zombie its new parent has yet to reap)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_run_bounded_kills_the_whole_tree_past_its_deadline(tmp_path):
     """A benchmark's started process past ``--timeout``: its session (children too) SIGKILLed and
-    one error naming the deadline, with the output so far; within it, the finished process."""
+    one error naming the deadline, with the output so far; the same on Ctrl-C (which the
+    session, a group of its own, does not get); within it, the finished process."""
+    import signal
+    import threading
+
     from rlhf_torchrl.benchmarks.common import run_bounded
 
     done = run_bounded([sys.executable, "-c", "print('ok')"], timeout=60)
     assert (done.returncode, done.stdout) == (0, "ok\n")
+    pid_file = tmp_path / "child"
     child = "import time; time.sleep(120)"
-    parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
-              f"{child!r}]); print('child', p.pid, flush=True); time.sleep(120)")
+    parent = (f"import pathlib, subprocess, sys, time; p = subprocess.Popen([sys.executable, "
+              f"'-c', {child!r}]); print('child', p.pid, flush=True); "
+              f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid)); time.sleep(120)")
     with pytest.raises(RuntimeError, match=r"took more than 3 s \(raise --timeout") as caught:
         run_bounded([sys.executable, "-c", parent], timeout=3)
     pid = int(str(caught.value).split("child ", 1)[1].split()[0])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # gone, or a zombie its new parent has yet to reap
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
-        except FileNotFoundError:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"the child {pid} outlived the deadline")
+    assert _gone(pid), f"the child {pid} outlived the deadline"
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    def press_ctrl_c():  # once the child is up
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+    pid_file.unlink()
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Thread(target=press_ctrl_c, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            run_bounded([sys.executable, "-c", parent], timeout=60)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert _gone(int(pid_file.read_text())), "the child outlived Ctrl-C"

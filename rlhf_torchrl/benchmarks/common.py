@@ -77,7 +77,8 @@ def run_bounded(command: list[str], timeout: float, **kwargs) -> subprocess.Comp
     """``subprocess.run(command, capture_output=True, text=True)`` with a deadline that holds for
     the whole process tree: the command starts in a session of its own (torchrun's workers with
     it), and past ``timeout`` seconds the session is SIGKILLed and ``RuntimeError`` names the
-    command and shows the end of its output."""
+    command and shows the end of its output. Interrupted (Ctrl-C, which the session does not
+    see), the session is killed too."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kwargs)
     try:
@@ -88,6 +89,9 @@ def run_bounded(command: list[str], timeout: float, **kwargs) -> subprocess.Comp
         raise RuntimeError(f"{' '.join(command[:6])} ... took more than {timeout:g} s (raise "
                            f"--timeout if it is only slow); killed. Its output ended:\n"
                            f"{out[-2000:]}{err[-2000:]}") from None
+    except BaseException:
+        kill_session(proc.pid)
+        raise
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 

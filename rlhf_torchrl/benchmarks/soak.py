@@ -268,6 +268,9 @@ def run_segment(command: list[str], run_dir: str, log_path: str, args,
             with open(log_path) as f:
                 raise RuntimeError(f"the run took more than {args.timeout:g} s (--timeout); "
                                    f"killed. Its log ends:\n{f.read()[-3000:]}") from None
+        except BaseException:  # Ctrl-C: the run's session does not see it
+            kill_session(proc.pid)
+            raise
         watcher.stop.set()
         watcher.join()
     seconds = time.monotonic() - started
