@@ -505,9 +505,10 @@ def _gone(pid: int, within: float = 10.0) -> bool:
 
 
 def test_run_bounded_kills_the_whole_tree_past_its_deadline(tmp_path):
-    """A benchmark's started process past ``--timeout``: its session (children too) SIGKILLed and
-    one error naming the deadline, with the output so far; the same on Ctrl-C (which the
-    session, a group of its own, does not get); within it, the finished process."""
+    """A benchmark's started process past ``--timeout``: it and its descendants (one in a session
+    of its own, as torchrun's workers) SIGKILLed and one error naming the deadline, with the
+    output so far; the same on Ctrl-C (which the command's own session does not get); within
+    it, the finished process."""
     import signal
     import threading
 
@@ -517,8 +518,9 @@ def test_run_bounded_kills_the_whole_tree_past_its_deadline(tmp_path):
     assert (done.returncode, done.stdout) == (0, "ok\n")
     pid_file = tmp_path / "child"
     child = "import time; time.sleep(120)"
+    # the child in a session of its own, as torchrun starts its workers
     parent = (f"import pathlib, subprocess, sys, time; p = subprocess.Popen([sys.executable, "
-              f"'-c', {child!r}]); print('child', p.pid, flush=True); "
+              f"'-c', {child!r}], start_new_session=True); print('child', p.pid, flush=True); "
               f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid)); time.sleep(120)")
     with pytest.raises(RuntimeError, match=r"took more than 3 s \(raise --timeout") as caught:
         run_bounded([sys.executable, "-c", parent], timeout=3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -75,32 +76,58 @@ def add_timeout_arg(parser, default: float) -> None:
 
 def run_bounded(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(command, capture_output=True, text=True)`` with a deadline that holds for
-    the whole process tree: the command starts in a session of its own (torchrun's workers with
-    it), and past ``timeout`` seconds the session is SIGKILLed and ``RuntimeError`` names the
-    command and shows the end of its output. Interrupted (Ctrl-C, which the session does not
-    see), the session is killed too."""
+    the whole process tree: past ``timeout`` seconds the command and every descendant are
+    SIGKILLed (:func:`kill_tree`: torchrun's workers too, which run in sessions of their own) and
+    ``RuntimeError`` names the command and shows the end of its output. Interrupted (Ctrl-C, which
+    the command's own session does not see), the tree is killed too."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kwargs)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        out, err = proc.communicate()
+        kill_tree(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process no walk found still holds the pipes
+            out = err = ""
         raise RuntimeError(f"{' '.join(command[:6])} ... took more than {timeout:g} s (raise "
                            f"--timeout if it is only slow); killed. Its output ended:\n"
                            f"{out[-2000:]}{err[-2000:]}") from None
     except BaseException:
-        kill_session(proc.pid)
+        kill_tree(proc.pid)
         raise
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-def kill_session(pid: int) -> None:
-    """SIGKILL the session (process group) ``pid`` leads, if it is still there."""
-    try:
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (``/proc/<pid>/task/*/children``), parents first."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:  # gone meanwhile
+            continue
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s session (its process group) and every descendant, also those that left
+    it for sessions of their own; the descendants are listed before anything is killed (a killed
+    parent's children lose the link)."""
+    tree = process_tree(pid)
+    for p in tree[1:]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGSTOP)  # no new children meanwhile
+    tree = list(dict.fromkeys(tree + process_tree(pid)))
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
 
 
 def apply_runtime_args(args) -> None:

@@ -54,9 +54,10 @@ from rlhf_torchrl.benchmarks.common import (
     add_out_arg,
     add_timeout_arg,
     finish,
-    kill_session,
+    kill_tree,
     machine,
     make_parser,
+    process_tree,
     recipe_model,
     table,
 )
@@ -94,21 +95,6 @@ def word_task_model(folder: str) -> str:
     return folder
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (``/proc/<pid>/task/*/children``)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:  # gone meanwhile
-            continue
-    return out
-
-
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -117,7 +103,7 @@ def tree_stats(pid: int) -> dict | None:
     peak) and its CPU seconds (user + system); None once the process is gone."""
     rss = hwm = cpu = 0.0
     found = False
-    for p in _tree(pid):
+    for p in process_tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
@@ -261,7 +247,7 @@ def run_segment(command: list[str], run_dir: str, log_path: str, args,
         try:
             rc = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            kill_session(proc.pid)  # the run's whole group (its own session)
+            kill_tree(proc.pid)  # the run's whole group (its own session)
             rc = proc.wait()
             watcher.stop.set()
             watcher.join()
@@ -269,7 +255,7 @@ def run_segment(command: list[str], run_dir: str, log_path: str, args,
                 raise RuntimeError(f"the run took more than {args.timeout:g} s (--timeout); "
                                    f"killed. Its log ends:\n{f.read()[-3000:]}") from None
         except BaseException:  # Ctrl-C: the run's session does not see it
-            kill_session(proc.pid)
+            kill_tree(proc.pid)
             raise
         watcher.stop.set()
         watcher.join()
