@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_torchrl.benchmarks.common import run_bounded
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["ppo.num_iterations=2", "ppo.batch_size=8", "ppo.num_mini_batches=2",
         "ppo.forward_batch_size=4", "generation.max_new_tokens=6", "logging.progress_bar=false",
@@ -37,9 +39,10 @@ def _run(out: Path, model_dir: str, nproc: int, *overrides: str, device: str = "
                 if not (torchrun if torchrun is not None else nproc > 1) else
                 ["torchrun", "--standalone", f"--nproc_per_node={nproc}", str(ROOT / "recipes" / "ppo.py")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.run([*launcher, f"model.policy={model_dir}", f"output_dir={out}",
-                           f"hydra.run.dir={out}", f"device={device}", *TINY, *overrides],
-                          capture_output=True, text=True, env=env, timeout=600)
+    # past its deadline the job is killed with its workers (sessions of their own under torchrun)
+    proc = run_bounded([*launcher, f"model.policy={model_dir}", f"output_dir={out}",
+                        f"hydra.run.dir={out}", f"device={device}", *TINY, *overrides],
+                       timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
