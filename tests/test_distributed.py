@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_torchrl.benchmarks.common import run_bounded
+from rlhf_torchrl.benchmarks.common import kill_tree, process_tree, run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["ppo.num_iterations=2", "ppo.batch_size=8", "ppo.num_mini_batches=2",
@@ -206,31 +206,11 @@ def test_sharded_checkpoint_resumes_exactly(tmp_path, tiny_llama_dir, strategy):
     assert torch.equal(*logits)
 
 
-def _process_tree(pid: int) -> list[int]:
-    """``pid`` and every process below it (torchrun's workers sit in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    return tree
-
-
 def test_ddp_overlap_resume_after_the_whole_job_is_killed(tmp_path, tiny_llama_dir):
     """2 processes sampling one update ahead: every process of the job is SIGKILLed once
     checkpoint 1 of 3 exists (a lost node), then the same command resumes. Each process's rows
     sampled ahead are its own in the checkpoint, so every iteration equals the uninterrupted
     run's (they were all rank 0's rows before)."""
-    import signal
     import time
 
     overrides = ["distributed.strategy=ddp", "collection.overlap=1",
@@ -247,11 +227,7 @@ def test_ddp_overlap_resume_after_the_whole_job_is_killed(tmp_path, tiny_llama_d
     while not (cut / "checkpoints" / "iter_00000001").is_dir():
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended first"
         time.sleep(0.005)
-    for pid in _process_tree(proc.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(proc.pid)  # torchrun and its workers (sessions of their own)
     proc.wait()
     assert not (cut / "checkpoints" / "iter_00000003").exists()
     resumed = _run(cut, tiny_llama_dir, 2, *overrides)
@@ -263,7 +239,7 @@ def test_ddp_overlap_resume_after_the_whole_job_is_killed(tmp_path, tiny_llama_d
 
 def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
     """The pid of torchrun's worker of ``rank`` (read from its environment), or None yet."""
-    for pid in _process_tree(torchrun_pid):
+    for pid in process_tree(torchrun_pid):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)

@@ -247,7 +247,7 @@ def run_segment(command: list[str], run_dir: str, log_path: str, args,
         try:
             rc = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)  # the run's whole group (its own session)
+            kill_tree(proc.pid)  # the run and whatever it started
             rc = proc.wait()
             watcher.stop.set()
             watcher.join()
