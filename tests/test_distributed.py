@@ -268,15 +268,22 @@ def test_one_rank_sigkilled_stops_the_job_in_bounded_time_then_resumes_exactly(t
                f"model.policy={tiny_llama_dir}", f"output_dir={cut}", f"hydra.run.dir={cut}",
                *TINY, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    deadline = time.monotonic() + 300
-    while not (cut / "checkpoints" / "iter_00000001").is_dir():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended first"
-        time.sleep(0.005)
-    os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
-    killed = time.monotonic()
-    output, _ = proc.communicate(timeout=120)  # torchrun's own bound: SIGTERM, 30 s, SIGKILL
+    log = tmp_path / "cut.log"  # a file, not a pipe: nothing reads while the test polls
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not (cut / "checkpoints" / "iter_00000001").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended first"
+            time.sleep(0.005)
+        os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait(timeout=120)  # torchrun's own bound: SIGTERM, 30 s, SIGKILL
+    finally:
+        if proc.poll() is None:  # the test failed: nothing of the job outlives it
+            kill_tree(proc.pid)
+            proc.wait()
+    output = log.read_text()
     assert proc.returncode != 0 and time.monotonic() - killed < 90, output[-3000:]
     # rank 0 says what happened in one line; no traceback from inside the collective it was in
     assert re.search(r"\nError: process 0 of 2 lost another process of the job \([^)]*Connection "

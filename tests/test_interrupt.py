@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,18 +48,26 @@ def _command(model, out, iterations, *extra):
 def _signal_after(command, out, rows, signals, gap=0.0, timeout=300):
     """Start ``command``, send ``signals`` (``gap`` seconds apart) once ``rows`` metrics rows are
     written; returns (exit status, stderr)."""
-    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + timeout
-    while len(_rows(out)) < rows and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert proc.poll() is None, f"finished before the signal:\n{proc.stderr.read()[-3000:]}"
-    for i, signum in enumerate(signals):
-        if i:
-            time.sleep(gap)
-        proc.send_signal(signum)
-    _, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-    return proc.returncode, err
+    with tempfile.TemporaryFile("w+") as stderr:  # a file, not a pipe: nothing reads meanwhile
+        proc = subprocess.Popen(command, env=_env(), stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            deadline = time.monotonic() + timeout
+            while len(_rows(out)) < rows and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if proc.poll() is not None:  # (the file is read once the run is gone: one offset)
+                stderr.seek(0)
+                raise AssertionError(f"finished before the signal:\n{stderr.read()[-3000:]}")
+            for i, signum in enumerate(signals):
+                if i:
+                    time.sleep(gap)
+                proc.send_signal(signum)
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:  # past the deadline: the run does not outlive the test
+                proc.kill()
+                proc.wait()
+        stderr.seek(0)
+        return proc.returncode, stderr.read()
 
 
 @pytest.fixture(scope="module")

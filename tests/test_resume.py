@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -152,16 +153,21 @@ def _env():
 def _run_until(command, out, condition, timeout=300) -> bool:
     """Start ``command``; SIGKILL it as soon as ``condition(out)`` holds. True if it was killed,
     False if it finished first."""
-    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        if condition(out):
+    with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: nothing reads while it polls
+        proc = subprocess.Popen(command, env=_env(), stdout=subprocess.DEVNULL, stderr=stderr,
+                                start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            if condition(out):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return True
+            time.sleep(0.001)
+        if proc.poll() is None:  # past the deadline: nothing of the run outlives the test
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return True
-        time.sleep(0.001)
-    assert proc.wait(timeout=max(1, deadline - time.monotonic())) == 0, proc.stderr.read().decode()
+        stderr.seek(0)
+        assert proc.returncode == 0, stderr.read().decode()[-3000:]
     return False
 
 

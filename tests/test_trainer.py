@@ -26,6 +26,7 @@ from rlhf_torchrl import (
     make_ppo_loss,
 )
 from rlhf_torchrl import keys as K
+from rlhf_torchrl.collectors.asynchronous import AsyncCollector
 from rlhf_torchrl.errors import ConfigError
 from rlhf_torchrl.modules import load_causal_lm, load_tokenizer
 from rlhf_torchrl.trainers.hooks import Checkpointer, OnPolicyCheck
@@ -39,8 +40,9 @@ def length_reward(prompts, responses):
     return [len(r) / 20 for r in responses]
 
 
-def build(model_dir, *, num_iterations=3, scorer=None, seed=0):
-    """The README's Python example, at a tiny size."""
+def build(model_dir, *, num_iterations=3, scorer=None, seed=0, wrap=None):
+    """The README's Python example, at a tiny size (``wrap``: a function of the collector, the
+    collector the trainer gets)."""
     torch.manual_seed(seed)
     tok = load_tokenizer(model_dir)
     policy = load_causal_lm(model_dir, tok)
@@ -55,7 +57,8 @@ def build(model_dir, *, num_iterations=3, scorer=None, seed=0):
         env = make_generation_env(PROMPTS, tok, batch_size=4, seed=seed, start_batch=start_batch)
         gen = make_generation_policy(policy, tok, max_new_tokens=6, temperature=0.7,
                                      record_log_probs=True)
-        return RolloutCollector(env, gen, tokenizer=tok, seed=seed, start_batch=start_batch)
+        collector = RolloutCollector(env, gen, tokenizer=tok, seed=seed, start_batch=start_batch)
+        return wrap(collector) if wrap else collector
 
     return PPOTrainer(
         collector=collector, scorer=scorer or Scorer({"length": (length_reward, 1.0)}),
@@ -113,6 +116,28 @@ def test_a_swapped_scorer_is_the_one_the_loop_uses(tiny_llama_dir):
     trainer.register_op("log", rows.append)
     trainer.fit()
     assert rows[0]["objective/scores"] == pytest.approx(0.6, abs=0.31)  # 1..6 tokens / 10
+
+
+def test_an_error_in_the_loop_shuts_the_sampler_down(tiny_llama_dir):
+    """An error raised mid-run (here a hook's) leaves nothing sampling behind it: the background
+    sampler's thread, which waits for the next weights, ends before the error reaches the
+    caller (a Python session that catches it is not left with a thread, an engine or Ray workers
+    holding the models)."""
+    samplers = []
+
+    def background(collector):
+        samplers.append(AsyncCollector(collector, overlap=0))
+        return samplers[0]
+
+    def fail(*_):
+        if trainer.iteration == 1:
+            raise RuntimeError("a hook failed")
+
+    trainer = build(tiny_llama_dir, wrap=background)
+    trainer.register_op("post_steps", fail)
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        trainer.fit()
+    assert samplers[0]._thread is not None and not samplers[0]._thread.is_alive()
 
 
 def test_checkpoint_and_load_checkpoint_resume_exactly(tmp_path, tiny_llama_dir):

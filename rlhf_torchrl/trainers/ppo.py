@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
@@ -54,6 +55,10 @@ from rlhf_torchrl.trainers.stages import StagedLoop
 from rlhf_torchrl.trainers.update import UpdateSettings, ppo_update
 
 log = logging.getLogger(__name__)
+
+#: seconds an error waits for the collector's shutdown (its sampling thread, engine, Ray workers)
+#: before it is raised; the shutdown goes on in the background past that
+SHUTDOWN_AFTER_ERROR_S = 10.0
 
 class PPOTrainer(StagedLoop):
     """PPO over a rollout TensorDict, one method per phase; with a token-level critic (GAE) or
@@ -242,15 +247,15 @@ class PPOTrainer(StagedLoop):
             )
 
             self.register_hook("weight_push", WeightPush())
-        self.run_stage("setup")
-        rollouts = iter(self.collector)
-        if self.restored_rng is not None:
-            # after the collector and the hooks' setup, which may draw random numbers: the first
-            # iteration starts from the states the checkpointed run had at that point
-            set_rng_state(self.restored_rng)
-            self.restored_rng = None
         where = lambda: f"iteration {self.iteration + 1} of {self.num_iterations}"  # noqa: E731
         try:
+            self.run_stage("setup")
+            rollouts = iter(self.collector)
+            if self.restored_rng is not None:
+                # after the collector and the hooks' setup, which may draw random numbers: the
+                # first iteration starts from the states the checkpointed run had at that point
+                set_rng_state(self.restored_rng)
+                self.restored_rng = None
             with InterruptHandler(where) as self.interrupt:
                 try:
                     self._iterate(rollouts)
@@ -266,6 +271,11 @@ class PPOTrainer(StagedLoop):
             self._shutdown_collector()
             stop.iteration = self.iterations_done
             raise
+        except PeerLost:  # the job is ending: the sampler's collectives would wait on the dead peer
+            raise
+        except BaseException:  # an error: the sampler's thread, engine and Ray workers end too
+            self._shutdown_collector(timeout=SHUTDOWN_AFTER_ERROR_S)
+            raise
         self._shutdown_collector()
         if self.stopping and self.iteration < self.num_iterations:
             raise self._interrupted()
@@ -273,10 +283,31 @@ class PPOTrainer(StagedLoop):
         self.parallel.barrier()
         return self.report
 
-    def _shutdown_collector(self) -> None:
+    def _shutdown_collector(self, timeout: float | None = None) -> None:
+        """The collector's ``shutdown()``, if it has one. With ``timeout`` (the way out of an
+        error) it runs in a thread of its own and the error goes on after ``timeout`` seconds at
+        most: a batch being sampled finishes first, and the error is what the user needs to see;
+        a failed shutdown is logged, never raised over the error."""
         shutdown = getattr(self.collector, "shutdown", None)
-        if shutdown is not None:
+        if shutdown is None:
+            return
+        if timeout is None:
             shutdown()
+            return
+
+        def quietly():
+            try:
+                shutdown()
+            except Exception as error:  # noqa: BLE001 - the error being raised matters more
+                log.warning("Shutting the collector down after an error failed too (%s: %s).",
+                            type(error).__name__, error)
+
+        worker = threading.Thread(target=quietly, name="collector-shutdown", daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            log.warning("The collector is still shutting down %g s after the error (a batch "
+                        "being sampled finishes first); it goes on in the background.", timeout)
 
     def _interrupted(self) -> RunInterrupted:
         """The stop after a signal's iteration, naming the checkpoint written."""
