@@ -62,7 +62,8 @@ class DataParallel:
             equal slices of each minibatch
             (:func:`~rlhf_torchrl.trainers.micro_batches.micro_batches`): the same loss, less
             waiting on the process with the longest rows. ``"auto"``: where its micro-batches
-            count real tokens (packed, or under a token budget).
+            count real tokens (packed, or under a token budget), or a process's padded rows make
+            several micro-batches (gradient accumulation).
     """
 
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
@@ -360,7 +361,7 @@ def init_data_parallel(strategy: str = "ddp", device: torch.device | None = None
                                 device_id=device if device.type == "cuda" else None)
     log.info("Process %d of %d (%s, %s%s)", rank, world, strategy, device,
              "" if world <= 1 or balance is False else ", update rows balanced by tokens"
-             + (" where packed or under a token budget" if balance == "auto" else ""))
+             + (" where packed, under a token budget or accumulating" if balance == "auto" else ""))
     parallel = DataParallel(rank=rank, world_size=world, local_rank=local_rank, strategy=strategy,
                             device=device, balance=balance)
     parallel._one_process_group = world == 1

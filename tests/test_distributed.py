@@ -63,7 +63,8 @@ CASES = {
                                "collection.overlap=0", "checkpoint.every=1"],
     # gradients kept local until the last micro-batch of a minibatch; on stopping_llama_dir, whose
     # responses stop at different steps from row to row: every forward is a collective, so a
-    # process whose rows have all stopped keeps stepping (synced_gpus) until the other's have
+    # process whose rows have all stopped keeps stepping (synced_gpus) until the other's have;
+    # distributed.balance=auto balances the rows here (several padded micro-batches a process)
     "fsdp2-shared-accumulation-stopping": ["distributed.strategy=fsdp2", "value_model.init=shared",
                                            "ppo.gradient_accumulation_steps=2",
                                            "generation.max_new_tokens=8"],

@@ -1,5 +1,6 @@
 """GAE module, ClipPPOLoss on the token-level actor/critic, and the PPO update."""
 
+import itertools
 import math
 
 import pytest
@@ -523,8 +524,9 @@ def test_micro_batch_weights_over_two_processes(mode, tokenizer):
 
 def test_balance_auto_where_micro_batches_count_tokens():
     """distributed.balance=auto balances the update's rows where its micro-batches count real
-    tokens (packed, or under a token budget), not for equal row slices of a padded batch; true
-    and false everywhere; any other value is refused with the choices."""
+    tokens (packed, or under a token budget) or a process's padded rows make several micro-batches
+    (gradient accumulation), not for one padded micro-batch a process; true and false everywhere;
+    any other value is refused with the choices."""
     from types import SimpleNamespace
 
     from rlhf_torchrl.distributed import DataParallel
@@ -533,12 +535,13 @@ def test_balance_auto_where_micro_batches_count_tokens():
 
     for packing in (False, True):
         loss = SimpleNamespace(actor_network=SimpleNamespace(packing=packing))
-        for budget in (None, 64):
+        for budget, steps in itertools.product((None, 64), (1, 2)):
             for balance in (False, True, "auto"):
-                split = _split_settings(loss, DataParallel(world_size=2, balance=balance), 1,
+                split = _split_settings(loss, DataParallel(world_size=2, balance=balance), steps,
                                         budget, None)
-                expected = balance is True or (balance == "auto" and (packing or budget is not None))
-                assert split["balance"] is expected, (packing, budget, balance)
+                expected = balance is True or (balance == "auto" and (
+                    packing or budget is not None or steps > 1))
+                assert split["balance"] is expected, (packing, budget, steps, balance)
     with pytest.raises(ConfigError, match="choose one of"):
         DataParallel(balance="sometimes")
 

@@ -373,8 +373,11 @@ def _split_settings(loss_module, parallel, gradient_accumulation_steps: int,
                     micro_batch_tokens: int | None, packed: bool | None) -> dict:
     """:func:`~rlhf_torchrl.trainers.micro_batches.micro_batches`' settings for this loss and process."""
     packed = getattr(loss_module.actor_network, "packing", False) is True if packed is None else packed
-    # balance="auto": where micro-batches count real tokens (benchmarks/README.md, balance)
-    balance = parallel.balance is True or (parallel.balance == "auto" and bool(packed or micro_batch_tokens))
+    # balance="auto": where micro-batches count real tokens, or where a process's padded rows are
+    # several micro-batches (longest first, each pads less): where it measured faster
+    # (benchmarks/README.md, balance)
+    balance = parallel.balance is True or (parallel.balance == "auto" and bool(
+        packed or micro_batch_tokens or gradient_accumulation_steps > 1))
     return dict(rank=parallel.rank, world_size=parallel.world_size, balance=balance,
                 gradient_accumulation_steps=gradient_accumulation_steps,
                 micro_batch_tokens=micro_batch_tokens, max_parts=parallel.max_int, packed=packed,
