@@ -432,7 +432,7 @@ def test_endpoint_deadline_and_an_unreachable_server_give_one_line():
         port = s.getsockname()[1]
     backend = OpenAIJudge(f"http://127.0.0.1:{port}/v1", "judge", retries=1, backoff=0.01)
     with pytest.raises(RewardError, match=rf"The judge at http://127.0.0.1:{port}/v1/chat/completions "
-                                          r"did not answer after 2 attempts .*Is the server up\?"):
+                                          r"did not answer after 2 attempts .*Is the server at reward.judge.url up\?"):
         LLMJudge(backend)(["p"], ["good"])
 
 

@@ -584,8 +584,8 @@ class OpenAIJudge:
                     f"({self.model}) is a model it serves.")
         return (f"{where} did not answer after {error.attempts} attempt"
                 f"{'s' * (error.attempts != 1)} (last: {error.failure}{said}); no score was made "
-                "up: the run stops here, before this iteration's update. Is the server up? More "
-                "patience: reward.judge.retries, reward.judge.timeout.")
+                "up: the run stops here, before any update uses one. Is the server at "
+                "reward.judge.url up? More patience: reward.judge.retries, reward.judge.timeout.")
 
     def _map(self, fn, items):
         if len(items) <= 1 or self.concurrency == 1:

@@ -260,8 +260,9 @@ class StepRewards:
             spans = self.split.spans(text)
             if len(row_values) != len(spans):
                 raise ConfigError(
-                    f"Reward {name!r} returned {len(row_values)} step values for row {row}, which "
-                    f"has {len(spans)} steps ({self.split.describe()}): return one value per step, "
+                    f"Reward {name!r} returned {len(row_values)} step value"
+                    f"{'s' * (len(row_values) != 1)} for row {row}, which has {len(spans)} step"
+                    f"{'s' * (len(spans) != 1)} ({self.split.describe()}): return one value per step, "
                     "as the reward's `steps` argument lists them.")
             if finite and not all(map(_finite, row_values)):
                 raise ConfigError(f"Reward {name!r} returned a non-finite step value (NaN or inf) "
