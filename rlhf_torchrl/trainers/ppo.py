@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 #: before it is raised; the shutdown goes on in the background past that
 SHUTDOWN_AFTER_ERROR_S = 10.0
 
+
 class PPOTrainer(StagedLoop):
     """PPO over a rollout TensorDict, one method per phase; with a token-level critic (GAE) or
     a critic-free advantage estimator (GRPO, RLOO, REINFORCE++).
