@@ -396,7 +396,8 @@ def test_a_service_that_is_down_is_named():
         port = closed.getsockname()[1]  # nothing listens there once closed
     td = _rollout(2)
     with pytest.raises(RewardError, match=r"did not answer after 2 attempts over \d+ s \(last: "
-                                          r".*Connection refused"):
+                                          r".*Connection refused.*before any update uses one; "
+                                          r"once the service is up, the same command continues"):
         RemoteReward(f"http://127.0.0.1:{port}/score", retries=1, backoff=0.01)(*_texts(td), td)
 
 

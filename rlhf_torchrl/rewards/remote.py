@@ -231,9 +231,9 @@ class RemoteReward:
                     "the scoring endpoint (e.g. http://HOST:PORT/score)?")
         return (f"{where} did not answer after {error.attempts} attempt"
                 f"{'s' * (error.attempts != 1)} over {waited:.0f} s (last: {error.failure}{said}); "
-                "no score was made up: the run stops here, before this iteration's update, and "
-                "resumes from its last checkpoint once the service is up (resume=auto). More "
-                "patience: reward.remote_retries, reward.remote_timeout.")
+                "no score was made up: the run stops here, before any update uses one; once the "
+                "service is up, the same command continues from the last checkpoint (resume=auto). "
+                "More patience: reward.remote_retries, reward.remote_timeout.")
 
     def _scores(self, answer: bytes, n: int) -> list[float]:
         where = f"Reward {self.name!r}: the service at {self.url}"
