@@ -19,6 +19,10 @@ holds on one device:
   on tiny random weights, in the run's precision and gradient checkpointing), and the fp32 logits,
   their saved softmax and gradient at the response positions; under autocast, the bf16 copies of
   the weights a forward keeps;
+- with ``model.lm_head_matmul=bf16x3`` on a GPU, the LM head's weight in three bf16 parts while
+  it runs (old quantities, update) and the logits' gradient in bf16 (update); its forward's
+  seconds are three bf16 products, its backward's bf16 ones, where fp32's run at the profile's
+  fp32 rate;
 - after the first update, the gradients stay allocated (``zero_grad`` runs as a minibatch starts);
 - on a CPU, ``runtime``: the process itself before any weight loads (Python, torch,
   transformers and the model's class, this library), read from the planning process's resident
@@ -1103,6 +1107,13 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     update = {"policy activations": acts,
               "logits (micro-batch)": LOGIT_COPIES["update", p.entropy_coef > 0]
               * micro_rows * R * shape.vocab * 4}
+    # model.lm_head_matmul=bf16x3 on a GPU: the head's weight in three bf16 parts while it runs,
+    # and in the backward the logits' gradient in bf16
+    split_head = m.lm_head_matmul == "bf16x3" and amp is not None and not host
+    if split_head:
+        operands = 3 * shape.vocab * shape.hidden * 2
+        old["bf16x3 head operands"] = operands
+        update["bf16x3 head operands"] = operands + micro_rows * R * shape.vocab * 2
     if cshape is not None:
         c_token, c_fixed = ((per_token, fixed) if critic_name == m.policy else  # the policy's
                             layer_activation_bytes(cconfig, amp, m.gradient_checkpointing))
@@ -1140,7 +1151,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
                 "rows_per_process": rows, "prompt_tokens": P, "response_tokens": R,
                 "micro_batch_tokens": micro_tokens, "activation_bytes_per_token_layer": per_token,
                 "critic": critic_kind, "lora_r": cfg.lora.r,
-                "gradient_checkpointing": bool(m.gradient_checkpointing)}
+                "gradient_checkpointing": bool(m.gradient_checkpointing),
+                "lm_head_matmul": "bf16x3" if split_head else "fp32"}
     if not times:
         return Plan(components=components, phases=phases, device=profile, settings=settings)
 
@@ -1160,8 +1172,15 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     peak = profile.bf16_flops if amp is not None else profile.fp32_flops
     eff = profile.train_efficiency
 
-    def compute_s(flops: float, head: float) -> float:
-        return (flops - head) / (eff * peak) + head / profile.fp32_flops
+    def compute_s(flops: float, head: float, head_forward: float | None = None) -> float:
+        """Seconds of ``flops`` of which ``head`` are the LM head's product, one large matmul at
+        the profile's measured rate: fp32's, or with the bf16x3 head bf16's for three products
+        in the forward (``head_forward`` of ``head``; None: all of it) and one in the backward."""
+        rest = (flops - head) / (eff * peak)
+        if split_head:
+            forward = head if head_forward is None else head_forward
+            return rest + (3 * forward + head - forward) / profile.bf16_flops
+        return rest + head / profile.fp32_flops
 
     step = profile.decode_step_compiled_s if g.compile else profile.decode_step_s * shape.layers
     gen_s = g.max_new_tokens * step + compute_s(gen_flops, 0) + g.max_new_tokens * (
@@ -1169,7 +1188,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     phases["generation"].update(flops=gen_flops, seconds=gen_s)
     phases["old_quantities"].update(flops=old_flops,
                                     seconds=compute_s(old_flops, 2 * head_flops))
-    phases["update"].update(flops=upd_flops, seconds=compute_s(upd_flops, 3 * epochs * head_flops))
+    phases["update"].update(flops=upd_flops, seconds=compute_s(upd_flops, 3 * epochs * head_flops,
+                                                               epochs * head_flops))
     settings["times"] = "FLOPs over the device profile"
     timeable = (host and device.type == "cpu" and world == 1 and not cfg.lora.r
                 and GENERATION_BACKENDS.get(g.backend).samples_with_trained_model

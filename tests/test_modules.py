@@ -395,6 +395,64 @@ def test_autocast_runs_the_lm_head_and_log_softmax_in_fp32(tiny_llama_dir, token
     assert head_dtypes and set(head_dtypes) == {torch.float32}
 
 
+def test_the_bf16x3_head_setting_reaches_the_policy_and_the_reference(tiny_llama_dir, tokenizer,
+                                                                       tmp_path, monkeypatch,
+                                                                       caplog):
+    """``model.lm_head_matmul=bf16x3`` under autocast: the run's policy and reference heads
+    compute from three bf16 products (CUDA's kernel emulated here: a CPU has none), the actors'
+    own calls keep it, a copy carries it; their log-probs are fp32's to 1e-4."""
+    import copy
+
+    from test_recipe import _cfg
+
+    from rlhf_torchrl.config.components import make_actors
+    from rlhf_torchrl.functional import matmul
+    from rlhf_torchrl.modules.models import lm_head_in_fp32
+
+    calls = []
+
+    def emulated(a, b):
+        calls.append(a.shape)
+        return a.float() @ b.float()
+
+    monkeypatch.setattr(matmul, "has_fp32_out_mm", lambda device: True)
+    monkeypatch.setattr(matmul, "mm_fp32_out", emulated)
+    td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
+    fp32 = load_causal_lm(tiny_llama_dir, tokenizer)
+    with torch.no_grad():
+        expected = TokenLevelActor(fp32, temperature=0.7, autocast_dtype=torch.bfloat16)(
+            td.clone()).get(K.LOG_PROB)
+    policy, reference = copy.deepcopy(fp32), copy.deepcopy(fp32)
+    cfg = _cfg(tmp_path, tiny_llama_dir, "model.autocast=bfloat16", "model.lm_head_matmul=bf16x3",
+               "generation.temperature=0.7")
+    with caplog.at_level("WARNING"):
+        actor, ref = make_actors(cfg, policy, reference, None)
+    assert "lm_head_matmul" not in caplog.text  # (the kernel is there: no fallback said)
+    with torch.no_grad():
+        log_probs = actor(td.clone()).get(K.LOG_PROB)
+        assert len(calls) == 1
+        ref_log_probs = ref(td.clone()).get(("ref_log_probs", "response"))
+        assert len(calls) == 2
+        lm_head_in_fp32(policy)  # what the sampler's backend calls: the setting stays
+        copy.deepcopy(policy)(td.get(K.PROMPT_TOKENS))
+        assert len(calls) == 3
+    mask = td.get(K.RESPONSE_MASK)
+    for got in (log_probs, ref_log_probs):
+        assert not torch.equal(got[mask], expected[mask])  # the split product ran
+        torch.testing.assert_close(got[mask], expected[mask], atol=1e-4, rtol=0)
+    lm_head_in_fp32(policy, "fp32")  # and back
+    with torch.no_grad():
+        torch.testing.assert_close(actor(td.clone()).get(K.LOG_PROB), expected, atol=0, rtol=0)
+    assert len(calls) == 3
+    monkeypatch.undo()  # this CPU as it is: no kernel, the head stays fp32 and a warning says so
+    with caplog.at_level("WARNING"):
+        actor, _ = make_actors(cfg, copy.deepcopy(fp32), copy.deepcopy(fp32), None)
+    assert "model.lm_head_matmul=bf16x3: this torch has no bf16 x bf16 -> fp32 matmul on cpu" \
+        in caplog.text
+    with torch.no_grad():
+        torch.testing.assert_close(actor(td.clone()).get(K.LOG_PROB), expected, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("init", ["policy", "shared"])
 def test_gradient_checkpointing_gives_the_same_gradients(init, tiny_llama_dir, tokenizer):
     """Recomputing activations in the backward changes memory, never the gradient."""

@@ -100,6 +100,30 @@ def test_fsdp2_divides_the_states_by_the_processes(tmp_path):
     assert "FSDP2 gathered layers" in eight and "FSDP2 gathered layers" not in one
 
 
+def test_the_bf16x3_head_is_planned_on_a_gpu_alone(tmp_path):
+    """On a GPU profile the split head's forward is three bf16 products and its backward one, at
+    the profile's bf16 rate, where fp32's run at its fp32 rate (Qwen2.5's 152k vocabulary: a
+    quarter of the update); its operands are held while it runs. On this CPU (no bf16 -> fp32
+    matmul) the head stays fp32: the same plan."""
+    args = ("model.autocast=bfloat16", "ppo.micro_batch_tokens=8192", "ppo.batch_size=64")
+    h100 = DeviceProfile("H100", 79.6, 8e14, 5e13, 3e12)
+    fp32, split = (make_plan(_cfg(tmp_path, "qwen2.5-0.5b", *args, f"model.lm_head_matmul={m}"),
+                             profile=h100, prompt_tokens=128) for m in ("fp32", "bf16x3"))
+    s = split.settings
+    head = 2 * 896 * 151936 * s["rows_per_process"] * s["response_tokens"]  # one forward's FLOPs
+    assert fp32.phases["update"]["seconds"] - split.phases["update"]["seconds"] == pytest.approx(
+        3 * head / 5e13 - 5 * head / 8e14, rel=1e-6)
+    assert fp32.phases["old_quantities"]["seconds"] - split.phases["old_quantities"]["seconds"] \
+        == pytest.approx(2 * head / 5e13 - 6 * head / 8e14, rel=1e-6)
+    operands = 3 * 151936 * 896 * 2 / 2**30
+    assert split.phases["old_quantities"]["held"]["bf16x3 head operands"] == pytest.approx(operands)
+    assert split.phases["update"]["held"]["bf16x3 head operands"] > operands
+    assert "bf16x3 head operands" not in fp32.components and s["lm_head_matmul"] == "bf16x3"
+    cpu = make_plan(_cfg(tmp_path, "qwen2.5-0.5b", *args, "model.lm_head_matmul=bf16x3",
+                         "ppo.num_iterations=1"), prompt_tokens=128, times=False)
+    assert cpu.settings["lm_head_matmul"] == "fp32" and "bf16x3 head operands" not in cpu.components
+
+
 def test_the_check_refuses_a_run_that_cannot_fit_before_loading(tmp_path):
     """A 7B-shaped policy (a config.json alone: no weights to load) on this CPU: one line naming
     the phase, the largest component and settings that would lower it."""

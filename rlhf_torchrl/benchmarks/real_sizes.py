@@ -21,7 +21,8 @@ Per model, each in its own process (the GPU's memory freed between them):
 1. ``floor``: bare calls at the run's shapes, no framework around them: ``generate`` eager and
    with the compiled decode step (tokens/s), the old quantities' forwards, and the update's
    forwards, backwards and fused AdamW steps of the policy and the critic (its MFU).
-2. the recipe (``rlhf-torchrl ppo``) per variant: ``eager`` and ``compiled`` generation
+2. the recipe (``rlhf-torchrl ppo``) per variant: ``eager``, ``bf16x3`` (the LM head's fp32
+   logits from three bf16 products, ``model.lm_head_matmul=bf16x3``), ``compiled`` generation
    (``generation.compile=true``), and ``fsdp2`` (torchrun with one process, the models sharded by
    FSDP2 over a mesh of one: its engine's cost on one GPU), seconds per phase (medians after the first iteration), tokens/s,
    the peak GPU memory (``memory/gpu_peak_gb``).
@@ -69,7 +70,10 @@ VERL = {"settings": {"model": "Qwen2.5-0.5B-Instruct", "train_batch_size": 256,
                     "update_critic": 15.66, "update_actor": 20.31}}
 VERL["seconds"]["old_quantities"] = VERL["seconds"]["reference"] + VERL["seconds"]["values"]
 VERL["seconds"]["update"] = VERL["seconds"]["update_critic"] + VERL["seconds"]["update_actor"]
-VARIANTS = {"eager": [], "compiled": ["generation.compile=true"],
+VARIANTS = {"eager": [],
+            # the LM head's fp32 logits from three bf16 products (functional/matmul.py)
+            "bf16x3": ["model.lm_head_matmul=bf16x3"],
+            "compiled": ["generation.compile=true"],
             # torchrun with one process: FSDP2's engine (bf16 all-gathers, fp32 reductions) on one GPU
             "fsdp2": ["distributed.strategy=fsdp2"]}
 PHASES = ("generation", "scoring", "old_quantities", "advantages", "update", "total")

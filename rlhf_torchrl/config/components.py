@@ -4,6 +4,7 @@ explicit keyword arguments (tokenizer, models, rewards, tools, collector spec, l
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -244,8 +245,21 @@ def make_shaper(cfg: DictConfig) -> KLRewardShaper:
 
 
 def make_actors(cfg: DictConfig, policy, reference, critic):
+    from rlhf_torchrl.functional.matmul import has_fp32_out_mm
     from rlhf_torchrl.modules.assembly import make_actors as actors
+    from rlhf_torchrl.modules.models import lm_head_in_fp32
 
+    if autocast_dtype(cfg) is not None:  # the fp32 logits' product (model.lm_head_matmul)
+        matmul = cfg.model.lm_head_matmul
+        device = next(policy.parameters()).device
+        if matmul == "bf16x3" and not has_fp32_out_mm(device):
+            logging.getLogger(__name__).warning(
+                "model.lm_head_matmul=bf16x3: this torch has no bf16 x bf16 -> fp32 matmul on %s "
+                "(CUDA's torch.mm(..., out_dtype=torch.float32)): the LM head computes in fp32.",
+                device)
+        for model in (policy, reference):
+            if model is not None:
+                lm_head_in_fp32(model, matmul)
     return actors(policy, reference, critic, temperature=cfg.generation.temperature,
                   autocast_dtype=autocast_dtype(cfg), packing=cfg.model.packing)
 

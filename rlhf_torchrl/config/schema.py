@@ -55,6 +55,7 @@ class Model:
     reference: str | None = MISSING
     dtype: str = MISSING
     autocast: str | None = MISSING
+    lm_head_matmul: str = MISSING
     gradient_checkpointing: bool = MISSING
     attn_implementation: str | None = MISSING
     packing: Any = MISSING  # false, true or "auto"

@@ -12,7 +12,12 @@ from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
 from rlhf_torchrl.distributed import BALANCE_CHOICES, STRATEGIES
 from rlhf_torchrl.envs.sandbox import KINDS as SANDBOXES
 from rlhf_torchrl.errors import ConfigError
-from rlhf_torchrl.functional import KL_ESTIMATORS, LOSS_AGGREGATIONS, OFF_POLICY_CORRECTIONS
+from rlhf_torchrl.functional import (
+    KL_ESTIMATORS,
+    LM_HEAD_MATMULS,
+    LOSS_AGGREGATIONS,
+    OFF_POLICY_CORRECTIONS,
+)
 from rlhf_torchrl.modules.packing import PACKING
 from rlhf_torchrl.objectives.advantages import ADVANTAGE_ESTIMATORS
 from rlhf_torchrl.objectives.policy_losses import POLICY_LOSSES
@@ -35,6 +40,7 @@ CHOICES = {
     "distributed.balance": BALANCE_CHOICES,
     "model.dtype": DTYPES,
     "model.autocast": (None, "auto", "bfloat16", "float16"),
+    "model.lm_head_matmul": LM_HEAD_MATMULS,
     "model.packing": PACKING,
     "reward.model_dtype": DTYPES,
     "reward.judge.backend": JUDGE_BACKENDS,

@@ -63,6 +63,7 @@ from rlhf_torchrl.functional.masks import (
     truncate_after_stop,
     unpack,
 )
+from rlhf_torchrl.functional.matmul import LM_HEAD_MATMULS, split_bf16_linear
 from rlhf_torchrl.functional.off_policy import (
     OFF_POLICY_CORRECTIONS,
     check_off_policy_correction,
@@ -72,6 +73,7 @@ from rlhf_torchrl.functional.off_policy import (
 __all__ = [
     "K3_LOSS_BOUND",
     "KL_ESTIMATORS",
+    "LM_HEAD_MATMULS",
     "LOSS_AGGREGATIONS",
     "OFF_POLICY_CORRECTIONS",
     "aggregate_loss",
@@ -115,6 +117,7 @@ __all__ = [
     "random_subset",
     "sequence_distillation_rewards",
     "sequence_log_ratio",
+    "split_bf16_linear",
     "token_covariance",
     "top_k_tokens",
     "returns_to_go",

@@ -163,25 +163,35 @@ def fuse_activations(model: nn.Module) -> nn.Module:
     return model
 
 
-def lm_head_in_fp32(model: nn.Module) -> nn.Module:
+def lm_head_in_fp32(model: nn.Module, matmul: str | None = None) -> nn.Module:
     """Make ``model``'s LM head compute its logits in fp32, outside ``torch.autocast``.
 
     Under bf16 autocast a plain ``nn.Linear`` head would round every logit to bf16 (8 bits of
     mantissa: steps of 0.0625 at a logit of 10), and the log-softmax PPO's ratio, the KL and the
     on-policy check read would inherit it. With this, the trunk still runs in bf16 and the head
     is ``hidden.float() @ W.float().T`` in fp32 (verl and OpenRLHF keep the logits in fp32 for the
-    same reason). Outside autocast, with fp32 weights, it computes exactly what the head did.
-    Idempotent; a head that is not a plain ``nn.Linear`` (an adapter on it) is left as it is.
-    Returns ``model``.
+    same reason). Outside autocast, with fp32 weights, it computes exactly
+    what the head did. A head that is not a plain ``nn.Linear`` (an adapter on it) is left as it
+    is. Returns ``model``.
 
     Args:
         model: a causal LM, changed in place.
+        matmul: ``"fp32"``: the product in fp32; ``"bf16x3"``: from three bf16 products with
+            fp32 accumulation on a GPU, about 16 bits of mantissa at several times the speed
+            (:func:`~rlhf_torchrl.functional.matmul.split_bf16_linear`; fp32 where the device has
+            no bf16 -> fp32 matmul); None: as set before, else fp32 (``model.lm_head_matmul``).
     """
     from rlhf_torchrl.modules.lora import hf_model
 
     head = hf_model(model).get_output_embeddings()
-    if type(head) is nn.Linear and not isinstance(head.forward, functools.partial):
-        head.forward = functools.partial(_linear_in_fp32, head)  # deepcopy carries it to copies
+    if type(head) is not nn.Linear:
+        return model
+    current = head.forward.func if isinstance(head.forward, functools.partial) else None
+    if current is not None and matmul is None:
+        return model  # set already (deepcopy carries it to copies)
+    fn = _linear_split_bf16 if matmul == "bf16x3" else _linear_in_fp32
+    if current is not fn:
+        head.forward = functools.partial(fn, head)
     return model
 
 
@@ -189,6 +199,13 @@ def _linear_in_fp32(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     with torch.autocast(hidden.device.type, enabled=False):
         bias = None if head.bias is None else head.bias.float()
         return nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+
+def _linear_split_bf16(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    from rlhf_torchrl.functional.matmul import split_bf16_linear
+
+    with torch.autocast(hidden.device.type, enabled=False):
+        return split_bf16_linear(hidden, head.weight, head.bias)
 
 
 PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
