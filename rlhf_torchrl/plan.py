@@ -46,12 +46,14 @@ GPUs and on a 2-core CPU (``rlhf-torchrl bench plan_check``).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import functools
 import itertools
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -907,29 +909,32 @@ class Plan:
         return self.peak_gb <= headroom * self.device.memory_gb
 
     def table(self) -> str:
+        width = max(25, *(len(name) + 1 for name in self.components))
         lines = [f"Plan for {self.settings['policy']} on {self.device.name} "
                  f"({self.device.memory_gb:.1f} GiB; {self.settings['world']} process(es), "
                  f"{self.settings['strategy']}, {self.settings['precision']})", "",
-                 "memory per device (GiB)    " + "".join(f"{p:>16}" for p in PHASES)]
+                 f"{'memory per device (GiB)':<{width + 2}}" + "".join(f"{p:>16}" for p in PHASES)]
         for name in self.components:
             row = [self.phases[p]["held"].get(name) for p in PHASES]
             if any(row):
-                lines.append(f"  {name:<25}" + "".join(
+                lines.append(f"  {name:<{width}}" + "".join(
                     f"{v:>16.2f}" if v else f"{'-':>16}" for v in row))
-        lines.append(f"  {'total':<25}" + "".join(f"{self.phases[p]['memory_gb']:>16.2f}"
-                                                   for p in PHASES))
+        lines.append(f"  {'total':<{width}}" + "".join(f"{self.phases[p]['memory_gb']:>16.2f}"
+                                                       for p in PHASES))
         lines += ["", f"peak {self.peak_gb:.1f} GiB in {self.peak_phase} "
                   f"({100 * self.peak_gb / self.device.memory_gb:.0f}% of the device)"]
         if "seconds" not in self.phases[PHASES[0]]:
             return "\n".join(lines)
-        lines += ["", "time per iteration        " + "".join(f"{p:>16}" for p in PHASES)]
-        lines.append(f"  {'TFLOPs':<25}" + "".join(f"{self.phases[p]['flops'] / 1e12:>16.1f}"
-                                                    for p in PHASES))
-        lines.append(f"  {'seconds':<25}" + "".join(f"{self.phases[p]['seconds']:>16.2f}"
-                                                     for p in PHASES))
+        lines += ["", f"{'time per iteration':<{width + 2}}" + "".join(f"{p:>16}" for p in PHASES)]
+        lines.append(f"  {'TFLOPs':<{width}}" + "".join(f"{self.phases[p]['flops'] / 1e12:>16.1f}"
+                                                        for p in PHASES))
+        lines.append(f"  {'seconds':<{width}}" + "".join(f"{self.phases[p]['seconds']:>16.2f}"
+                                                         for p in PHASES))
         total = sum(self.phases[p]["seconds"] for p in PHASES)
         how = self.settings.get("times", "FLOPs over the device profile")
-        lines += [f"  about {total:.1f} s an iteration ({how}; {self.device.source})"]
+        if not how.startswith("timed"):  # (timed seconds owe nothing to the profile's rates)
+            how = f"{how}; {self.device.source}"
+        lines += [f"  about {total:.1f} s an iteration ({how})"]
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -1095,9 +1100,9 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     if teacher and cfg.reward.teacher_offload:
         old["teacher (offloaded, visiting)"] = teacher
     # the update's largest micro-batch
-    if p.micro_batch_tokens:
-        micro_tokens = p.micro_batch_tokens
-        micro_rows = max(1, p.micro_batch_tokens // T)
+    if p.micro_batch_tokens:  # (never more rows than a minibatch holds)
+        micro_rows = min(max(1, p.micro_batch_tokens // T), max(1, rows // p.num_mini_batches))
+        micro_tokens = min(p.micro_batch_tokens, micro_rows * T)
     else:
         micro_rows = max(1, rows // p.num_mini_batches // p.gradient_accumulation_steps)
         micro_tokens = micro_rows * T
@@ -1143,7 +1148,10 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
         parts = {**held, **transient}
         phases[name] = {"held": {k: v / GIB for k, v in parts.items()},
                         "memory_gb": sum(parts.values()) / GIB}
-    components = {k: v / GIB for k, v in {**held, **generation, **old, **update}.items()}
+    components = {}  # each component at its largest over the phases
+    for part in (held, generation, old, update):
+        for k, v in part.items():
+            components[k] = max(components.get(k, 0.0), v / GIB)
 
     settings = {"policy": m.policy, "params": shape.params, "world": world,
                 "strategy": "fsdp2" if fsdp else ("ddp" if world > 1 else "one process"),
@@ -1166,8 +1174,9 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     old_flops = (shape.forward_flops(rows, T, R) * (2 if recompute else 1)
                  + critic_flops(rows, T, 0))
     epochs = p.num_ppo_epochs
-    upd_flops = epochs * (training_flops(shape, rows, T, R)
-                          + (0 if cshape is None else training_flops(cshape, rows, T, 0)))
+    ckpt = bool(m.gradient_checkpointing)  # the layers' forward again in the backward
+    upd_flops = epochs * (training_flops(shape, rows, T, R, ckpt)
+                          + (0 if cshape is None else training_flops(cshape, rows, T, 0, ckpt)))
     head_flops = 2 * shape.hidden * shape.vocab * rows * R  # fp32 under autocast
     peak = profile.bf16_flops if amp is not None else profile.fp32_flops
     eff = profile.train_efficiency
@@ -1224,19 +1233,54 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     return Plan(components=components, phases=phases, device=profile, settings=settings)
 
 
-def fixes(plan: Plan) -> list[str]:
-    """Settings that would lower the peak, for the refusal's line."""
+def fixes(cfg, plan: Plan) -> list[str]:
+    """Settings that lower ``plan``'s peak, for the refusal's line: each candidate planned again
+    (memory alone) and kept where it lowers the peak, the lowest first, as ``"key=value (N GiB)"``
+    (``"(N GiB: fits)"`` where it alone fits).
+
+    Args:
+        cfg: the composed PPO config ``plan`` was made from.
+        plan: its plan.
+    """
+    from omegaconf import OmegaConf
+
     s = plan.settings
-    out = []
+    candidates = []
     if not s["gradient_checkpointing"]:
-        out.append("model.gradient_checkpointing=true")
-    out.append(f"ppo.micro_batch_tokens={max(256, s['micro_batch_tokens'] // 2)}")
+        candidates.append(("model.gradient_checkpointing", True))
+    half = s["micro_batch_tokens"] // 2
+    if half >= s["prompt_tokens"] + s["response_tokens"]:  # (a micro-batch holds a row at least)
+        candidates.append(("ppo.micro_batch_tokens", half))
+    if cfg.ppo.forward_batch_size > 1:
+        candidates.append(("ppo.forward_batch_size", max(1, cfg.ppo.forward_batch_size // 2)))
     if s["world"] > 1 and s["strategy"] != "fsdp2":
-        out.append("distributed.strategy=fsdp2")
+        candidates.append(("distributed.strategy", "fsdp2"))
     if not s["lora_r"]:
-        out.append("lora.r=16")
-    out.append("model.offload_reference=true")
-    return out
+        candidates.append(("lora.r", 16))
+        if not cfg.model.offload_reference:
+            candidates.append(("model.offload_reference", True))
+    lowered = []
+    for key, value in candidates:
+        changed = copy.deepcopy(cfg)
+        OmegaConf.update(changed, key, value, merge=False)
+        try:
+            other = make_plan(changed, world=s["world"], profile=plan.device,
+                              prompt_tokens=s["prompt_tokens"], times=False)
+        except Exception:  # noqa: BLE001 - a candidate that cannot be planned is not offered
+            continue
+        if other.peak_gb < 0.99 * plan.peak_gb:
+            text = str(value).lower() if isinstance(value, bool) else value
+            lowered.append((other.peak_gb, f"{key}={text} ({other.peak_gb:.1f} GiB"
+                                           f"{': fits' if other.fits() else ''})"))
+    return [text for _, text in sorted(lowered)]
+
+
+def _fix_line(cfg, plan: Plan) -> str:
+    found = fixes(cfg, plan)
+    if not found:
+        return ("no one setting here lowers it: plan for more devices (--world-size), a device "
+                "with more memory or a smaller model")
+    return f"try {', '.join(found)}"
 
 
 def check_fits(cfg, prompt_tokens: int | None = None) -> Plan | None:
@@ -1266,16 +1310,16 @@ def check_fits(cfg, prompt_tokens: int | None = None) -> Plan | None:
         raise ConfigError(
             f"This run needs about {plan.peak_gb:.1f} GiB on one device in its {plan.peak_phase} "
             f"phase, more than the {plan.device.memory_gb:.1f} GiB {plan.device.name} has for it; "
-            f"the largest part is {largest} ({phase['held'][largest]:.1f} GiB). Try "
-            f"{', '.join(fixes(plan))} (rlhf-torchrl plan <overrides> shows the whole plan).")
+            f"the largest part is {largest} ({phase['held'][largest]:.1f} GiB): "
+            f"{_fix_line(cfg, plan)} (rlhf-torchrl plan <overrides> shows the whole plan).")
     return plan
 
 
 def main(argv: list[str]) -> None:
     """``rlhf-torchrl plan [--profile-device] [--gpu H100] [--world-size N] [--json] overrides``."""
-    import argparse
-
+    from rlhf_torchrl.cli import check_overrides
     from rlhf_torchrl.config import compose
+    from rlhf_torchrl.config.validation import validate
     from rlhf_torchrl.runtime import resolve_device
 
     parser = argparse.ArgumentParser(
@@ -1289,12 +1333,12 @@ def main(argv: list[str]) -> None:
                              "again too)")
     parser.add_argument("--gpu", choices=sorted(PROFILES), default=None,
                         help="plan for this GPU's profile instead of this machine's device")
-    parser.add_argument("--world-size", type=int, default=None,
+    parser.add_argument("--world-size", type=_at_least(1, int), default=None,
                         help="processes (GPUs) the run will use (default: WORLD_SIZE or 1)")
-    parser.add_argument("--prompt-tokens", type=int, default=None,
+    parser.add_argument("--prompt-tokens", type=_at_least(1, int), default=None,
                         help="the longest prompt in tokens (default: data.max_prompt_length, the "
                              "bound; the PPO command's own check uses the prompt set's longest)")
-    parser.add_argument("--mean-prompt-tokens", type=float, default=None,
+    parser.add_argument("--mean-prompt-tokens", type=_at_least(1, float), default=None,
                         help="the mean prompt in tokens, the time estimate's (default: "
                              "--prompt-tokens)")
     parser.add_argument("--fresh", action="store_true",
@@ -1308,7 +1352,9 @@ def main(argv: list[str]) -> None:
     overrides = list(args.overrides)
     if args.gpu and not any(o.startswith("device=") for o in overrides):
         overrides.append("device=cpu")  # planned for, not used
+    check_overrides(overrides)  # a typo or a wrong type: one line, as the PPO command says it
     cfg = compose([*overrides, "output_dir=outputs/plan"])
+    validate(cfg)  # choices and ranges, as the PPO command checks them
     device = resolve_device(cfg.device)
     if args.profile_device:
         profile = measure_device(device)
@@ -1318,9 +1364,27 @@ def main(argv: list[str]) -> None:
     profile = device_profile(device, args.gpu)
     plan = make_plan(cfg, world=args.world_size, profile=profile, prompt_tokens=args.prompt_tokens,
                      mean_prompt_tokens=args.mean_prompt_tokens)
+    fits = plan.fits()
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=1, default=float))
+        found = [] if fits else fixes(cfg, plan)
+        print(json.dumps({**plan.to_dict(), "fits": fits, "fixes": found}, indent=1,
+                         default=float))
     else:
         print(plan.table())
-    if not plan.fits():
-        print(f"\nDoes not fit: try {', '.join(fixes(plan))}.")
+        if not fits:
+            print(f"\nDoes not fit: {_fix_line(cfg, plan)}.")
+    if not fits:  # exit status 1: a script can check a run before it launches it
+        sys.exit(1)
+
+
+def _at_least(low, kind):
+    """An argparse type: ``kind`` of the text, ``low`` or more."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} is below {low}")
+        return value
+    return parse

@@ -2,6 +2,7 @@
 start-up check refusing a run that cannot fit before any weight loads."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,7 +134,55 @@ def test_the_check_refuses_a_run_that_cannot_fit_before_loading(tmp_path):
     cfg = _cfg(tmp_path / "run", str(model))
     with pytest.raises(Exception, match=r"needs about .* GiB .* largest part is policy AdamW") as e:
         check_fits(cfg)
-    assert "model.gradient_checkpointing=true" in str(e.value)
+    line = str(e.value)
+    needed = float(re.search(r"needs about ([\d.]+) GiB", line)[1])
+    offered = re.findall(r"([\w.]+=\w+) \(([\d.]+) GiB", line)
+    assert "lora.r=16" in dict(offered)
+    assert offered and all(float(gib) < needed for _, gib in offered), line
+    assert [float(gib) for _, gib in offered] == sorted(float(gib) for _, gib in offered)
+
+
+def test_the_fixes_offered_each_lower_the_peak_and_none_is_set_already(tmp_path, tiny_llama_dir):
+    """Each setting the refusal offers was planned again and lowers the peak; a setting the run
+    has already (the reference offloaded, checkpointing) is not offered, nor a micro-batch that is
+    not smaller than the one planned (4 rows of ~30 tokens under a 4096-token budget: 120)."""
+    from rlhf_torchrl.plan import fixes
+
+    cfg = _cfg(tmp_path, tiny_llama_dir, "ppo.batch_size=4", "ppo.num_mini_batches=1",
+               "ppo.micro_batch_tokens=4096", "model.offload_reference=true",
+               "model.gradient_checkpointing=true")
+    plan = make_plan(cfg, times=False, prompt_tokens=24)
+    assert plan.settings["micro_batch_tokens"] == 4 * (24 + plan.settings["response_tokens"])
+    small = DeviceProfile("cpu", plan.peak_gb * 0.9, 1e11, 1e11, 1e10)  # this host, less memory
+    plan = make_plan(cfg, times=False, prompt_tokens=24, profile=small)
+    assert not plan.fits()
+    offered = fixes(cfg, plan)
+    keys = [f.split("=")[0] for f in offered]
+    assert "lora.r" in keys, offered
+    micro = [int(f.split("=")[1].split()[0]) for f in offered if f.startswith("ppo.micro_batch")]
+    assert all(m < plan.settings["micro_batch_tokens"] for m in micro)
+    assert "model.offload_reference" not in keys and "model.gradient_checkpointing" not in keys
+    for fix in offered:
+        key, value = fix.split(" ")[0].split("=")
+        again = make_plan(_cfg(tmp_path, tiny_llama_dir, "ppo.batch_size=4",
+                               "ppo.num_mini_batches=1", "ppo.micro_batch_tokens=4096",
+                               "model.offload_reference=true",
+                               "model.gradient_checkpointing=true", f"{key}={value}"),
+                          times=False, prompt_tokens=24, profile=small)
+        assert again.peak_gb < plan.peak_gb
+        assert f"({again.peak_gb:.1f} GiB" in fix
+
+
+def test_gradient_checkpointing_plans_the_layers_forward_again():
+    """Checkpointing recomputes each layer's forward in the backward: the update's FLOPs gain one
+    forward of the layers (not of the head), per epoch."""
+    from rlhf_torchrl.modules.shapes import training_flops
+
+    from transformers import AutoConfig
+
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(SHAPES_DIR / "qwen2.5-0.5b.json"))
+    assert training_flops(shape, 4, 300, 100, recompute=True) - training_flops(shape, 4, 300, 100) \
+        == pytest.approx(shape.forward_flops(4, 300, 0))
 
 
 def test_the_ppo_command_stops_under_a_memory_limit(tmp_path, tiny_llama_dir):
@@ -168,6 +217,41 @@ def test_plan_command_prints_the_table_and_json(capsys):
     main(["model.policy=qwen2.5-0.5b", "--gpu", "H100", "--json"])
     plan = json.loads(capsys.readouterr().out)
     assert plan["peak_phase"] in ("generation", "old_quantities", "update")
+    assert plan["fits"] is True and plan["fixes"] == []
+    # a plan that does not fit: still JSON alone on stdout, with the settings that lower it, and
+    # exit status 1 (a script can check a run before it launches it)
+    with pytest.raises(SystemExit) as stop:
+        main(["model.policy=qwen2.5-7b", "--gpu", "H100", "--json", "model.autocast=bfloat16"])
+    assert stop.value.code == 1
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is False and plan["fixes"] and all("GiB" in f for f in plan["fixes"])
+    # the components are each at their largest over the phases
+    for name, gib in plan["components"].items():
+        assert gib == pytest.approx(max(ph["held"].get(name, 0.0) for ph in plan["phases"].values()))
+
+
+@pytest.mark.parametrize("args,said", [
+    (["ppo.batchsize=4"], "ppo.batchsize is not a setting: did you mean ppo.batch_size?"),
+    (["ppo.batch_size=abc"], "ppo.batch_size"),
+    (["task=nosuch"], "task=nosuch is not a task preset"),
+    (["ppo.batch_size=0"], "ppo.batch_size"),
+])
+def test_the_plan_command_says_what_was_wrong_in_one_line(args, said):
+    out = subprocess.run([sys.executable, "-m", "rlhf_torchrl.cli", "plan", *args],
+                         capture_output=True, text=True, timeout=300)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("Error:")]
+    assert out.returncode == 1 and len(errors) == 1 and said in errors[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--world-size=0", "--world-size=-2", "--prompt-tokens=-5",
+                                  "--mean-prompt-tokens=0"])
+def test_the_plan_command_refuses_numbers_below_one(flag, capsys):
+    from rlhf_torchrl.plan import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([flag])
+    assert stop.value.code == 2 and "below 1" in capsys.readouterr().err
 
 
 def test_on_a_cpu_the_plan_counts_the_process_itself(tmp_path, tiny_llama_dir):

@@ -334,3 +334,33 @@ def test_values_read_off_the_sampling_pass_equal_the_critics(request, model_fixt
     compute_old_quantities(shifted, actor=actor, reference=actor, critic=critic, chunk_size=6,
                      recompute_log_probs=True)
     torch.testing.assert_close(shifted.get(K.VALUE), fresh, atol=1e-5, rtol=0)
+
+
+def test_the_kv_cache_goes_by_the_name_this_transformers_takes(tiny_llama_dir, tokenizer):
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns on every
+    batch): the static-cache path passes whichever the model's forward takes, and warns nothing."""
+    import inspect
+    import warnings
+
+    from rlhf_torchrl.collectors.backends.transformers import (
+        StaticCaches,
+        cache_kwarg,
+        generate_with_static_cache,
+    )
+    from rlhf_torchrl.modules import load_causal_lm
+
+    model = load_causal_lm(tiny_llama_dir, tokenizer)
+    assert cache_kwarg(model) in inspect.signature(type(model).forward).parameters
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None):
+            return input_ids
+
+    assert cache_kwarg(Older()) == "past_key_values"
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = generate_with_static_cache(model, model.generate, StaticCaches(8), None, input_ids=ids,
+                                         max_new_tokens=3, do_sample=False,
+                                         pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] >= ids.shape[1] + 1

@@ -153,14 +153,18 @@ def floor(path: str, prompts: str, args) -> dict:
         kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=R,
                       min_new_tokens=R, pad_token_id=tok.pad_token_id)
         if compiled:  # what generation.compile does: a static cache, the decode step compiled
-            from rlhf_torchrl.collectors.backends.transformers import StaticCaches, compile_config
+            from rlhf_torchrl.collectors.backends.transformers import (
+                StaticCaches,
+                cache_kwarg,
+                compile_config,
+            )
 
             caches = StaticCaches(enc["input_ids"].shape[1] + R)
             kwargs["compile_config"] = compile_config()
         timings = []
         for _ in range(2):  # the first compiles (and warms the allocator)
             if compiled:
-                kwargs["past_key_values"] = caches(policy, rows, torch.bfloat16, policy.device)
+                kwargs[cache_kwarg(policy)] = caches(policy, rows, torch.bfloat16, policy.device)
             _sync(device)
             start = time.perf_counter()
             with torch.no_grad(), amp:

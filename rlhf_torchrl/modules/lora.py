@@ -4,11 +4,12 @@
 The reference policy is then no second model: :class:`~rlhf_torchrl.modules.TokenLevelActor` with
 ``adapters_off=True`` runs the policy inside PEFT's ``disable_adapter()``, which is exactly the
 base model, so the KL penalty is measured against the weights training started from. Needs the
-``[peft]`` extra (``pip install -e ".[peft]"``).
+``[peft]`` extra (``pip install "rlhf_torchrl[peft]"``; from a checkout ``pip install -e ".[peft]"``).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from torch import nn
@@ -38,13 +39,15 @@ def add_lora(
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:
-        raise MissingDependencyError("LoRA needs PEFT: pip install -e \".[peft]\" (or pip install peft).") from e
+        raise MissingDependencyError("LoRA needs PEFT: pip install \"rlhf_torchrl[peft]\" (or pip install peft).") from e
     if r < 1:
         raise ConfigError(f"LoRA rank must be >= 1, got {r}.")
     targets = target_modules if isinstance(target_modules, str) else list(target_modules)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
                         task_type=task_type, bias="none")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # PEFT reads an attribute transformers 5.2x deprecates
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def is_peft(model: nn.Module) -> bool:

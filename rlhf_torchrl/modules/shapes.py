@@ -107,13 +107,17 @@ class ModelShape:
         return prefill + rows * (new * per_token + context)
 
 
-def training_flops(shape: ModelShape, rows: int, length: int, head_positions: int) -> float:
-    """FLOPs of a forward and backward (3x the forward) over ``rows`` x ``length`` tokens.
+def training_flops(shape: ModelShape, rows: int, length: int, head_positions: int,
+                   recompute: bool = False) -> float:
+    """FLOPs of a forward and backward (3x the forward) over ``rows`` x ``length`` tokens; with
+    ``recompute`` (gradient checkpointing) the decoder layers' forward once more in the backward.
 
     Args:
         shape: the model's shape.
         rows: sequences.
         length: tokens per sequence.
         head_positions: positions per row the output head runs on.
+        recompute: the layers' activations are recomputed in the backward (not the head's).
     """
-    return 3 * shape.forward_flops(rows, length, head_positions)
+    return (3 * shape.forward_flops(rows, length, head_positions)
+            + (shape.forward_flops(rows, length, 0) if recompute else 0.0))

@@ -36,7 +36,6 @@ import logging
 import os
 import shutil
 import uuid
-import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -322,10 +321,8 @@ def export_checkpoint(source: str, out_dir: str, *, lora: str = "merge",
     policy = load_causal_lm(base, tokenizer, dtype=model.get("dtype") or "float32")
     if adapters:
         targets = lora_settings.get("target_modules", "all-linear")
-        with warnings.catch_warnings():  # PEFT reads an attribute transformers 5 deprecates
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-            policy = add_lora(policy, r=lora_settings["r"], alpha=lora_settings.get("alpha", 16.0),
-                              dropout=lora_settings.get("dropout", 0.0), target_modules=targets)
+        policy = add_lora(policy, r=lora_settings["r"], alpha=lora_settings.get("alpha", 16.0),
+                          dropout=lora_settings.get("dropout", 0.0), target_modules=targets)
     path = export_policy(checkpoint, out_dir, policy=policy, tokenizer=tokenizer, lora=lora)
     return Exported(path=path, checkpoint=checkpoint, iteration=trainer_state.get("iteration"),
                     source=_written_by(settings, trainer_state), lora=lora if adapters else None,

@@ -179,13 +179,25 @@ def _update_in_dtype(update, dtype: torch.dtype, key_states: torch.Tensor,
     return update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
 
 
+def cache_kwarg(model) -> str:
+    """The name ``model``'s forward and ``generate`` take a KV cache by: ``cache`` (transformers
+    5.24 on; ``past_key_values`` is then deprecated), else ``past_key_values``."""
+    import inspect
+
+    forward = getattr(type(model), "forward", None)
+    try:
+        return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    except (TypeError, ValueError):
+        return "past_key_values"
+
+
 def generate_with_static_cache(model, generate, caches: StaticCaches,
                                dtype: torch.dtype | None, *, input_ids: torch.Tensor, **kwargs):
     """``generate(input_ids, **kwargs)`` continuing an empty cache of ``caches`` (keys in
     ``dtype``; None: the weights')."""
     dtype = dtype or next(model.parameters()).dtype
     cache = caches(model, input_ids.shape[0], dtype, input_ids.device)
-    return generate(input_ids=input_ids, past_key_values=cache, **kwargs)
+    return generate(input_ids=input_ids, **{cache_kwarg(model): cache}, **kwargs)
 
 
 def on_policy_wrapper(model, tokenizer, *, max_new_tokens: int,
@@ -349,14 +361,12 @@ def generate_in_groups(model, generate, group: int, *, input_ids: torch.Tensor,
             or not torch.equal(input_ids, first.repeat_interleave(group, 0))
             or not torch.equal(attention_mask, first_mask.repeat_interleave(group, 0))):
         return generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    cache = DynamicCache(config=getattr(model, "config", None))
+    cache, name = DynamicCache(config=getattr(model, "config", None)), cache_kwarg(model)
     with torch.no_grad():
         model(input_ids=first[:, :-1], attention_mask=prefix_mask,
-              position_ids=F.position_ids_from_mask(prefix_mask), past_key_values=cache,
-              use_cache=True)
+              position_ids=F.position_ids_from_mask(prefix_mask), **{name: cache}, use_cache=True)
     cache.batch_repeat_interleave(group)
-    return generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                    **kwargs)
+    return generate(input_ids=input_ids, attention_mask=attention_mask, **{name: cache}, **kwargs)
 
 
 def sampler_of(policy):
