@@ -370,6 +370,7 @@ def _bench(args: list[str]) -> None:
 def _plan(args: list[str]) -> None:
     from rlhf_torchrl.plan import main as plan_main
 
+    check_overrides(args)  # a typo, a wrong type or an unknown task: one line, as ppo says it
     run(plan_main, args)
 
 

@@ -60,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_torchrl.functional.matmul import SPLIT_MIN_ROWS
 from rlhf_torchrl.modules.shapes import ModelShape, training_flops
 
 GIB = 2**30
@@ -1112,13 +1113,21 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     update = {"policy activations": acts,
               "logits (micro-batch)": LOGIT_COPIES["update", p.entropy_coef > 0]
               * micro_rows * R * shape.vocab * 4}
-    # model.lm_head_matmul=bf16x3 on a GPU: the head's weight in three bf16 parts while it runs,
-    # and in the backward the logits' gradient in bf16
+    # model.lm_head_matmul=bf16x3 on a GPU, where a head call has SPLIT_MIN_ROWS rows or more:
+    # the weight in three bf16 parts while the forward runs; in the backward the logits' gradient
+    # and the weight in bf16
     split_head = m.lm_head_matmul == "bf16x3" and amp is not None and not host
-    if split_head:
-        operands = 3 * shape.vocab * shape.hidden * 2
-        old["bf16x3 head operands"] = operands
-        update["bf16x3 head operands"] = operands + micro_rows * R * shape.vocab * 2
+    split = {phase: split_head and positions >= SPLIT_MIN_ROWS for phase, positions in
+             (("generation", rows if engine is None else 0),  # (an engine has its own head)
+              ("old_quantities", min(p.forward_batch_size, rows) * R),
+              ("update", micro_rows * R))}
+    operands = 3 * shape.vocab * shape.hidden * 2
+    for phase, part in (("generation", generation), ("old_quantities", old)):
+        if split[phase]:
+            part["bf16x3 head operands"] = operands
+    if split["update"]:
+        update["bf16x3 head operands"] = max(
+            operands, (micro_rows * R + shape.hidden) * shape.vocab * 2)
     if cshape is not None:
         c_token, c_fixed = ((per_token, fixed) if critic_name == m.policy else  # the policy's
                             layer_activation_bytes(cconfig, amp, m.gradient_checkpointing))
@@ -1160,7 +1169,7 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
                 "micro_batch_tokens": micro_tokens, "activation_bytes_per_token_layer": per_token,
                 "critic": critic_kind, "lora_r": cfg.lora.r,
                 "gradient_checkpointing": bool(m.gradient_checkpointing),
-                "lm_head_matmul": "bf16x3" if split_head else "fp32"}
+                "lm_head_matmul": {ph: "bf16x3" if on else "fp32" for ph, on in split.items()}}
     if not times:
         return Plan(components=components, phases=phases, device=profile, settings=settings)
 
@@ -1181,12 +1190,14 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     peak = profile.bf16_flops if amp is not None else profile.fp32_flops
     eff = profile.train_efficiency
 
-    def compute_s(flops: float, head: float, head_forward: float | None = None) -> float:
+    def compute_s(flops: float, head: float, head_forward: float | None = None,
+                  split: bool = False) -> float:
         """Seconds of ``flops`` of which ``head`` are the LM head's product, one large matmul at
-        the profile's measured rate: fp32's, or with the bf16x3 head bf16's for three products
-        in the forward (``head_forward`` of ``head``; None: all of it) and one in the backward."""
+        the profile's measured rate: fp32's, or with the bf16x3 head (``split``) bf16's for three
+        products in the forward (``head_forward`` of ``head``; None: all of it) and one in the
+        backward."""
         rest = (flops - head) / (eff * peak)
-        if split_head:
+        if split:
             forward = head if head_forward is None else head_forward
             return rest + (3 * forward + head - forward) / profile.bf16_flops
         return rest + head / profile.fp32_flops
@@ -1195,10 +1206,10 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     gen_s = g.max_new_tokens * step + compute_s(gen_flops, 0) + g.max_new_tokens * (
         shape.params * act_bytes + kv / 2) / profile.bandwidth
     phases["generation"].update(flops=gen_flops, seconds=gen_s)
-    phases["old_quantities"].update(flops=old_flops,
-                                    seconds=compute_s(old_flops, 2 * head_flops))
-    phases["update"].update(flops=upd_flops, seconds=compute_s(upd_flops, 3 * epochs * head_flops,
-                                                               epochs * head_flops))
+    phases["old_quantities"].update(flops=old_flops, seconds=compute_s(
+        old_flops, 2 * head_flops, split=split["old_quantities"]))
+    phases["update"].update(flops=upd_flops, seconds=compute_s(
+        upd_flops, 3 * epochs * head_flops, epochs * head_flops, split=split["update"]))
     settings["times"] = "FLOPs over the device profile"
     timeable = (host and device.type == "cpu" and world == 1 and not cfg.lora.r
                 and GENERATION_BACKENDS.get(g.backend).samples_with_trained_model
@@ -1317,7 +1328,6 @@ def check_fits(cfg, prompt_tokens: int | None = None) -> Plan | None:
 
 def main(argv: list[str]) -> None:
     """``rlhf-torchrl plan [--profile-device] [--gpu H100] [--world-size N] [--json] overrides``."""
-    from rlhf_torchrl.cli import check_overrides
     from rlhf_torchrl.config import compose
     from rlhf_torchrl.config.validation import validate
     from rlhf_torchrl.runtime import resolve_device
@@ -1352,7 +1362,6 @@ def main(argv: list[str]) -> None:
     overrides = list(args.overrides)
     if args.gpu and not any(o.startswith("device=") for o in overrides):
         overrides.append("device=cpu")  # planned for, not used
-    check_overrides(overrides)  # a typo or a wrong type: one line, as the PPO command says it
     cfg = compose([*overrides, "output_dir=outputs/plan"])
     validate(cfg)  # choices and ranges, as the PPO command checks them
     device = resolve_device(cfg.device)

@@ -496,3 +496,32 @@ def test_without_a_bf16_to_fp32_matmul_the_split_linear_is_the_fp32_one():
     x, w, b = torch.randn(3, 7, 16), torch.randn(11, 16), torch.randn(11)
     assert split_bf16_linear(x, w, b).equal(torch.nn.functional.linear(x, w, b))
 
+
+def test_a_few_rows_or_bf16_operands_take_fewer_products(monkeypatch):
+    """A decoding step's few rows keep the fp32 product (splitting the weight costs more than it
+    saves); an operand in bf16 already has no low part, and its products are left out (the same
+    result from a shorter inner dimension)."""
+    from rlhf_torchrl.functional import matmul
+
+    widths = []
+
+    def emulated(a, b):
+        widths.append(a.shape[1])
+        return a.float() @ b.float()
+
+    monkeypatch.setattr(matmul, "has_fp32_out_mm", lambda device: True)
+    monkeypatch.setattr(matmul, "mm_fp32_out", emulated)
+    w = torch.randn(300, 16)
+    few = torch.randn(matmul.SPLIT_MIN_ROWS - 1, 16)
+    assert matmul.split_bf16_linear(few, w).equal(torch.nn.functional.linear(few, w)) and not widths
+    many = torch.randn(2, matmul.SPLIT_MIN_ROWS // 2, 16)
+    matmul.split_bf16_linear(many, w)
+    assert widths == [48]  # hi hi, hi lo, lo hi
+    exact = many.double() @ w.bfloat16().double().T
+    out = matmul.split_bf16_linear(many, w.bfloat16())
+    assert widths[-1] == 32 and out.dtype == torch.float32  # the weight's low part is zero
+    assert (out.double() - exact).abs().max() < 2**-14 * exact.abs().max()
+    grad_w = torch.zeros(300, 16, dtype=torch.bfloat16, requires_grad=True)
+    matmul.split_bf16_linear(many, grad_w).sum().backward()
+    assert grad_w.grad.dtype == torch.bfloat16  # each gradient in its input's dtype
+

@@ -417,6 +417,7 @@ def test_the_bf16x3_head_setting_reaches_the_policy_and_the_reference(tiny_llama
 
     monkeypatch.setattr(matmul, "has_fp32_out_mm", lambda device: True)
     monkeypatch.setattr(matmul, "mm_fp32_out", emulated)
+    monkeypatch.setattr(matmul, "SPLIT_MIN_ROWS", 4)  # (a batch of a few rows here)
     td, _, _ = _ragged_batch(tokenizer, tokenizer.pad_token_id)
     fp32 = load_causal_lm(tiny_llama_dir, tokenizer)
     with torch.no_grad():
@@ -449,6 +450,11 @@ def test_the_bf16x3_head_setting_reaches_the_policy_and_the_reference(tiny_llama
         actor, _ = make_actors(cfg, copy.deepcopy(fp32), copy.deepcopy(fp32), None)
     assert "model.lm_head_matmul=bf16x3: this torch has no bf16 x bf16 -> fp32 matmul on cpu" \
         in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # without autocast the setting has nothing to act on
+        make_actors(_cfg(tmp_path, tiny_llama_dir, "model.lm_head_matmul=bf16x3"),
+                    copy.deepcopy(fp32), copy.deepcopy(fp32), None)
+    assert "model.lm_head_matmul=bf16x3 applies under model.autocast" in caplog.text
     with torch.no_grad():
         torch.testing.assert_close(actor(td.clone()).get(K.LOG_PROB), expected, atol=0, rtol=0)
 

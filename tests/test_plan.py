@@ -104,25 +104,37 @@ def test_fsdp2_divides_the_states_by_the_processes(tmp_path):
 def test_the_bf16x3_head_is_planned_on_a_gpu_alone(tmp_path):
     """On a GPU profile the split head's forward is three bf16 products and its backward one, at
     the profile's bf16 rate, where fp32's run at its fp32 rate (Qwen2.5's 152k vocabulary: a
-    quarter of the update); its operands are held while it runs. On this CPU (no bf16 -> fp32
+    quarter of the update); its operands are held while it runs, not both at once. A decoding
+    step's few rows keep the fp32 product (generation unchanged). On this CPU (no bf16 -> fp32
     matmul) the head stays fp32: the same plan."""
-    args = ("model.autocast=bfloat16", "ppo.micro_batch_tokens=8192", "ppo.batch_size=64")
+    from rlhf_torchrl.functional.matmul import SPLIT_MIN_ROWS
+
+    args = ("model.autocast=bfloat16", "ppo.micro_batch_tokens=8192", "ppo.batch_size=64",
+            "ppo.forward_batch_size=32", "generation.max_new_tokens=128")
     h100 = DeviceProfile("H100", 79.6, 8e14, 5e13, 3e12)
     fp32, split = (make_plan(_cfg(tmp_path, "qwen2.5-0.5b", *args, f"model.lm_head_matmul={m}"),
                              profile=h100, prompt_tokens=128) for m in ("fp32", "bf16x3"))
     s = split.settings
+    assert s["lm_head_matmul"] == {"generation": "fp32", "old_quantities": "bf16x3",
+                                   "update": "bf16x3"}
+    assert s["rows_per_process"] < SPLIT_MIN_ROWS
     head = 2 * 896 * 151936 * s["rows_per_process"] * s["response_tokens"]  # one forward's FLOPs
     assert fp32.phases["update"]["seconds"] - split.phases["update"]["seconds"] == pytest.approx(
         3 * head / 5e13 - 5 * head / 8e14, rel=1e-6)
     assert fp32.phases["old_quantities"]["seconds"] - split.phases["old_quantities"]["seconds"] \
         == pytest.approx(2 * head / 5e13 - 6 * head / 8e14, rel=1e-6)
+    assert split.phases["generation"] == fp32.phases["generation"]
     operands = 3 * 151936 * 896 * 2 / 2**30
     assert split.phases["old_quantities"]["held"]["bf16x3 head operands"] == pytest.approx(operands)
-    assert split.phases["update"]["held"]["bf16x3 head operands"] > operands
-    assert "bf16x3 head operands" not in fp32.components and s["lm_head_matmul"] == "bf16x3"
+    gradient = (s["micro_batch_tokens"] // (128 + s["response_tokens"]) * s["response_tokens"]
+                + 896) * 151936 * 2 / 2**30  # the logits' gradient and the weight, in bf16
+    assert split.phases["update"]["held"]["bf16x3 head operands"] == pytest.approx(
+        max(operands, gradient))
+    assert "bf16x3 head operands" not in fp32.components
     cpu = make_plan(_cfg(tmp_path, "qwen2.5-0.5b", *args, "model.lm_head_matmul=bf16x3",
                          "ppo.num_iterations=1"), prompt_tokens=128, times=False)
-    assert cpu.settings["lm_head_matmul"] == "fp32" and "bf16x3 head operands" not in cpu.components
+    assert set(cpu.settings["lm_head_matmul"].values()) == {"fp32"}
+    assert "bf16x3 head operands" not in cpu.components
 
 
 def test_the_check_refuses_a_run_that_cannot_fit_before_loading(tmp_path):
@@ -176,9 +188,9 @@ def test_the_fixes_offered_each_lower_the_peak_and_none_is_set_already(tmp_path,
 def test_gradient_checkpointing_plans_the_layers_forward_again():
     """Checkpointing recomputes each layer's forward in the backward: the update's FLOPs gain one
     forward of the layers (not of the head), per epoch."""
-    from rlhf_torchrl.modules.shapes import training_flops
-
     from transformers import AutoConfig
+
+    from rlhf_torchrl.modules.shapes import training_flops
 
     shape = ModelShape.from_config(AutoConfig.from_pretrained(SHAPES_DIR / "qwen2.5-0.5b.json"))
     assert training_flops(shape, 4, 300, 100, recompute=True) - training_flops(shape, 4, 300, 100) \

@@ -378,7 +378,7 @@ def test_a_failing_service_is_one_clear_line_never_a_zero(endpoint, mode, words)
     assert K.SCORE not in td.keys()  # nothing was scored, no stand-in value
     if mode == "500":
         assert "HTTP 500" in message and len(endpoint.requests) == 3
-        assert "resumes from its last checkpoint" in message
+        assert "continues from the last checkpoint (resume=auto)" in message
 
 
 def test_a_service_that_comes_back_is_waited_for(endpoint, caplog):

@@ -9,15 +9,16 @@ the rounding of ``x``, ``lo`` the rounding of what is left): the three products 
 dimension, accumulated and returned in fp32. Each operand keeps 16 of fp32's 24 mantissa bits
 and the dropped ``lo_x lo_w`` is as small again: a logit's error is about ``2**-16`` of the
 products it sums, against ``2**-8`` for a bf16 head (logits rounded to steps of 0.0625 at 10)
-and ``2**-24`` for fp32. PyTorch calls the same trick
-``bfloat16_3x`` (``torch.set_float32_matmul_precision("high")`` on some backends); here it is
-explicit, so nothing else in the process changes precision (a global TF32 switch would also
+and ``2**-24`` for fp32. The trick is known as ``bfloat16_3x`` (PyTorch's documentation of
+``set_float32_matmul_precision("high")`` names it; on CUDA "high" means TF32 instead); here it
+is explicit, so nothing else in the process changes precision (a global TF32 switch would also
 round the rotary embedding's fp32 angle product, which needs every bit).
 
 The backward is a plain bf16 one, as autocast's: the gradient's precision is not what PPO's ratio
 reads. The products need a matmul that takes bf16 and returns fp32 (``torch.mm(...,
 out_dtype=torch.float32)``, CUDA); where there is none (a CPU) :func:`split_bf16_linear` falls
-back to the fp32 product, exactly as before.
+back to the fp32 product, exactly as before, and so it does for a decoding step's few rows,
+where splitting the weight would cost more than the fp32 product saves.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ LM_HEAD_MATMULS = ("fp32", "bf16x3")
 
 
 def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hi, lo)`` in bf16 with ``hi + lo`` equal to fp32 ``x`` to about 16 mantissa bits."""
+    """``(hi, lo)`` in bf16 with ``hi + lo`` equal to ``x`` (taken as fp32) to about 16 mantissa
+    bits; ``lo`` is zero where ``x`` is bf16 already."""
     hi = x.to(torch.bfloat16)
-    return hi, (x - hi.float()).to(torch.bfloat16)
+    return hi, (x.float() - hi.float()).to(torch.bfloat16)
 
 
 def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -41,12 +43,12 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def has_fp32_out_mm(device: torch.device) -> bool:
-    """Whether this torch has a bf16 x bf16 -> fp32 matmul on ``device`` (CUDA's; tried once per
-    device)."""
+    """Whether ``device`` has a bf16 x bf16 -> fp32 matmul on bf16 tensor cores: CUDA's, on a GPU
+    of compute capability 8.0 or more (tried once per device)."""
     key = str(device)
     if key not in _FOUND:
         _FOUND[key] = False
-        if device.type == "cuda":
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
             try:
                 one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
                 _FOUND[key] = mm_fp32_out(one, one).dtype == torch.float32
@@ -57,44 +59,54 @@ def has_fp32_out_mm(device: torch.device) -> bool:
 
 _FOUND: dict[str, bool] = {}
 
-
-#: rows split at a time while the three-part operands are built (bounds the fp32 temporaries)
+#: fewer rows than this (a decoding step, a prefill's last positions) take the fp32 product:
+#: splitting the weight costs about as much memory traffic as the fp32 product of ~300 rows
+SPLIT_MIN_ROWS = 1024
+#: rows split at a time while the operands are built (bounds the fp32 temporaries)
 _CHUNK_ROWS = 8192
 
 
-def _three_parts(m: torch.Tensor, lo_last: bool) -> torch.Tensor:
-    """fp32 ``(n, k)`` -> bf16 ``(n, 3k)``: ``[hi, hi, lo]`` (``lo_last``) or ``[hi, lo, hi]``,
-    built in row chunks so that no fp32 copy of the whole matrix is made."""
+def _parts(m: torch.Tensor, slots: tuple[str, ...]) -> torch.Tensor:
+    """``(n, k)`` -> bf16 ``(n, len(slots) k)``: for each slot ``"hi"`` or ``"lo"`` that part of
+    ``m`` (:func:`split_bf16`), built in row chunks so that no fp32 copy of the whole is made."""
     n, k = m.shape
-    out = torch.empty(n, 3 * k, dtype=torch.bfloat16, device=m.device)
-    lo_at = 2 if lo_last else 1
+    out = torch.empty(n, len(slots) * k, dtype=torch.bfloat16, device=m.device)
     for start in range(0, n, _CHUNK_ROWS):
         rows = slice(start, start + _CHUNK_ROWS)
-        hi, lo = split_bf16(m[rows])
-        for part in range(3):
-            out[rows, part * k:(part + 1) * k] = lo if part == lo_at else hi
+        parts = dict(zip(("hi", "lo"), split_bf16(m[rows]), strict=True))
+        for i, slot in enumerate(slots):
+            out[rows, i * k:(i + 1) * k] = parts[slot]
     return out
 
 
 class _SplitBF16Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, mm):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight)  # as given: a bf16 weight is kept in bf16
         ctx.mm = mm
-        # hi_x hi_w + hi_x lo_w + lo_x hi_w: one product over a three-times-longer inner dimension
-        out = mm(_three_parts(x.reshape(-1, x.shape[-1]), lo_last=True),
-                 _three_parts(weight, lo_last=False).T)
+        # hi_x hi_w + hi_x lo_w + lo_x hi_w as one product over a longer inner dimension; an
+        # operand in bf16 already has no lo part, and its products are left out
+        pairs = [("hi", "hi")]
+        if weight.dtype != torch.bfloat16:
+            pairs.append(("hi", "lo"))
+        if x.dtype != torch.bfloat16:
+            pairs.append(("lo", "hi"))
+        rows = x.reshape(-1, x.shape[-1])
+        out = mm(_parts(rows, tuple(a for a, _ in pairs)),
+                 _parts(weight, tuple(b for _, b in pairs)).T)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1]).to(torch.bfloat16)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = ctx.mm(g, weight.to(torch.bfloat16)).reshape(x.shape)
+            grad_x = ctx.mm(g, weight.to(torch.bfloat16)).reshape(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = ctx.mm(g.T, x.reshape(-1, x.shape[-1]).to(torch.bfloat16))
+            rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            grad_w = ctx.mm(g.T, rows).to(weight.dtype)
         return grad_x, grad_w, None
 
 
@@ -103,22 +115,24 @@ def split_bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """``x @ weight.T + bias`` in fp32 from three bf16 products: each operand split as
     ``hi + lo`` in bf16, ``hi_x hi_w + hi_x lo_w + lo_x hi_w`` as one bf16 matmul over a
     three-times-longer inner dimension with fp32 accumulation (about 16 mantissa bits; a bf16
-    product has 8); the backward in bf16 with fp32 results. Without a bf16 -> fp32 matmul on the
-    tensors' device (a CPU) it is ``torch.nn.functional.linear`` in fp32. The LM head's fast
-    path on a GPU (``model.lm_head_matmul=bf16x3``).
+    product has 8); the backward in bf16 with fp32 results. The LM head's fast path on a GPU
+    (``model.lm_head_matmul=bf16x3``).
+
+    Without a bf16 -> fp32 matmul on the tensors' device (a CPU), and for fewer than
+    :data:`SPLIT_MIN_ROWS` rows (a decoding step: there the fp32 product costs less than splitting
+    the weight), it is ``torch.nn.functional.linear`` in fp32.
 
     Args:
         x: ``(..., in)`` activations (any float dtype: taken as fp32).
         weight: ``(out, in)``.
         bias: ``(out,)`` or None, added in fp32.
         mm: the bf16 x bf16 -> fp32 matmul (None: ``torch.mm(a, b, out_dtype=torch.float32)``
-            where the device has it);
-            tests pass an emulation to check the arithmetic on a CPU.
+            where the device has it); tests pass an emulation to check the arithmetic on a CPU.
     """
-    x, weight = x.float(), weight.float()
     if mm is None:
-        if not has_fp32_out_mm(x.device):
-            return torch.nn.functional.linear(x, weight, None if bias is None else bias.float())
+        if x.numel() < SPLIT_MIN_ROWS * x.shape[-1] or not has_fp32_out_mm(x.device):
+            return torch.nn.functional.linear(x.float(), weight.float(),
+                                              None if bias is None else bias.float())
         mm = mm_fp32_out
     out = _SplitBF16Linear.apply(x, weight, mm)
-    return out if bias is None else out + bias.float()
+    return out if bias is None else out.add_(bias.float())
