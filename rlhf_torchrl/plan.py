@@ -19,10 +19,10 @@ holds on one device:
   on tiny random weights, in the run's precision and gradient checkpointing), and the fp32 logits,
   their saved softmax and gradient at the response positions; under autocast, the bf16 copies of
   the weights a forward keeps;
-- with ``model.lm_head_matmul=bf16x3`` on a GPU, the LM head's weight in three bf16 parts while
-  it runs (old quantities, update) and the logits' gradient in bf16 (update); its forward's
-  seconds are three bf16 products, its backward's bf16 ones, where fp32's run at the profile's
-  fp32 rate;
+- with ``model.lm_head_matmul=bf16x3`` on a GPU, where a head call has 1,024 rows or more, the
+  LM head's weight in three bf16 parts while its forward runs, or in the backward the logits'
+  gradient and the weight in bf16, whichever is larger; its forward's seconds are three bf16
+  products, its backward's bf16 ones, where fp32's run at the profile's fp32 rate;
 - after the first update, the gradients stay allocated (``zero_grad`` runs as a minibatch starts);
 - on a CPU, ``runtime``: the process itself before any weight loads (Python, torch,
   transformers and the model's class, this library), read from the planning process's resident
