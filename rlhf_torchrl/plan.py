@@ -1363,7 +1363,7 @@ def main(argv: list[str]) -> None:
     if args.gpu and not any(o.startswith("device=") for o in overrides):
         overrides.append("device=cpu")  # planned for, not used
     cfg = compose([*overrides, "output_dir=outputs/plan"])
-    validate(cfg)  # choices and ranges, as the PPO command checks them
+    validate(cfg, require_set=False)  # choices and ranges, as the PPO command checks them
     device = resolve_device(cfg.device)
     if args.profile_device:
         profile = measure_device(device)

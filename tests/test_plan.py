@@ -247,6 +247,7 @@ def test_plan_command_prints_the_table_and_json(capsys):
     (["ppo.batch_size=abc"], "ppo.batch_size"),
     (["task=nosuch"], "task=nosuch is not a task preset"),
     (["ppo.batch_size=0"], "ppo.batch_size"),
+    (["task=custom", "advantage.estimator=nope"], "advantage.estimator='nope'"),
 ])
 def test_the_plan_command_says_what_was_wrong_in_one_line(args, said):
     out = subprocess.run([sys.executable, "-m", "rlhf_torchrl.cli", "plan", *args],
@@ -254,6 +255,14 @@ def test_the_plan_command_says_what_was_wrong_in_one_line(args, said):
     errors = [line for line in out.stderr.splitlines() if line.startswith("Error:")]
     assert out.returncode == 1 and len(errors) == 1 and said in errors[0], out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+def test_the_plan_command_needs_no_data(capsys):
+    """The plan reads no prompts: a task whose data is the user's to give plans without it."""
+    from rlhf_torchrl.plan import main
+
+    main(["task=custom", "--gpu", "H100", "model.policy=qwen2.5-0.5b"])
+    assert "Plan for qwen2.5-0.5b" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flag", ["--world-size=0", "--world-size=-2", "--prompt-tokens=-5",

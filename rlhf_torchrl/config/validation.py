@@ -179,16 +179,18 @@ def _describe(low, high, low_in, high_in) -> str:
     return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig, require_set: bool = True) -> None:
     """Raise ``ValueError`` for the first setting outside its choices or range, naming the
     setting, its value and what it may be.
 
     Args:
         cfg: the composed recipe config.
+        require_set: refuse a setting left ``???`` (``data.source`` where no task sets it);
+            ``rlhf-torchrl plan`` reads no data and does not.
     """
     from omegaconf import OmegaConf
 
-    missing = OmegaConf.missing_keys(cfg)
+    missing = OmegaConf.missing_keys(cfg) if require_set else set()
     if OmegaConf.select(cfg, "data.sources"):  # a mixture stands in for data.source
         missing.discard("data.source")
     if missing:
