@@ -108,8 +108,11 @@ VARIANTS = {
     # check against the training forward passes; fsdp2's one-process path runs in bench real_sizes
     "compiled-generation-bf16": ["generation.compile=true", "model.autocast=bfloat16"],
     "compiled-generation-fp32": ["generation.compile=true"],
-    # the LM head's fp32 logits from three bf16 products (CUDA's bf16 x bf16 -> fp32 matmul)
-    "bf16x3-head": ["model.autocast=bfloat16", "model.lm_head_matmul=bf16x3"],
+    # the LM head's fp32 logits from three bf16 products (CUDA's bf16 x bf16 -> fp32 matmul):
+    # 64 rows x 32 tokens a forward, past the 1,024 rows below which the head stays fp32
+    "bf16x3-head": ["model.autocast=bfloat16", "model.lm_head_matmul=bf16x3", "ppo.batch_size=64",
+                    "ppo.forward_batch_size=64", "ppo.num_mini_batches=1",
+                    "generation.max_new_tokens=32", "data.limit=64"],
 }
 
 
