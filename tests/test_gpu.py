@@ -112,7 +112,7 @@ VARIANTS = {
     # 64 rows x 32 tokens a forward, past the 1,024 rows below which the head stays fp32
     "bf16x3-head": ["model.autocast=bfloat16", "model.lm_head_matmul=bf16x3", "ppo.batch_size=64",
                     "ppo.forward_batch_size=64", "ppo.num_mini_batches=1",
-                    "generation.max_new_tokens=32", "data.limit=64"],
+                    "generation.max_new_tokens=32", "data.limit=128"],
 }
 
 
