@@ -1116,7 +1116,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     # model.lm_head_matmul=bf16x3 on a GPU, where a head call has SPLIT_MIN_ROWS rows or more:
     # the weight in three bf16 parts while the forward runs; in the backward the logits' gradient
     # and the weight in bf16
-    split_head = m.lm_head_matmul == "bf16x3" and amp is not None and not host
+    split_head = (m.get("lm_head_matmul", "fp32") == "bf16x3" and amp is not None
+                  and not host)
     split = {phase: split_head and positions >= SPLIT_MIN_ROWS for phase, positions in
              (("generation", rows if engine is None else 0),  # (an engine has its own head)
               ("old_quantities", min(p.forward_batch_size, rows) * R),
@@ -1273,8 +1274,9 @@ def fixes(cfg, plan: Plan) -> list[str]:
     lowered = []
     for key, value in candidates:
         changed = copy.deepcopy(cfg)
-        OmegaConf.update(changed, key, value, merge=False)
         try:
+            OmegaConf.set_readonly(changed, False)
+            OmegaConf.update(changed, key, value, merge=False)
             other = make_plan(changed, world=s["world"], profile=plan.device,
                               prompt_tokens=s["prompt_tokens"], times=False)
         except Exception:  # noqa: BLE001 - a candidate that cannot be planned is not offered

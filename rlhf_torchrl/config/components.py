@@ -8,7 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlhf_torchrl.collectors.backends import GENERATION_BACKENDS
 from rlhf_torchrl.collectors.factory import CollectorSpec
@@ -249,13 +249,14 @@ def make_actors(cfg: DictConfig, policy, reference, critic):
     from rlhf_torchrl.modules.assembly import make_actors as actors
     from rlhf_torchrl.modules.models import lm_head_in_fp32
 
-    if cfg.model.lm_head_matmul != "fp32" and autocast_dtype(cfg) is None:
+    # (a config saved before the setting existed: fp32)
+    matmul = OmegaConf.select(cfg, "model.lm_head_matmul", default="fp32")
+    if matmul != "fp32" and autocast_dtype(cfg) is None:
         logging.getLogger(__name__).warning(
             "model.lm_head_matmul=%s applies under model.autocast (the LM head's fp32 product "
             "beside a bf16 trunk); this run has none: its head computes as the model's dtype "
-            "says.", cfg.model.lm_head_matmul)
+            "says.", matmul)
     if autocast_dtype(cfg) is not None:  # the fp32 logits' product (model.lm_head_matmul)
-        matmul = cfg.model.lm_head_matmul
         device = next(policy.parameters()).device
         if matmul == "bf16x3" and not has_fp32_out_mm(device):
             logging.getLogger(__name__).warning(
