@@ -357,6 +357,10 @@ def test_the_kv_cache_goes_by_the_name_this_transformers_takes(tiny_llama_dir, t
             return input_ids
 
     assert cache_kwarg(Older()) == "past_key_values"
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(load_causal_lm(tiny_llama_dir, tokenizer),
+                                  peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert cache_kwarg(wrapped) == cache_kwarg(model)  # the wrapped model's name, not PEFT's
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

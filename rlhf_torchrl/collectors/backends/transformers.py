@@ -181,10 +181,13 @@ def _update_in_dtype(update, dtype: torch.dtype, key_states: torch.Tensor,
 
 def cache_kwarg(model) -> str:
     """The name ``model``'s forward and ``generate`` take a KV cache by: ``cache`` (transformers
-    5.24 on; ``past_key_values`` is then deprecated), else ``past_key_values``."""
+    5.24 on; ``past_key_values`` is then deprecated), else ``past_key_values``; a PEFT model's
+    is its Hugging Face model's."""
     import inspect
 
-    forward = getattr(type(model), "forward", None)
+    from rlhf_torchrl.modules.lora import hf_model
+
+    forward = getattr(type(hf_model(model)), "forward", None)
     try:
         return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
     except (TypeError, ValueError):
