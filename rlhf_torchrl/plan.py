@@ -1338,7 +1338,9 @@ def main(argv: list[str]) -> None:
         prog="rlhf-torchrl plan",
         description="A PPO run's memory per device and time per phase, from the config and each "
                     "model's config.json, before any weight loads. model.policy may also name a "
-                    f"packaged shape ({', '.join(sorted(p.stem for p in SHAPES_DIR.glob('*.json')))}).")
+                    f"packaged shape ({', '.join(sorted(p.stem for p in SHAPES_DIR.glob('*.json')))}). "
+                    "Exits with status 1 when the run would not fit, naming the settings that "
+                    "lower its peak.")
     parser.add_argument("--profile-device", action="store_true",
                         help="measure this device's matmul FLOP/s and bandwidth (a few seconds) "
                              "and cache them for later plans (on a CPU the phases are timed "
