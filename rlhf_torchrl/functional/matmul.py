@@ -118,9 +118,9 @@ def split_bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     product has 8); the backward in bf16 with fp32 results. The LM head's fast path on a GPU
     (``model.lm_head_matmul=bf16x3``).
 
-    Without a bf16 -> fp32 matmul on the tensors' device (a CPU), and for fewer than
-    :data:`SPLIT_MIN_ROWS` rows (a decoding step: there the fp32 product costs less than splitting
-    the weight), it is ``torch.nn.functional.linear`` in fp32.
+    Without a bf16 -> fp32 matmul on the tensors' device (a CPU), and for fewer than 1,024 rows
+    (``SPLIT_MIN_ROWS``; a decoding step, where the fp32 product costs less than splitting the
+    weight), it is ``torch.nn.functional.linear`` in fp32.
 
     Args:
         x: ``(..., in)`` activations (any float dtype: taken as fp32).
