@@ -1165,7 +1165,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
 
     settings = {"policy": m.policy, "params": shape.params, "world": world,
                 "strategy": "fsdp2" if fsdp else ("ddp" if world > 1 else "one process"),
-                "precision": f"{'bf16 autocast' if amp is not None else m.dtype} over {m.dtype} weights",
+                "precision": (f"{'bf16 autocast' if amp is not None else m.dtype} over {m.dtype} "
+                              f"weights{', the LM head bf16x3' if any(split.values()) else ''}"),
                 "rows_per_process": rows, "prompt_tokens": P, "response_tokens": R,
                 "micro_batch_tokens": micro_tokens, "activation_bytes_per_token_layer": per_token,
                 "critic": critic_kind, "lora_r": cfg.lora.r,

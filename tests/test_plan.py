@@ -131,6 +131,7 @@ def test_the_bf16x3_head_is_planned_on_a_gpu_alone(tmp_path):
     assert split.phases["update"]["held"]["bf16x3 head operands"] == pytest.approx(
         max(operands, gradient))
     assert "bf16x3 head operands" not in fp32.components
+    assert "the LM head bf16x3" in split.table() and "bf16x3" not in fp32.table()
     cpu = make_plan(_cfg(tmp_path, "qwen2.5-0.5b", *args, "model.lm_head_matmul=bf16x3",
                          "ppo.num_iterations=1"), prompt_tokens=128, times=False)
     assert set(cpu.settings["lm_head_matmul"].values()) == {"fp32"}
