@@ -23,6 +23,8 @@ where splitting the weight would cost more than the fp32 product saves.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 #: the settings of ``model.lm_head_matmul``: ``fp32`` (the head's product in fp32) or
@@ -45,19 +47,19 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def has_fp32_out_mm(device: torch.device) -> bool:
     """Whether ``device`` has a bf16 x bf16 -> fp32 matmul on bf16 tensor cores: CUDA's, on a GPU
     of compute capability 8.0 or more (tried once per device)."""
-    key = str(device)
-    if key not in _FOUND:
-        _FOUND[key] = False
-        if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-            try:
-                one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
-                _FOUND[key] = mm_fp32_out(one, one).dtype == torch.float32
-            except (RuntimeError, NotImplementedError, TypeError):
-                pass
-    return _FOUND[key]
+    return _has_fp32_out_mm(str(device))
 
 
-_FOUND: dict[str, bool] = {}
+@functools.cache
+def _has_fp32_out_mm(device: str) -> bool:
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    try:
+        one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+        return mm_fp32_out(one, one).dtype == torch.float32
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 #: fewer rows than this (a decoding step, a prefill's last positions) take the fp32 product:
 #: splitting the weight costs about as much memory traffic as the fp32 product of ~300 rows

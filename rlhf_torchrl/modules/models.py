@@ -170,9 +170,8 @@ def lm_head_in_fp32(model: nn.Module, matmul: str | None = None) -> nn.Module:
     mantissa: steps of 0.0625 at a logit of 10), and the log-softmax PPO's ratio, the KL and the
     on-policy check read would inherit it. With this, the trunk still runs in bf16 and the head
     is ``hidden.float() @ W.float().T`` in fp32 (verl and OpenRLHF keep the logits in fp32 for the
-    same reason). Outside autocast, with fp32 weights, it computes exactly
-    what the head did. A head that is not a plain ``nn.Linear`` (an adapter on it) is left as it
-    is. Returns ``model``.
+    same reason). Outside autocast, with fp32 weights, it computes exactly what the head did. A
+    head that is not a plain ``nn.Linear`` (an adapter on it) is left as it is. Returns ``model``.
 
     Args:
         model: a causal LM, changed in place.
