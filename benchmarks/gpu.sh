@@ -5,7 +5,9 @@
 #      run's shapes and the PPO recipe at verl's quickstart settings in bf16: seconds per phase,
 #      tokens/s, MFU, peak GPU memory -> $OUT/real_sizes.json. By default (REAL_SIZES_ARGS
 #      unset) what the lent H200 of 2026-11-28 did not measure comes first: at 0.5B the floor,
-#      eager, the bf16x3 LM head, compiled generation and FSDP2, then 1.5B's bf16x3 head
+#      eager and the bf16x3 LM head; then `rlhf-torchrl plan` of the 0.5B and 1.5B eager runs
+#      on this GPU (its seconds timed on one-layer copies there: the plan against the runs);
+#      then 0.5B's compiled generation and FSDP2, and 1.5B's bf16x3 head
 #   2. the GPU tests (python -m pytest -m gpu), log -> $OUT/gpu_tests.log
 # Each step has a deadline and writes what it measured as it goes: a run cut short keeps it.
 #
@@ -29,7 +31,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
 start=$(date +%s)
-DEFAULT_STEPS="--steps qwen2.5-0.5b:floor qwen2.5-0.5b:eager qwen2.5-0.5b:bf16x3 qwen2.5-0.5b:compiled qwen2.5-0.5b:fsdp2 qwen2.5-1.5b:bf16x3"
+DEFAULT_STEPS="--steps qwen2.5-0.5b:floor qwen2.5-0.5b:eager qwen2.5-0.5b:bf16x3 qwen2.5-0.5b:plan qwen2.5-1.5b:plan qwen2.5-0.5b:compiled qwen2.5-0.5b:fsdp2 qwen2.5-1.5b:bf16x3"
 timeout "${REAL_SIZES_TIMEOUT:-420}" python3 -m rlhf_torchrl.cli bench real_sizes \
     --out "$OUT/real_sizes.json" ${REAL_SIZES_ARGS-$DEFAULT_STEPS} 2>&1 | tee "$OUT/real_sizes.log"
 echo "real_sizes: $(( $(date +%s) - start )) s"

@@ -29,11 +29,12 @@ holds on one device:
   set (:func:`runtime_bytes`): in the PPO command's start-up check that is the run's own process,
   its tokenizer and prompts included; ``rlhf-torchrl plan``'s process has neither (tens of MB).
 
-On a CPU the seconds are timed on one-layer copies of the models at their real widths and
-vocabularies, doing a bounded share of each phase's work with the run's sampler, precision and
-optimiser, one layer timed alone and counted ``layers - 1`` more times (:func:`timed_phases`;
-a second or two the first time a shape is planned, then read from
-``~/.cache/rlhf_torchrl/plan_cache.json``). Elsewhere (a GPU's profile, LoRA, several
+On the machine's own device (its CPU, or a CUDA GPU it plans for with that GPU's profile) the
+seconds are timed on one-layer copies of the models at their real widths and vocabularies,
+doing each phase's work (on a CPU a bounded share of it) with the run's sampler, precision,
+LM head and optimiser, one layer timed alone and counted ``layers - 1`` more times
+(:func:`timed_phases`; a second or two the first time a shape is planned, then read from
+``~/.cache/rlhf_torchrl/plan_cache.json``). Elsewhere (another GPU's profile, LoRA, several
 processes, vLLM, a compiled decode step, packing, several turns) they come from FLOPs
 (:mod:`~rlhf_torchrl.modules.shapes`) over a device profile: the matmul FLOP/s and copy
 bandwidth measured once (``rlhf-torchrl plan --profile-device``, cached in
@@ -441,8 +442,9 @@ def _count_layer_activations(config, autocast, gradient_checkpointing) -> tuple[
 # ---- seconds on this device: each phase's work timed on a one-layer copy ----------------------
 
 #: what a timed copy runs at most, whatever the run's sizes (the rest is scaled): decoding
-#: steps, rows sampled (more: a second, halved batch gives the cost of a row), tokens of a
-#: forward batch or micro-batch (a CPU's matmuls run at their full rate from a few hundred)
+#: steps, and on a CPU rows sampled (more: a second, halved batch gives the cost of a row) and
+#: tokens of a forward batch or micro-batch (a CPU's matmuls run at their full rate from a few
+#: hundred; a GPU's copies sample every row and run the run's batches whole)
 _TIMED_STEPS, _TIMED_ROWS, _TIMED_TOKENS = 16, 16, 512
 
 
@@ -471,6 +473,8 @@ class PhaseWork:
         reuse_freed_memory: the run keeps freed memory in glibc's heap (``reuse_freed_memory``):
             the timing process does too (it is then this process's setting for good), or every
             large tensor is mapped and faulted in anew.
+        lm_head_matmul: ``model.lm_head_matmul`` (``bf16x3``: on a GPU under autocast, the LM
+            head's fp32 logits from bf16 products).
     """
 
     rows: int
@@ -491,11 +495,14 @@ class PhaseWork:
     threads: int
     attention: str | None = None
     reuse_freed_memory: bool = False
+    lm_head_matmul: str = "fp32"
 
 
-def _one_layer_copy(config, dtype: torch.dtype, attention: str | None, amp: bool):
-    """A random one-layer model of ``config``'s class at its own widths and vocabulary (its LM
-    head computing in fp32 under autocast, as the run's does)."""
+def _one_layer_copy(config, dtype: torch.dtype, attention: str | None, amp: bool,
+                    device: torch.device | str = "cpu", head: str = "fp32"):
+    """A random one-layer model of ``config``'s class at its own widths and vocabulary, made on
+    ``device`` (its LM head computing in fp32 under autocast, as ``head`` says: the run's
+    ``model.lm_head_matmul``)."""
     from transformers import AutoModelForCausalLM
 
     from rlhf_torchrl.modules.models import lm_head_in_fp32
@@ -508,9 +515,10 @@ def _one_layer_copy(config, dtype: torch.dtype, attention: str | None, amp: bool
         if isinstance(getattr(small, name, None), list):
             setattr(small, name, getattr(small, name)[:1])
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(small, attn_implementation=attention or "sdpa",
-                                             dtype=dtype)
-    return lm_head_in_fp32(model) if amp else model
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(small, attn_implementation=attention or "sdpa",
+                                                 dtype=dtype)
+    return lm_head_in_fp32(model, head) if amp else model
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList:
@@ -526,8 +534,11 @@ def _decoder_layer(model) -> torch.nn.Module:
     return _decoder_layers(model)[0]
 
 
-def _last_level_cache() -> int:
-    """Bytes of this CPU's largest cache (32 MiB where it cannot be read)."""
+def _last_level_cache(device: torch.device | None = None) -> int:
+    """Bytes of ``device``'s largest cache: a CUDA GPU's L2, this CPU's last level (32 MiB where
+    it cannot be read)."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size
     sizes = []
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
@@ -538,31 +549,65 @@ def _last_level_cache() -> int:
     return max(sizes, default=32 * 2**20)
 
 
-def _weight_sets(layers: int, layer_bytes: float) -> int:
+def _weight_sets(layers: int, layer_bytes: float, device: torch.device | None = None) -> int:
     """How many copies of a layer's weights a timed layer takes in turn so that, as in the run,
     each call finds its weights gone from the caches: the model's layers, or as many as fill
-    twice the last-level cache."""
-    return max(1, min(layers, math.ceil(2 * _last_level_cache() / max(layer_bytes, 1.0))))
+    twice ``device``'s last-level cache."""
+    return max(1, min(layers, math.ceil(2 * _last_level_cache(device) / max(layer_bytes, 1.0))))
 
 
 class _LayerClock:
-    """Seconds spent inside the forward calls of ``modules`` (hooks before and after each)."""
+    """Seconds spent inside the forward calls of ``modules`` (hooks before and after each); on a
+    CUDA device, between CUDA events recorded there, read once the device has synchronised
+    (:func:`_synced`): a layer's kernels run after its call returns. Setting ``seconds`` (to 0)
+    starts the count again."""
 
-    def __init__(self, *modules: torch.nn.Module):
-        self.seconds, self._start = 0.0, None
+    def __init__(self, *modules: torch.nn.Module, cuda: bool = False):
+        self._seconds, self._start, self._cuda, self._spans = 0.0, None, cuda, []
         self._hooks = [hook for module in modules
                        for hook in (module.register_forward_pre_hook(self._enter),
                                     module.register_forward_hook(self._leave))]
 
+    @property
+    def seconds(self) -> float:
+        return self._seconds + sum(a.elapsed_time(b) for a, b in self._spans) / 1e3
+
+    @seconds.setter
+    def seconds(self, value: float) -> None:
+        self._seconds, self._spans = value, []
+
+    def _now(self):
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
     def _enter(self, *_):
-        self._start = time.perf_counter()
+        self._start = self._now()
 
     def _leave(self, *_):
-        self.seconds += time.perf_counter() - self._start
+        if self._cuda:
+            self._spans.append((self._start, self._now()))
+        else:
+            self._seconds += time.perf_counter() - self._start
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def _synced(fn, device: torch.device):
+    """``fn``, then on a CUDA device a wait for its kernels (what the timed call costs): ``fn``
+    itself on a CPU."""
+    if device.type != "cuda":
+        return fn
+
+    @functools.wraps(fn)
+    def synced():
+        fn()
+        torch.cuda.synchronize(device)
+    return synced
 
 
 def _best_of(fn, clocks: list, repeats: int) -> tuple[float, list[float]]:
@@ -584,19 +629,27 @@ def _best_of(fn, clocks: list, repeats: int) -> tuple[float, list[float]]:
     return runs[(len(runs) - 1) // 2]
 
 
-def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 3) -> dict:
-    """Each phase's seconds on this CPU, timed on one-layer copies of the models (their real
-    widths and vocabularies, random weights) doing one process's work of an iteration at the
-    run's shapes, precision, sampler and optimiser, and scaled to the whole:
+def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 3,
+                 device: torch.device | str = "cpu") -> dict:
+    """Each phase's seconds on ``device`` (this CPU, or a CUDA GPU of this machine), timed on
+    one-layer copies of the models (their real widths and vocabularies, random weights) doing
+    one process's work of an iteration at the run's shapes, precision, sampler and optimiser,
+    and scaled to the whole:
 
     - ``generation``: a prefill of the prompts and ``generate`` of up to 16 tokens with the run's
-      sampler (it records the log-probs), for up to 16 rows; the response's ``response`` steps at
-      that pace, and more rows from a second, halved batch (the cost of a row);
-    - ``old_quantities``: a forward batch (up to 512 tokens) of the policy where it recomputes,
-      the critic and the reference, with their log-probs and entropies, times the batches;
-    - ``update``: a micro-batch (up to 512 tokens) of the policy's and critic's forwards and
-      backwards, times the micro-batches, and an optimiser step (clipping, AdamW, zeroing) per
-      minibatch, times the epochs.
+      sampler (it records the log-probs), for up to 16 rows on a CPU, every row on a GPU; the
+      response's ``response`` steps at that pace, and more rows from a second, halved batch (the
+      cost of a row);
+    - ``old_quantities``: a forward batch (on a CPU up to 512 tokens) of the policy where it
+      recomputes, the critic and the reference, with their log-probs and entropies, times the
+      batches;
+    - ``update``: a micro-batch (on a CPU up to 512 tokens) of the policy's and critic's forwards
+      and backwards, times the micro-batches, and an optimiser step (clipping, AdamW, zeroing)
+      per minibatch, times the epochs.
+
+    A GPU reaches its matmuls' rate only at the run's own sizes, so there the copies run the
+    run's forward batches and micro-batches whole, and each timed call ends when its kernels
+    have (the layers' times are read from CUDA events).
 
     Each is the copy's time plus (layers - 1) times one layer's: the layer is timed inside the
     copy's calls (hooks around it: generation, old quantities) and, for the update, alone on the
@@ -610,32 +663,38 @@ def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 3) 
         work: the shapes and settings.
         critic_config: a separate critic's config (None: the policy's).
         repeats: timed calls per measurement (their median counts), after one to warm up.
+        device: where the copies run.
     """
+    device = torch.device(device)
     critic_config = critic_config if critic_config is not None else config
-    key = _cache_key("timed", _device_key(torch.device("cpu")), _config_key(config),
+    key = _cache_key("timed", _device_key(device), _config_key(config),
                      _config_key(critic_config), *asdict(work).values())
     cached = _cache_get(key)
     if cached is not None:
         return cached
+    cpu = device.type == "cpu"
     threads = torch.get_num_threads()
     torch.set_num_threads(work.threads)
-    if work.reuse_freed_memory:
+    if work.reuse_freed_memory and cpu:
         from rlhf_torchrl.runtime import reuse_freed_memory
 
         reuse_freed_memory()
     machine, own, start = machine_cpu_seconds(), sum(os.times()[:2]), time.perf_counter()
     try:
-        out = _time_phases(config, critic_config, work, repeats)
+        out = _time_phases(config, critic_config, work, repeats, device)
     finally:
         torch.set_num_threads(threads)
-    if machine is not None:  # the share of the CPUs other processes took while this timed
+        if device.type == "cuda":  # (the copies' memory back to the device)
+            torch.cuda.empty_cache()
+    if machine is not None and cpu:  # the share of the CPUs other processes took while this timed
         others = machine_cpu_seconds() - machine - (sum(os.times()[:2]) - own)
         out["others_cpu_share"] = max(0.0, others / ((time.perf_counter() - start)
                                                      * (os.cpu_count() or 1)))
     return _cache_put(key, out)
 
 
-def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
+def _time_phases(config, critic_config, work: PhaseWork, repeats: int,
+                 device: torch.device) -> dict:
     import contextlib
 
     from rlhf_torchrl.functional import entropy_from_logits, log_probs_from_logits
@@ -643,21 +702,30 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
     amp = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(work.autocast)
     wdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16}[work.dtype]
+    cuda = device.type == "cuda"
+    # what a timed call runs at most (the rest is scaled): a CPU's matmuls reach their rate from
+    # a few hundred tokens, a GPU's only at the run's sizes
+    timed_rows = work.rows if cuda else _TIMED_ROWS
+
+    def capped(rows: int) -> int:  # rows of T tokens
+        return rows if cuda else min(rows, max(1, math.ceil(_TIMED_TOKENS / T)))
 
     def autocast():
-        return (torch.autocast("cpu", dtype=amp) if amp is not None
+        return (torch.autocast(device.type, dtype=amp) if amp is not None
                 else contextlib.nullcontext())
 
     shape = ModelShape.from_config(config)
     cshape = ModelShape.from_config(critic_config)
-    policy = _one_layer_copy(config, wdtype, work.attention, amp is not None)
+    policy = _one_layer_copy(config, wdtype, work.attention, amp is not None, device,
+                             work.lm_head_matmul)
     critic = None
     if work.critic == "separate":
         critic = (copy.deepcopy(policy) if _config_key(critic_config) == _config_key(config)
-                  else _one_layer_copy(critic_config, wdtype, work.attention, amp is not None))
+                  else _one_layer_copy(critic_config, wdtype, work.attention, amp is not None,
+                                       device, work.lm_head_matmul))
     reference = copy.deepcopy(policy).requires_grad_(False)  # the run's: frozen, its own weights
     value_head = torch.nn.Linear(cshape.hidden if critic is not None else shape.hidden, 1,
-                                 dtype=wdtype)
+                                 dtype=wdtype, device=device)
     P, R, T, V = work.prompt, work.response, work.prompt + work.response, shape.vocab
     gen = torch.Generator().manual_seed(0)
 
@@ -668,7 +736,10 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
         mask = torch.ones_like(ids)
         if length > 1:
             mask[1::2, 0] = 0
-        return ids, mask
+        return ids.to(device), mask.to(device)
+
+    def timed(fn, clocks, repeats):
+        return _best_of(_synced(fn, device), clocks, repeats)
 
     out: dict = {"timed": {}}
     extra = lambda seconds, layer_s, critic_s=0.0: (  # noqa: E731 - the layers the copies lack
@@ -698,14 +769,14 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
     cast = _BYTES[work.dtype] + (2 if amp is not None else 0)
     container = _decoder_layers(policy)
     turns = [container[0]] + [copy.deepcopy(container[0]) for _ in range(
-        _weight_sets(shape.layers, shape.layer_matmul_params * cast) - 1)]
+        _weight_sets(shape.layers, shape.layer_matmul_params * cast, device) - 1)]
     cycle = itertools.cycle(turns)
 
     def next_turn(*_):
         container[0] = next(cycle)
 
     rotation = policy.base_model.register_forward_pre_hook(next_turn)
-    clock = _LayerClock(*turns)
+    clock = _LayerClock(*turns, cuda=cuda)
 
     def sampled(rows: int) -> float:
         """The generation of ``rows`` rows: its prefill, then ``R`` steps at the timed steps'
@@ -727,8 +798,8 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
 
         with autocast():  # (the casts of the weights kept from the warm-up on: counted apart)
             generation()  # every copy of the layer takes a turn (and is cast) before the clock
-            first, (first_layer,) = _best_of(prefill, [clock], repeats)
-            whole, (whole_layer,) = _best_of(generation, [clock], repeats)
+            first, (first_layer,) = timed(prefill, [clock], repeats)
+            whole, (whole_layer,) = timed(generation, [clock], repeats)
         step, step_layer = (whole - first) / steps, (whole_layer - first_layer) / steps
         out["timed"][f"generation_{rows}_rows"] = {"prefill": first, "step": step,
                                                    "layer_prefill": first_layer,
@@ -743,9 +814,9 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
             if weight.dim() == 2:
                 weight.to(amp)
 
-    cast_s = _best_of(cast, [], repeats)[0] if amp is not None else 0.0
+    cast_s = timed(cast, [], repeats)[0] if amp is not None else 0.0
     out["timed"]["generation_layer_cast"] = cast_s
-    rows = min(work.rows, _TIMED_ROWS)
+    rows = min(work.rows, timed_rows)
     seconds = sampled(rows)
     if work.rows > rows:  # linear in the rows beyond: from two batch sizes
         half = sampled(rows // 2)
@@ -760,11 +831,12 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
     # old quantities: one forward batch of each model that runs (each in its own autocast, as
     # the run's modules are), times the batches
     runs = [m for m in (policy, reference, critic) if m is not None]
-    clocks = [_LayerClock(_decoder_layer(m)) for m in runs]
-    fb = min(work.forward_rows, work.rows, max(1, math.ceil(_TIMED_TOKENS / T)))
+    clocks = [_LayerClock(_decoder_layer(m), cuda=cuda) for m in runs]
+    fb = capped(min(work.forward_rows, work.rows))
     batch, mask = rows_of(fb, T)
 
-    positions = torch.arange(P - 1, P - 1 + R)  # those predicting the response (the run's)
+    # those predicting the response (the run's)
+    positions = torch.arange(P - 1, P - 1 + R, device=device)
 
     def log_probs(model, batch=batch, mask=mask):
         with autocast():
@@ -789,7 +861,7 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
                 values(critic.base_model)
             log_probs(reference)
 
-    seconds, layer_s = _best_of(old_quantities, clocks, repeats)
+    seconds, layer_s = timed(old_quantities, clocks, repeats)
     out["old_quantities"] = work.rows / fb * extra(seconds, layer_s[0] + layer_s[1],
                                                    *layer_s[2:])
     out["timed"]["old_quantities"] = {"rows": fb, "seconds": seconds, "layers": layer_s}
@@ -810,7 +882,7 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
             enable({"use_reentrant": False})
     params = [p for m in (*models, value_head) for p in m.parameters()]
     optimizer = adamw(params, lr=0.0)
-    micro = min(work.micro_rows, work.rows, max(1, math.ceil(_TIMED_TOKENS / T)))
+    micro = capped(min(work.micro_rows, work.rows))
     batch, mask = rows_of(micro, T)
     captured: dict = {}
 
@@ -832,8 +904,8 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # (the gradients stay for the next step)
 
-    micro_s, _ = _best_of(micro_batch, [], repeats)
-    step_s, _ = _best_of(step, [], repeats)
+    micro_s, _ = timed(micro_batch, [], repeats)
+    step_s, _ = timed(step, [], repeats)
     for hook in hooks:
         hook.remove()
     layer_micro, layer_steps = [], []
@@ -845,18 +917,18 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
             continue
         args, kwargs = captured[layer]
         hidden = args[0].detach().requires_grad_(True)
-        grad = torch.randn(hidden.shape, generator=gen, dtype=hidden.dtype)
+        grad = torch.randn(hidden.shape, generator=gen, dtype=hidden.dtype).to(device)
 
         def forward_backward(layer=layer, args=args, kwargs=kwargs, hidden=hidden, grad=grad):
             with autocast():
                 result = layer(hidden, *args[1:], **kwargs)
             (result[0] if isinstance(result, tuple) else result).backward(grad)
 
-        layer_micro.append(_best_of(forward_backward, [], max(repeats, 5))[0])
+        layer_micro.append(timed(forward_backward, [], max(repeats, 5))[0])
         # the step reads and writes weights, gradients and moments: past the last-level cache,
         # from memory; the layer takes turns with copies of itself, as cold as the run's
         copies = [layer] + [copy.deepcopy(layer) for _ in range(
-            _weight_sets(its.layers, its.layer_matmul_params * 16) - 1)]
+            _weight_sets(its.layers, its.layer_matmul_params * 16, device) - 1)]
         for param in (q for c in copies for q in c.parameters()):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -870,7 +942,7 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int) -> dict:
         def layer_step(stepping=stepping):
             next(stepping)()
 
-        layer_steps.append(_best_of(layer_step, [], max(repeats, 5))[0])
+        layer_steps.append(timed(layer_step, [], max(repeats, 5))[0])
         copies.clear()
     out["update"] = work.epochs * (work.rows / micro * extra(micro_s, *layer_micro)
                                    + work.minibatches * extra(step_s, *layer_steps))
@@ -981,10 +1053,11 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
 
     On a CPU (the plan's device is this host) the memory also counts ``runtime``: what the
     planning process holds already (:func:`runtime_bytes`; the PPO command's own process in its
-    start-up check), and the seconds are timed on one-layer copies of the models
-    (:func:`timed_phases`) where the run is one process sampling with transformers; elsewhere
-    (a GPU's profile, LoRA, several processes, vLLM, a compiled decode step, packing, several
-    turns) they come from FLOPs over the device's profile.
+    start-up check). On this machine's CPU, or a CUDA GPU of its own planned with that GPU's
+    profile, the seconds are timed on one-layer copies of the models (:func:`timed_phases`)
+    where the run is one process sampling with transformers; elsewhere (another GPU's profile,
+    LoRA, several processes, vLLM, a compiled decode step, packing, several turns) they come
+    from FLOPs over the device's profile.
 
     Args:
         cfg: the composed PPO config (``rlhf_torchrl.config.compose``).
@@ -1004,6 +1077,7 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     m, p, g = cfg.model, cfg.ppo, cfg.generation
     world = world or int(os.environ.get("WORLD_SIZE", 1))
     device = resolve_device(cfg.device)
+    own_profile = profile is None  # this machine's device's, not one given for another device
     profile = profile or device_profile(device)
     config = _config_of(m.policy)
     shape = ModelShape.from_config(config)
@@ -1213,7 +1287,10 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     phases["update"].update(flops=upd_flops, seconds=compute_s(
         upd_flops, 3 * epochs * head_flops, epochs * head_flops, split=split["update"]))
     settings["times"] = "FLOPs over the device profile"
-    timeable = (host and device.type == "cpu" and world == 1 and not cfg.lora.r
+    # timed where the plan's device is this machine's: its CPU, or a CUDA GPU planned with its
+    # own profile (not another GPU's)
+    here = host if device.type == "cpu" else device.type == "cuda" and own_profile
+    timeable = (here and world == 1 and not cfg.lora.r
                 and GENERATION_BACKENDS.get(g.backend).samples_with_trained_model
                 and not g.compile and not m.packing
                 and not m.compile and cfg.env.max_turns <= 1 and not cfg.collection.overlap
@@ -1229,15 +1306,18 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
             recompute=recompute, sampled_entropy=not recompute and bool(cfg.logging.exact_entropy),
             critic=None if critic_kind is None else ("shared" if cshape is None else "separate"),
             exact_entropy=bool(cfg.logging.exact_entropy), threads=_planned_threads(cfg),
-            attention=m.attn_implementation, reuse_freed_memory=keep_freed)
+            attention=m.attn_implementation, reuse_freed_memory=keep_freed,
+            lm_head_matmul=m.get("lm_head_matmul", "fp32"))
         try:
-            timed = timed_phases(config, work, cconfig if cshape is not None else None)
+            timed = timed_phases(config, work, cconfig if cshape is not None else None,
+                                 device=device)
         except Exception as error:  # noqa: BLE001 - a class the copies cannot run: FLOPs then
             settings["times"] += f" (timing the copies failed: {type(error).__name__}: {error})"
         else:
             for phase in PHASES:
                 phases[phase]["seconds"] = timed[phase]
-            settings["times"] = "timed on one-layer copies on this CPU"
+            settings["times"] = (f"timed on one-layer copies on this "
+                                 f"{'CPU' if device.type == 'cpu' else 'GPU'}")
             busy = timed.get("others_cpu_share", 0.0)
             settings["timed_while_others_used"] = busy
             if busy > 0.2:
@@ -1357,8 +1437,9 @@ def main(argv: list[str]) -> None:
                         help="the mean prompt in tokens, the time estimate's (default: "
                              "--prompt-tokens)")
     parser.add_argument("--fresh", action="store_true",
-                        help="measure the activation counts and, on a CPU, the timed copies "
-                             "again instead of reading them from the plan's cache")
+                        help="measure the activation counts and the timed copies (on this "
+                             "machine's CPU or GPU) again instead of reading them from the "
+                             "plan's cache")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("overrides", nargs="*", help="the PPO run's overrides")
     args = parser.parse_intermixed_args(argv)
@@ -1375,7 +1456,7 @@ def main(argv: list[str]) -> None:
         print(f"profiled {profile.name}: bf16 {profile.bf16_flops / 1e12:.1f} TFLOP/s, fp32 "
               f"{profile.fp32_flops / 1e12:.1f} TFLOP/s, {profile.bandwidth / 1e9:.0f} GB/s; "
               f"saved to {save_profile(device, profile)}")
-    profile = device_profile(device, args.gpu)
+    profile = PROFILES[args.gpu] if args.gpu else None  # (None: this device's)
     plan = make_plan(cfg, world=args.world_size, profile=profile, prompt_tokens=args.prompt_tokens,
                      mean_prompt_tokens=args.mean_prompt_tokens)
     fits = plan.fits()

@@ -435,23 +435,31 @@ def test_real_sizes_says_what_it_needs_without_a_gpu(capsys):
 
 
 @pytest.mark.slow
-def test_real_sizes_runs_its_steps_on_a_tiny_model(tmp_path):
+def test_real_sizes_runs_its_steps_on_a_tiny_model(tmp_path, capsys):
     """The GPU script's steps on the CPU at a 2-layer size (its GPU figures: benchmarks/results):
-    the profile, the floor (bare forwards, backwards, AdamW; FLOPs counted) and the recipe at its
-    settings, each figure in the JSON, the plot beside it."""
+    the profile, the floor (bare forwards, backwards, AdamW; FLOPs counted), the recipe at its
+    settings and the plan of it on this device (timed copies), each figure in the JSON, the plan
+    against the run in the table, the plot beside it."""
     from rlhf_torchrl.benchmarks import real_sizes
 
     out = tmp_path / "rs.json"
     result = real_sizes.main(["--device", "cpu", "--models", "tiny", "--batch-size", "8",
                               "--minibatches", "2", "--response-length", "4",
                               "--micro-batch-tokens", "512", "--forward-batch-size", "4",
-                              "--generate-batches", "--variants", "eager", "--out", str(out)])
+                              "--generate-batches", "--steps", "tiny:floor", "tiny:eager",
+                              "tiny:plan", "--out", str(out)])
     tiny = json.loads(out.read_text())["models"]["tiny"]
     assert tiny == result["models"]["tiny"]
     assert tiny["floor"]["update"]["flops"] > 0 and tiny["floor"]["update"]["seconds"] > 0
     assert tiny["eager"]["iterations"] == 2 and "error" not in tiny["eager"]
     assert set(real_sizes.PHASES) <= set(tiny["eager"])
+    assert "error" not in tiny["plan"], tiny["plan"].get("error")
+    assert tiny["plan"]["times"].startswith("timed on one-layer copies on this CPU")
+    assert all(s > 0 for s in tiny["plan"]["seconds"].values()) and tiny["plan"]["peak_gb"] > 0
+    assert "plan / measured" in capsys.readouterr().out
     assert out.with_suffix(".png").exists()
+    with pytest.raises(SystemExit):  # a step that is not one
+        real_sizes.main(["--steps", "tiny:planned"])
 
 
 @pytest.mark.slow

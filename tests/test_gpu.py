@@ -231,3 +231,33 @@ def test_the_bf16x3_head_on_cuda_is_fp32_to_16_bits_and_its_backward_bf16s():
     ones = torch.ones(4 * 300, 151936, device=device)
     assert torch.allclose(x.grad.reshape(-1, 896), ones @ w.detach(), rtol=1e-2, atol=1e-1)
 
+
+
+def test_the_plan_times_its_one_layer_copies_on_this_gpu(tmp_path, tiny_llama_dir, monkeypatch):
+    """On a CUDA GPU planned with its own profile, the seconds are timed on one-layer copies
+    there (every row sampled, the batches whole, the layers read from CUDA events): each phase
+    takes time, each layer's share is part of its call's, the table says where it was timed, and
+    a profile named for another GPU plans from FLOPs instead."""
+    import rlhf_torchrl.plan as plan
+    from rlhf_torchrl.config import compose
+
+    monkeypatch.setenv("RLHF_TORCHRL_CACHE", str(tmp_path / "cache"))
+    cfg = compose([f"model.policy={tiny_llama_dir}", "device=cuda", "model.autocast=bfloat16",
+                   "ppo.batch_size=8", "ppo.num_mini_batches=2", "generation.max_new_tokens=8",
+                   "data.max_prompt_length=24", f"output_dir={tmp_path / 'run'}"])
+    timed = plan.make_plan(cfg)
+    assert timed.settings["times"] == "timed on one-layer copies on this GPU"
+    assert all(timed.phases[p]["seconds"] > 0 for p in plan.PHASES)
+    config = plan._config_of(str(tiny_llama_dir))
+    work = plan.PhaseWork(rows=8, prompt=24, response=8, forward_rows=4, micro_rows=2,
+                          minibatches=2, epochs=1, temperature=1.0, autocast="bfloat16",
+                          dtype="float32", checkpointing=False, recompute=True,
+                          sampled_entropy=False, critic="separate", exact_entropy=True, threads=1)
+    figures = plan.timed_phases(config, work, repeats=1, device="cuda")["timed"]
+    assert figures["old_quantities"]["rows"] == 4 and figures["update"]["rows"] == 2  # whole
+    assert "generation_4_rows" not in figures  # every row sampled: no halved batch
+    step = figures["generation_8_rows"]
+    assert 0 < step["layer_step"] < step["step"] and 0 < step["layer_prefill"] < step["prefill"]
+    assert 0 < sum(figures["old_quantities"]["layers"]) < figures["old_quantities"]["seconds"]
+    other = plan.make_plan(cfg, profile=plan.PROFILES["H100"])
+    assert other.settings["times"].startswith("FLOPs")

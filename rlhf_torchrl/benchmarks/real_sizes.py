@@ -26,6 +26,9 @@ Per model, each in its own process (the GPU's memory freed between them):
    (``generation.compile=true``), and ``fsdp2`` (torchrun with one process, the models sharded by
    FSDP2 over a mesh of one: its engine's cost on one GPU), seconds per phase (medians after the first iteration), tokens/s,
    the peak GPU memory (``memory/gpu_peak_gb``).
+3. ``plan`` (``plan-VARIANT``): ``rlhf-torchrl plan`` of the eager (VARIANT's) run on this
+   device, given the prompt set's longest and mean prompt: its seconds timed on one-layer
+   copies there, and its memory; the table puts it beside the run it plans.
 
 A device profile first (``rlhf-torchrl plan``'s :func:`~rlhf_torchrl.plan.measure_device`: peak
 matmul FLOP/s and copy bandwidth), for MFU and for the plan's estimates. Every figure goes to ``--out`` as it comes, so a run cut short
@@ -284,20 +287,49 @@ def run_floor(path: Path, prompts: Path, out: Path, args) -> dict:
     return {**figures, **({"error": error} if error else {})}
 
 
-def recipe(name: str, variant: str, path: Path, prompts: Path, out_dir: Path, args) -> dict:
-    """The PPO recipe at verl's quickstart settings on model ``path``: seconds per phase (medians
-    after the first iteration), tokens/s and the peak GPU memory."""
-    overrides = [
+def recipe_overrides(variant: str, path: Path, prompts: Path, out_dir: Path, args) -> list[str]:
+    """The PPO command's overrides for ``variant`` at verl's quickstart settings."""
+    return [
         "task=gsm8k", f"model.policy={path}", f"data.source={prompts}", "data.chat_template=plain",
         "data.check_prompts=all", "eval.every=0", "checkpoint.every=0", "logging.logger=null",
         "logging.save_model=false", "logging.progress_bar=false", f"device={args.device}",
-        f"output_dir={out_dir}", f"hydra.run.dir={out_dir}", "model.autocast=bfloat16",
+        f"output_dir={out_dir}", "model.autocast=bfloat16",
         f"ppo.num_iterations={args.iterations}", f"ppo.batch_size={args.batch_size}",
         f"ppo.num_mini_batches={args.minibatches}", "ppo.num_ppo_epochs=1",
         f"ppo.micro_batch_tokens={args.micro_batch_tokens}",
         f"ppo.forward_batch_size={args.forward_batch_size}",
         f"generation.max_new_tokens={args.response_length}", "data.max_prompt_length=512",
         "optim.critic_warmup=0", *VARIANTS[variant], *args.overrides]
+
+
+def planned(variant: str, path: Path, prompts: Path, lengths: dict, out_dir: Path, args) -> dict:
+    """``rlhf-torchrl plan`` of the recipe's ``variant`` run, on this machine's device (its
+    seconds timed on one-layer copies there), given the prompt set's longest and mean prompt:
+    each phase's seconds and GiB, and the plan's peak."""
+    cmd = [sys.executable, "-m", "rlhf_torchrl.cli", "plan", "--json",
+           f"--prompt-tokens={lengths['max']}", f"--mean-prompt-tokens={lengths['mean']}",
+           *recipe_overrides(variant, path, prompts, out_dir, args)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.recipe_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.recipe_timeout} s"}
+    result = {"command": " ".join(cmd), "wall_s": time.perf_counter() - start}
+    try:
+        plan = json.loads(proc.stdout)
+    except ValueError:
+        return {**result, "error": (proc.stderr or proc.stdout)[-2000:]}
+    return {**result, "times": plan["settings"].get("times"), "peak_gb": plan["peak_gb"],
+            "peak_phase": plan["peak_phase"],
+            "seconds": {p: ph.get("seconds") for p, ph in plan["phases"].items()},
+            "memory_gb": {p: ph["memory_gb"] for p, ph in plan["phases"].items()}}
+
+
+def recipe(name: str, variant: str, path: Path, prompts: Path, out_dir: Path, args) -> dict:
+    """The PPO recipe at verl's quickstart settings on model ``path``: seconds per phase (medians
+    after the first iteration), tokens/s and the peak GPU memory."""
+    overrides = [*recipe_overrides(variant, path, prompts, out_dir, args),
+                 f"hydra.run.dir={out_dir}"]
     launcher = [sys.executable]
     if variant == "fsdp2":
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
@@ -346,8 +378,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--generate-batches", type=int, nargs="*", default=[128],
                         help="the floor's bare generate batch sizes (eager and compiled each)")
     parser.add_argument("--steps", nargs="*", default=None, metavar="MODEL:STEP",
-                        help="run these in this order instead, each a model and 'floor' or a "
-                             "variant, e.g. qwen2.5-1.5b:eager qwen2.5-0.5b:floor")
+                        help="run these in this order instead, each a model and 'floor', a "
+                             "variant, or 'plan' ('plan-VARIANT'): rlhf-torchrl plan of the "
+                             "eager run (of VARIANT's) on this device, e.g. "
+                             "qwen2.5-1.5b:eager qwen2.5-0.5b:floor qwen2.5-1.5b:plan")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--recipe-timeout", type=float, default=600,
                         help="seconds one recipe run may take")
@@ -357,6 +391,12 @@ def main(argv=None) -> dict:
     add_out_arg(parser)
     parser.add_argument("overrides", nargs="*", default=[], help="more recipe overrides")
     args = parser.parse_args(argv)
+    steps = ("floor", "plan", *VARIANTS, *(f"plan-{v}" for v in VARIANTS))
+    for step in args.steps or ():
+        model, _, what = step.partition(":")
+        if model not in MODELS or what not in steps:
+            parser.error(f"--steps {step!r}: give MODEL:STEP, MODEL one of {', '.join(MODELS)} "
+                         f"and STEP one of {', '.join(steps)}")
     if args.floor is not None:  # the floor's own process
         return floor(args.floor, args.prompts, args)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -391,6 +431,12 @@ def main(argv=None) -> dict:
                 entry["floor"] = run_floor(paths[name], prompts, tmp / f"{name}.floor.json", args)
                 print(name, "floor:", {k: v for k, v in entry["floor"].items()
                                        if k != "prompt_lengths"}, flush=True)
+            elif variant.startswith("plan"):  # plan (the eager run's) or plan-VARIANT
+                entry[variant] = planned(variant.partition("-")[2] or "eager", paths[name],
+                                         prompts, result["prompt_lengths"],
+                                         tmp / f"{name}-{variant}", args)
+                print(name, variant, {k: v for k, v in entry[variant].items() if k != "command"},
+                      flush=True)
             else:
                 entry[variant] = recipe(name, variant, paths[name], prompts,
                                         tmp / f"{name}-{variant}", args)
@@ -421,6 +467,19 @@ def _print_table(name: str, entry: dict) -> None:
         if r and "total" in r:
             rows.append([variant, *(f"{r[p]:.2f}" for p in PHASES), f"{r['tokens_per_second']:.0f}",
                          f"{r.get('memory/gpu_peak_gb', float('nan')):.1f}"])
+    for key, r in entry.items():  # the plan's estimates, and against the run they plan
+        if not key.startswith("plan") or not r.get("seconds"):
+            continue
+        planned_run = key.partition("-")[2] or "eager"
+        s = r["seconds"]
+        rows.append([f"plan of {planned_run}", f"{s['generation']:.2f}", "-",
+                     f"{s['old_quantities']:.2f}", "-", f"{s['update']:.2f}", "-", "-",
+                     f"{r['peak_gb']:.1f}"])
+        measured = entry.get(planned_run) or {}
+        if "total" in measured:
+            rows.append(["  plan / measured", *(f"{s[p] / measured[p]:.2f}" if p in s else "-"
+                                                for p in PHASES), "-",
+                         f"{r['peak_gb'] / measured.get('memory/gpu_peak_gb', float('nan')):.2f}"])
     rows.append(["verl (published)", f"{VERL['seconds']['generation']:.2f}", "-",
                  f"{VERL['seconds']['old_quantities']:.2f}", "-", f"{VERL['seconds']['update']:.2f}",
                  "-", "-", "-"])
