@@ -3,9 +3,11 @@
 The plan reads each model's ``config.json`` and the run's settings, and adds up what each phase
 holds on one device:
 
-- the policy's weights (``model.dtype``), gradients and AdamW's two moments (fp32 master weights:
-  4 + 4 + 8 bytes a trained parameter; LoRA: the adapters' alone), a separate critic's the same,
-  a shared critic's value head; FSDP2 divides them by the processes and adds the gathered layers;
+- the policy's weights (``model.dtype``; its parameters counted on the ``meta`` device,
+  :meth:`~rlhf_torchrl.modules.shapes.ModelShape.counted`: every expert of a mixture), gradients
+  and AdamW's two moments (fp32 master weights: 4 + 4 + 8 bytes a trained parameter; LoRA: the
+  adapters' alone), a separate critic's the same, a shared critic's value head; FSDP2 divides
+  them by the processes and adds the gathered layers;
 - the reference (none with LoRA: the adapters off; none resident with ``offload_reference``),
   the reward model and on-policy distillation's teacher (``reward.teacher``; visiting the old
   quantities alone with ``reward.teacher_offload``);
@@ -62,7 +64,7 @@ from pathlib import Path
 import torch
 
 from rlhf_torchrl.functional.matmul import SPLIT_MIN_ROWS
-from rlhf_torchrl.modules.shapes import ModelShape, training_flops
+from rlhf_torchrl.modules.shapes import ModelShape, decoder_layers, training_flops
 
 GIB = 2**30
 PHASES = ("generation", "old_quantities", "update")
@@ -312,6 +314,18 @@ def _config_key(config) -> str:
     return hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+_SHAPES: dict[str, ModelShape] = {}
+
+
+def _shape(config) -> ModelShape:
+    """``config``'s shape with its parameters counted on the ``meta`` device
+    (:meth:`ModelShape.counted`), once per config in this process."""
+    key = _config_key(config)
+    if key not in _SHAPES:
+        _SHAPES[key] = ModelShape.counted(config)
+    return _SHAPES[key]
+
+
 def _cache_key(*parts) -> str:
     return "|".join(str(p) for p in parts)
 
@@ -351,6 +365,12 @@ def _cache_put(key: str, value):
 # ---- activations, counted on a tiny copy of the model's class ----------------------------------
 
 
+def _experts(config) -> int:
+    """The routed experts of ``config``'s mixture of experts (0: a dense model)."""
+    return next((n for name in ("num_local_experts", "num_experts", "n_routed_experts")
+                 if isinstance(n := getattr(config, name, None), int) and n > 0), 0)
+
+
 def _proxy(config, layers: int, head_dim: int):
     """A random ``layers``-layer model of ``config``'s class whose widths are ``config``'s scaled
     so that a head is ``head_dim`` wide (the same heads, the MLP scaled alike), a 64-token vocab."""
@@ -359,11 +379,22 @@ def _proxy(config, layers: int, head_dim: int):
     small = copy.deepcopy(config)
     shape = ModelShape.from_config(config)
     scale = head_dim / shape.head_dim
+    # a mixture of experts' grouped matmuls need rows of a multiple of 16 bytes: its inner
+    # widths are scaled to a multiple of 8 (the published ones are: there this changes nothing)
+    align = 8 if _experts(config) else 1
+
+    def inner(width: int) -> int:
+        return max(2, align, align * round(width * scale / align))
+
     for name, value in (("num_hidden_layers", layers), ("n_layer", layers),
                         ("hidden_size", shape.heads * head_dim), ("n_embd", shape.heads * head_dim),
                         ("head_dim", head_dim),
-                        ("intermediate_size", max(2, round(shape.intermediate * scale))),
-                        ("n_inner", max(2, round(shape.intermediate * scale))),
+                        ("intermediate_size", inner(shape.intermediate)),
+                        ("n_inner", inner(shape.intermediate)),
+                        # a mixture of experts': each expert's and the shared experts' alike
+                        *((name, inner(getattr(config, name)))
+                          for name in ("moe_intermediate_size", "shared_expert_intermediate_size")
+                          if isinstance(getattr(config, name, None), int)),
                         ("vocab_size", 64), ("tie_word_embeddings", False)):
         if hasattr(small, name) and getattr(small, name) is not None:
             setattr(small, name, value)
@@ -435,7 +466,7 @@ def _count_layer_activations(config, autocast, gradient_checkpointing) -> tuple[
 
     # under autocast a forward keeps the bf16 copy of each fp32 weight (none with checkpointing:
     # recomputed); this grows with the width squared, so it is counted, not extrapolated
-    weight_copies = 2 * shape.layer_matmul_params if autocast is not None else 0
+    weight_copies = 2 * _shape(config).layer_params if autocast is not None else 0
     return at(per_token), 0.0 if gradient_checkpointing else weight_copies
 
 
@@ -522,12 +553,12 @@ def _one_layer_copy(config, dtype: torch.dtype, attention: str | None, amp: bool
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList:
-    base = model.base_model
-    for name in ("layers", "h", "blocks"):
-        layers = getattr(base, name, None)
-        if isinstance(layers, torch.nn.ModuleList) and len(layers):
-            return layers
-    raise ValueError(f"no decoder layers found in {type(model).__name__}")
+    layers = decoder_layers(model, model.config.num_hidden_layers
+                            if isinstance(getattr(model.config, "num_hidden_layers", None), int)
+                            else None)
+    if layers is None:
+        raise ValueError(f"no decoder layers found in {type(model).__name__}")
+    return layers
 
 
 def _decoder_layer(model) -> torch.nn.Module:
@@ -714,8 +745,8 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int,
         return (torch.autocast(device.type, dtype=amp) if amp is not None
                 else contextlib.nullcontext())
 
-    shape = ModelShape.from_config(config)
-    cshape = ModelShape.from_config(critic_config)
+    shape = _shape(config)
+    cshape = _shape(critic_config)
     policy = _one_layer_copy(config, wdtype, work.attention, amp is not None, device,
                              work.lm_head_matmul)
     critic = None
@@ -769,7 +800,7 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int,
     cast = _BYTES[work.dtype] + (2 if amp is not None else 0)
     container = _decoder_layers(policy)
     turns = [container[0]] + [copy.deepcopy(container[0]) for _ in range(
-        _weight_sets(shape.layers, shape.layer_matmul_params * cast, device) - 1)]
+        _weight_sets(shape.layers, shape.layer_params * cast, device) - 1)]
     cycle = itertools.cycle(turns)
 
     def next_turn(*_):
@@ -928,7 +959,7 @@ def _time_phases(config, critic_config, work: PhaseWork, repeats: int,
         # the step reads and writes weights, gradients and moments: past the last-level cache,
         # from memory; the layer takes turns with copies of itself, as cold as the run's
         copies = [layer] + [copy.deepcopy(layer) for _ in range(
-            _weight_sets(its.layers, its.layer_matmul_params * 16, device) - 1)]
+            _weight_sets(its.layers, its.layer_params * 16, device) - 1)]
         for param in (q for c in copies for q in c.parameters()):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -1080,7 +1111,7 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     own_profile = profile is None  # this machine's device's, not one given for another device
     profile = profile or device_profile(device)
     config = _config_of(m.policy)
-    shape = ModelShape.from_config(config)
+    shape = _shape(config)
     host = profile.name == "cpu"  # planned for this host's CPU: its process's memory counts
     if m.autocast == "auto" and not host:  # planned for a GPU: bf16 there
         amp_name = "bfloat16" if m.dtype == "float32" else None
@@ -1113,7 +1144,7 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
         critic_name = cfg.value_model.name_or_path or (
             cfg.reward.model if critic_kind == "reward_model" else m.policy)
         cconfig = _config_of(critic_name)
-        cshape = ModelShape.from_config(cconfig)
+        cshape = _shape(cconfig)
         ctrained = _lora_params(cshape, cfg.lora.r) if cfg.lora.critic and cfg.lora.r else cshape.trunk_params
         held["critic weights"] = cshape.trunk_params * wb / shard
         held["critic gradients"] = ctrained * 4 / shard
@@ -1124,15 +1155,15 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
             held["critic weights"] = shape.hidden * wb
     if not cfg.lora.r:  # (an offloaded reference visits the device for the old quantities)
         ref = _config_of(m.reference) if m.reference else config
-        reference = ModelShape.from_config(ref).params * wb / shard
+        reference = _shape(ref).params * wb / shard
         if not m.offload_reference:
             held["reference"] = reference
     if cfg.reward.model:
-        rm = ModelShape.from_config(_config_of(cfg.reward.model))
+        rm = _shape(_config_of(cfg.reward.model))
         held["reward model"] = rm.trunk_params * _BYTES[cfg.reward.model_dtype]
     teacher = 0.0  # on-policy distillation's teacher: frozen, resident or visiting as the reference
     if cfg.reward.get("teacher"):
-        teacher = (ModelShape.from_config(_config_of(cfg.reward.teacher)).params
+        teacher = (_shape(_config_of(cfg.reward.teacher)).params
                    * _BYTES[cfg.reward.teacher_dtype])
         if not cfg.reward.teacher_offload:
             held["teacher"] = teacher
@@ -1209,7 +1240,7 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
         update["critic activations"] = cshape.layers * (c_token * micro_tokens
                                                         + (0.0 if fsdp else c_fixed))
     if fsdp:  # the layers FSDP2 gathers whole: the running one and the one prefetched
-        gathered = 2 * shape.layer_matmul_params * act_bytes
+        gathered = 2 * shape.layer_params * act_bytes
         for phase in (generation, old, update):
             phase["FSDP2 gathered layers"] = gathered
 

@@ -13,6 +13,7 @@ from test_recipe import TINY, _cfg
 
 from rlhf_torchrl.modules.shapes import ModelShape
 from rlhf_torchrl.plan import (
+    PROFILES,
     SHAPES_DIR,
     DeviceProfile,
     check_fits,
@@ -37,18 +38,100 @@ def test_shapes_count_the_parameters_of_the_model(name):
         model = AutoModelForCausalLM.from_config(config)
     real = sum(p.numel() for p in model.parameters())
     assert abs(ModelShape.from_config(config).params - real) / real < 0.01
+    assert ModelShape.counted(config).params == real
 
 
+def _small(model_type: str, **changes):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{
+        "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 500,
+        "pad_token_id": 0, **changes})
+
+
+@pytest.mark.parametrize("model_type", ["gpt_neox", "phi", "opt", "bloom", "mixtral", "qwen2_moe",
+                                        "qwen3_moe", "gpt_oss"])
+def test_counted_shapes_are_exact_where_the_widths_alone_are_not(model_type):
+    """Non-gated MLPs (Pythia, Phi-2, OPT, BLOOM) and mixtures of experts: the widths' count is
+    off (by a fifth to a factor of 4 here); counted on the meta device, the model's parameters,
+    its trunk's and each layer's are the model's own."""
+    from transformers import AutoModelForCausalLM
+
+    config = _small(model_type, n_embd=64, n_layer=3, n_head=4, ffn_dim=160,
+                    word_embed_proj_dim=64, moe_intermediate_size=48, num_experts=8,
+                    num_local_experts=8, num_experts_per_tok=2,
+                    shared_expert_intermediate_size=96)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    real = sum(p.numel() for p in model.parameters())
+    shape = ModelShape.counted(config)
+    assert abs(ModelShape.from_config(config).params - real) / real > 0.05
+    assert shape.params == real and shape.layers == 3
+    head = model.get_output_embeddings()
+    tied = head.weight is model.get_input_embeddings().weight
+    assert shape.trunk_params == real - (0 if tied else sum(p.numel() for p in head.parameters()))
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == 3][0]
+    assert shape.layer_params * 3 == sum(p.numel() for p in layers.parameters())
+
+
+def test_a_mixture_of_experts_counts_the_experts_a_token_visits():
+    """Memory holds every expert; a token's FLOPs go through the router, the shared expert and
+    num_experts_per_tok of the routed ones: Mixtral's and Qwen2-MoE's layers by hand."""
+    h, heads, kv, d, E, k = 64, 4, 2, 16, 8, 2
+    attention = h * heads * d * 2 + h * kv * d * 2  # q, o; k, v
+    mixtral = ModelShape.counted(_small("mixtral", num_local_experts=E, num_experts_per_tok=k))
+    experts = E * 3 * h * 160  # gate, up, down of each expert (intermediate_size=160)
+    assert mixtral.layer_params == attention + E * h + experts + 2 * h  # + router, norms
+    assert mixtral.layer_matmul_params == attention + E * h + experts * k / E
+    qwen = ModelShape.counted(_small("qwen2_moe", num_experts=E, num_experts_per_tok=k,
+                                     moe_intermediate_size=48,
+                                     shared_expert_intermediate_size=96))
+    biases = heads * d + 2 * kv * d  # q, k, v have biases
+    experts, shared = E * 3 * h * 48, 3 * h * 96 + h  # the shared expert and its gate
+    assert qwen.layer_params == attention + biases + E * h + experts + shared + 2 * h
+    assert qwen.layer_matmul_params == attention + E * h + shared + experts * k / E
+    flops = qwen.forward_flops(rows=1, length=10, head_positions=0)
+    assert flops == 3 * 2 * qwen.layer_matmul_params * 10 + 3 * 2 * heads * d * 100
+
+
+def test_the_plan_holds_every_expert_of_a_mixture(tmp_path):
+    """A mixture of experts planned from its config.json alone: the policy's weights are its
+    every parameter (4 bytes each in fp32), whichever experts a token visits; the FLOPs count
+    those it visits (2 of 8 here against all 8: fewer, by the layers' matmul weights)."""
+    from transformers import AutoModelForCausalLM
+
+    plans = {}
+    for k in (2, 8):
+        config = _small("mixtral", num_local_experts=8, num_experts_per_tok=k)
+        config.save_pretrained(tmp_path / f"moe{k}")
+        plans[k] = make_plan(_cfg(tmp_path, tmp_path / f"moe{k}", "model.autocast=null"),
+                             profile=PROFILES["H100"])
+    with torch.device("meta"):
+        real = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert plans[2].settings["params"] == plans[8].settings["params"] == real
+    assert plans[2].components["policy weights"] == pytest.approx(real * 4 / 2**30)
+    assert plans[2].components["policy weights"] == plans[8].components["policy weights"]
+    few, every = (plans[k].phases["update"]["flops"] for k in (2, 8))
+    assert few < 0.6 * every
+
+
+@pytest.mark.parametrize("model", ["llama", "mixtral"])
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
-def test_layer_activations_extrapolate_to_the_real_width(autocast):
+def test_layer_activations_extrapolate_to_the_real_width(autocast, model):
     """The bytes a layer keeps for the backward, counted on 1- and 2-layer copies at head widths 8
-    and 16 and extrapolated, equal those of the model's own width counted directly."""
-    from transformers import LlamaConfig
+    and 16 and extrapolated, equal those of the model's own width counted directly (a mixture of
+    experts, whose copies' inner widths are rounded to a multiple of 8 for its grouped matmuls:
+    within 5% at these unaligned widths)."""
+    from transformers import LlamaConfig, MixtralConfig
 
     from rlhf_torchrl.plan import _proxy, _saved_bytes
 
-    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    widths = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=1000)
+    config = (LlamaConfig(intermediate_size=688, **widths) if model == "llama" else
+              MixtralConfig(intermediate_size=344, num_local_experts=4, num_experts_per_tok=2,
+                            **widths))
     per_token, _ = layer_activation_bytes(config, autocast, gradient_checkpointing=False)
     direct = {layers: _proxy(config, layers, 64) for layers in (1, 2)}  # head width 64 = real
     one_layer = {t: _saved_bytes(direct[2], t, autocast) - _saved_bytes(direct[1], t, autocast)

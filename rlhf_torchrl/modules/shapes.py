@@ -1,10 +1,17 @@
 """A causal LM's shape from its ``config.json`` alone, and the FLOPs of its forward passes: what
 ``rlhf-torchrl plan`` and the benchmarks' MFU count. No weight is loaded.
 
-The counts are the matmuls' multiply-adds, 2 FLOPs each (embedding look-ups, norms and
-activations are left out: under 1% at these sizes). Attention's two matmuls are counted over the
-causal half of the score matrix, the work a causal kernel does. A backward pass is counted as
-twice its forward (the gradients of the inputs and of the weights).
+:meth:`ModelShape.counted` counts the parameters on an instance of the model's own class on the
+``meta`` device (no memory, tens of milliseconds): exact for whatever transformers builds, mixtures
+of experts, non-gated MLPs and biases included. :meth:`ModelShape.from_config` reads the widths
+alone and counts a dense, gated (SwiGLU) decoder's matmuls: exact for Llama-like models, a
+fallback elsewhere.
+
+The FLOPs are the matmuls' multiply-adds, 2 FLOPs each (embedding look-ups, norms and
+activations are left out: under 1% at these sizes); a mixture of experts' per token are its
+router's, its shared experts' and ``num_experts_per_tok`` routed experts'. Attention's two matmuls
+are counted over the causal half of the score matrix, the work a causal kernel does. A backward
+pass is counted as twice its forward (the gradients of the inputs and of the weights).
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ class ModelShape:
         tied: the LM head shares the embedding's weights.
         gated_mlp: a gated MLP (SwiGLU: 3 matrices) rather than 2.
         learned_positions: rows of a learned position embedding (GPT-2's; 0: rotary).
+        total: the model's parameters, counted (None: from the widths).
+        head: the LM head's own parameters, counted (0 where it is tied to the embedding).
+        layer: a decoder layer's parameters, counted (the mean over the layers; every expert).
+        layer_active: the matmul weights one token goes through in a decoder layer, counted (the
+            mean over the layers; of the routed experts, ``num_experts_per_tok``).
     """
 
     layers: int
@@ -39,6 +51,10 @@ class ModelShape:
     tied: bool
     gated_mlp: bool = True
     learned_positions: int = 0
+    total: int | None = None
+    head: int | None = None
+    layer: float | None = None
+    layer_active: float | None = None
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -61,15 +77,72 @@ class ModelShape:
                    gated_mlp=not gpt2,
                    learned_positions=getattr(config, "n_positions", 0) if gpt2 else 0)
 
+    @classmethod
+    def counted(cls, config) -> ModelShape:
+        """:meth:`from_config`'s shape with its parameters counted on an instance of the model's
+        own class on the ``meta`` device (no memory is allocated; no weight is read): the whole
+        model's, the LM head's, a decoder layer's, and the matmul weights a token goes through in
+        a layer (the router's, the shared experts' and ``num_experts_per_tok`` of the routed
+        experts'). :meth:`from_config`'s alone where transformers cannot build the class.
+
+        Args:
+            config (transformers.PretrainedConfig): the model's config.
+        """
+        import dataclasses
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        shape = cls.from_config(config)
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        except Exception:  # noqa: BLE001 - a class transformers cannot build: the widths' count
+            return shape
+        layers = decoder_layers(model, shape.layers)
+        if layers is None:
+            return shape
+        head = model.get_output_embeddings()
+        tied = head is None or head.weight is model.get_input_embeddings().weight
+        experts = next((n for name in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if isinstance(n := getattr(config, name, None), int) and n > 0), 0)
+        routed = getattr(config, "num_experts_per_tok", None) or 0
+        layer, active = 0, 0.0
+        for name, param in layers.named_parameters():
+            layer += param.numel()
+            if param.dim() < 2:  # norms, biases: no matmul
+                continue
+            path = name.split(".")
+            if experts and "experts" in path:  # routed experts: a token visits `routed` of them
+                active += param.numel() * routed / experts
+            else:
+                active += param.numel()
+        return dataclasses.replace(
+            shape, layers=len(layers), total=sum(p.numel() for p in model.parameters()),
+            head=0 if tied else sum(p.numel() for p in head.parameters()),
+            layer=layer / len(layers), layer_active=active / len(layers))
+
     @property
-    def layer_matmul_params(self) -> int:
-        """Weights of one layer's matmuls: q, k, v, o and the MLP's."""
+    def layer_matmul_params(self) -> int | float:
+        """Weights of one layer's matmuls a token goes through: q, k, v, o and the MLP's (of a
+        mixture of experts, the router's, the shared experts' and the routed experts' it visits)."""
+        if self.layer_active is not None:
+            return self.layer_active
         attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         return attention + (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
 
     @property
+    def layer_params(self) -> int | float:
+        """Parameters of one decoder layer: its matmuls' weights (every expert's) and norms."""
+        if self.layer is not None:
+            return self.layer
+        return self.layer_matmul_params + 2 * self.hidden
+
+    @property
     def trunk_params(self) -> int:
         """Parameters of the trunk: the layers (with their norms) and the embedding."""
+        if self.total is not None:
+            return self.total - self.head
         norms = self.layers * 2 * self.hidden + self.hidden
         embeddings = (self.vocab + self.learned_positions) * self.hidden
         return self.layers * self.layer_matmul_params + norms + embeddings
@@ -77,6 +150,8 @@ class ModelShape:
     @property
     def params(self) -> int:
         """Parameters of the causal LM: the trunk, and the LM head unless tied."""
+        if self.total is not None:
+            return self.total
         return self.trunk_params + (0 if self.tied else self.vocab * self.hidden)
 
     def forward_flops(self, rows: int, length: int, head_positions: int) -> float:
@@ -105,6 +180,26 @@ class ModelShape:
         per_token = 2 * self.layers * self.layer_matmul_params + 2 * self.hidden * self.vocab
         context = 4 * self.layers * self.heads * self.head_dim * (new * prompt + new * new / 2)
         return prefill + rows * (new * per_token + context)
+
+
+def decoder_layers(model, count: int | None = None):
+    """``model``'s decoder layers (a ``torch.nn.ModuleList``): its base model's ``layers``, ``h`` or
+    ``blocks``, else the first list of ``count`` modules in it (OPT's ``model.decoder.layers``);
+    None where there is none.
+
+    Args:
+        model: a transformers causal LM.
+        count: the config's layer count.
+    """
+    import torch
+
+    base = model.base_model
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers):
+            return layers
+    return next((m for _, m in model.named_modules()
+                 if isinstance(m, torch.nn.ModuleList) and count and len(m) == count), None)
 
 
 def training_flops(shape: ModelShape, rows: int, length: int, head_positions: int,
