@@ -6,8 +6,9 @@ holds on one device:
 - the policy's weights (``model.dtype``; its parameters counted on the ``meta`` device,
   :meth:`~rlhf_torchrl.modules.shapes.ModelShape.counted`: every expert of a mixture), gradients
   and AdamW's two moments (fp32 master weights: 4 + 4 + 8 bytes a trained parameter; LoRA: the
-  adapters' alone), a separate critic's the same, a shared critic's value head; FSDP2 divides
-  them by the processes and adds the gathered layers;
+  adapters' alone, on the modules ``lora.target_modules`` names, as PEFT places them), a separate
+  critic's the same, a shared critic's value head; FSDP2 divides them by the processes and adds
+  the gathered layers;
 - the reference (none with LoRA: the adapters off; none resident with ``offload_reference``),
   the reward model and on-policy distillation's teacher (``reward.teacher``; visiting the old
   quantities alone with ``reward.teacher_offload``);
@@ -64,7 +65,13 @@ from pathlib import Path
 import torch
 
 from rlhf_torchrl.functional.matmul import SPLIT_MIN_ROWS
-from rlhf_torchrl.modules.shapes import ModelShape, decoder_layers, training_flops
+from rlhf_torchrl.modules.shapes import (
+    ModelShape,
+    decoder_layers,
+    lora_params,
+    meta_model,
+    training_flops,
+)
 
 GIB = 2**30
 PHASES = ("generation", "old_quantities", "update")
@@ -314,16 +321,22 @@ def _config_key(config) -> str:
     return hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-_SHAPES: dict[str, ModelShape] = {}
+_SHAPES: dict[str, tuple] = {}
+
+
+def _counted(config) -> tuple:
+    """(``config``'s shape with its parameters counted on the ``meta`` device, that meta model or
+    None), built once per config in this process."""
+    key = _config_key(config)
+    if key not in _SHAPES:
+        model = meta_model(config)
+        _SHAPES[key] = ModelShape.counted(config, model), model
+    return _SHAPES[key]
 
 
 def _shape(config) -> ModelShape:
-    """``config``'s shape with its parameters counted on the ``meta`` device
-    (:meth:`ModelShape.counted`), once per config in this process."""
-    key = _config_key(config)
-    if key not in _SHAPES:
-        _SHAPES[key] = ModelShape.counted(config)
-    return _SHAPES[key]
+    """``config``'s shape, its parameters counted (:meth:`ModelShape.counted`)."""
+    return _counted(config)[0]
 
 
 def _cache_key(*parts) -> str:
@@ -1058,7 +1071,13 @@ def _config_of(name: str):
     return _model_config("model.policy", name, weights=False)  # (a config.json alone plans)
 
 
-def _lora_params(shape: ModelShape, r: int) -> int:
+def _lora_params(config, r: int, targets="all-linear") -> int:
+    """The adapters' parameters as PEFT places them on ``config``'s model
+    (:func:`~rlhf_torchrl.modules.shapes.lora_params`); a gated decoder's q, k, v, o and MLP where
+    its class cannot be built."""
+    shape, model = _counted(config)
+    if model is not None:
+        return lora_params(model, r, targets)
     per_layer = (shape.hidden + shape.heads * shape.head_dim  # q
                  + 2 * (shape.hidden + shape.kv_heads * shape.head_dim)  # k, v
                  + shape.heads * shape.head_dim + shape.hidden  # o
@@ -1134,7 +1153,9 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     if host:  # the process itself, before any weight: the model's class imported as loading will
         _import_model_class(config)
         held["runtime"] = runtime_bytes()
-    trained = _lora_params(shape, cfg.lora.r) if cfg.lora.r else shape.params
+    targets = cfg.lora.target_modules
+    targets = targets if isinstance(targets, str) else list(targets)
+    trained = _lora_params(config, cfg.lora.r, targets) if cfg.lora.r else shape.params
     held["policy weights"] = shape.params * wb / shard
     if cfg.lora.r:
         held["policy weights"] += trained * 4
@@ -1145,7 +1166,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
             cfg.reward.model if critic_kind == "reward_model" else m.policy)
         cconfig = _config_of(critic_name)
         cshape = _shape(cconfig)
-        ctrained = _lora_params(cshape, cfg.lora.r) if cfg.lora.critic and cfg.lora.r else cshape.trunk_params
+        ctrained = (_lora_params(cconfig, cfg.lora.r, targets) if cfg.lora.critic and cfg.lora.r
+                    else cshape.trunk_params)
         held["critic weights"] = cshape.trunk_params * wb / shard
         held["critic gradients"] = ctrained * 4 / shard
         held["critic AdamW state"] = ctrained * 8 / shard

@@ -78,7 +78,7 @@ class ModelShape:
                    learned_positions=getattr(config, "n_positions", 0) if gpt2 else 0)
 
     @classmethod
-    def counted(cls, config) -> ModelShape:
+    def counted(cls, config, model=None) -> ModelShape:
         """:meth:`from_config`'s shape with its parameters counted on an instance of the model's
         own class on the ``meta`` device (no memory is allocated; no weight is read): the whole
         model's, the LM head's, a decoder layer's, and the matmul weights a token goes through in
@@ -87,17 +87,13 @@ class ModelShape:
 
         Args:
             config (transformers.PretrainedConfig): the model's config.
+            model: :func:`meta_model` of ``config``, where it was built already.
         """
         import dataclasses
 
-        import torch
-        from transformers import AutoModelForCausalLM
-
         shape = cls.from_config(config)
-        try:
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
-        except Exception:  # noqa: BLE001 - a class transformers cannot build: the widths' count
+        model = model if model is not None else meta_model(config)
+        if model is None:  # a class transformers cannot build: the widths' count
             return shape
         layers = decoder_layers(model, shape.layers)
         if layers is None:
@@ -180,6 +176,58 @@ class ModelShape:
         per_token = 2 * self.layers * self.layer_matmul_params + 2 * self.hidden * self.vocab
         context = 4 * self.layers * self.heads * self.head_dim * (new * prompt + new * new / 2)
         return prefill + rows * (new * per_token + context)
+
+
+def meta_model(config):
+    """An instance of ``config``'s causal-LM class on the ``meta`` device (shapes, no memory);
+    None where transformers cannot build it.
+
+    Args:
+        config (transformers.PretrainedConfig): the model's config.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - a class transformers does not map, a config it refuses
+        return None
+
+
+def lora_params(model, r: int, targets="all-linear") -> int:
+    """Parameters of rank-``r`` LoRA adapters on ``model``'s ``targets``, as PEFT places them: every
+    linear layer but the output head (``"all-linear"``), the modules whose names end with one of a
+    list's (``["q_proj", "v_proj"]``), or those a regular expression matches whole; ``r`` x (inputs
+    + outputs) each.
+
+    Args:
+        model: the model (on the ``meta`` device will do).
+        r: the adapters' rank.
+        targets: PEFT's ``target_modules``.
+    """
+    import re
+
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            sizes = module.in_features + module.out_features
+        elif isinstance(module, Conv1D):  # GPT-2's: weight (inputs, outputs)
+            sizes = sum(module.weight.shape)
+        else:
+            continue
+        if isinstance(targets, str) and targets == "all-linear":
+            chosen = module is not head
+        elif isinstance(targets, str):
+            chosen = re.fullmatch(targets, name) is not None
+        else:
+            chosen = any(name == t or name.endswith(f".{t}") for t in targets)
+        count += r * sizes if chosen else 0
+    return count
 
 
 def decoder_layers(model, count: int | None = None):
