@@ -12,9 +12,10 @@ holds on one device:
 - the reference (none with LoRA: the adapters off; none resident with ``offload_reference``),
   the reward model and on-policy distillation's teacher (``reward.teacher``; visiting the old
   quantities alone with ``reward.teacher_offload``);
-- generation: the KV cache of the batch (a static one of ``data.max_prompt_length`` +
-  ``max_new_tokens`` with ``generation.compile``, kept between batches: every phase holds it) and
-  one step's fp32 logits; with vLLM, the
+- generation: the KV cache of the batch, laid out as transformers lays it out for the model
+  (sliding and linear-attention layers, latent attention: :func:`kv_cache_bytes`; a static one of
+  ``data.max_prompt_length`` + ``max_new_tokens`` with ``generation.compile``, kept between
+  batches: every phase holds it) and one step's fp32 logits; with vLLM, the
   engine's ``vllm.gpu_memory_utilization`` share of the device, in every phase unless it sleeps;
 - the old quantities: ``forward_batch_size`` rows' fp32 logits at the response positions;
 - the update: the activations autograd keeps for the largest micro-batch, counted on a 1- and
@@ -1071,6 +1072,58 @@ def _config_of(name: str):
     return _model_config("model.policy", name, weights=False)  # (a config.json alone plans)
 
 
+def kv_cache_positions(config, length: int, static: bool = False) -> int:
+    """Positions a KV cache holds over all of ``config``'s layers after ``length`` tokens, as
+    transformers lays the cache out (``cache_utils.get_layer_types_and_kwargs``): every position in
+    a full-attention layer, in a sliding or chunked one at most the window less one (a static
+    cache: the window), none in a recurrent, convolutional or linear-attention layer (their fixed
+    states are left out) or one that reads another's cache.
+
+    Args:
+        config (transformers.PretrainedConfig): the model's config.
+        length: tokens seen (prompt and response).
+        static: a static cache (``generation.compile``).
+    """
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kwargs = get_layer_types_and_kwargs(config)
+    except Exception:  # noqa: BLE001 - a transformers without it, a config it cannot read
+        return _shape(config).layers * length
+    windowed = ("sliding_attention", "hybrid_sliding", "reference_sliding_attention",
+                "chunked_attention")
+    stateless = ("dummy", "conv", "linear_attention", "mamba", "moe", "mlp")
+    positions = 0
+    for kind, extra in zip(types, kwargs):
+        if kind in windowed and extra.get("sliding_window"):
+            positions += min(length, int(extra["sliding_window"]) - (0 if static else 1))
+        elif kind not in stateless:
+            positions += length
+    return positions
+
+
+def kv_cache_bytes(config, rows: int, length: int, key_bytes: int, value_bytes: int,
+                   static: bool = False) -> float:
+    """Bytes of the KV cache of ``rows`` rows after ``length`` tokens (:func:`kv_cache_positions`
+    of the config's key/value heads), keys of ``key_bytes`` and values of ``value_bytes`` each.
+
+    Args:
+        config (transformers.PretrainedConfig): the model's config.
+        rows: rows sampled together.
+        length: tokens per row.
+        key_bytes: bytes of a key element (fp32 after the rotary embedding under autocast).
+        value_bytes: bytes of a value element.
+        static: a static cache (``generation.compile``).
+    """
+    positions = rows * kv_cache_positions(config, length, static)
+    if isinstance(getattr(config, "kv_lora_rank", None), int):  # latent attention (DeepSeek's):
+        # the compressed keys and values, and the rotary part of the keys, once for all heads
+        return positions * (config.kv_lora_rank * key_bytes
+                            + config.qk_rope_head_dim * value_bytes)
+    shape = _shape(config)
+    return positions * shape.kv_heads * shape.head_dim * (key_bytes + value_bytes)
+
+
 def _lora_params(config, r: int, targets="all-linear") -> int:
     """The adapters' parameters as PEFT places them on ``config``'s model
     (:func:`~rlhf_torchrl.modules.shapes.lora_params`); a gated decoder's q, k, v, o and MLP where
@@ -1194,9 +1247,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     # the matmul's dtype; a static cache both in the autocast dtype) and a step's logits
     act_bytes = 2 if amp is not None else wb
     kv_len = (cfg.data.max_prompt_length + g.max_new_tokens) if g.compile else T
-    kv_dim = shape.kv_heads * shape.head_dim
     key_bytes = act_bytes if g.compile else (4 if amp is not None else wb)
-    kv = rows * kv_len * shape.layers * kv_dim * (key_bytes + act_bytes)
+    kv = kv_cache_bytes(config, rows, kv_len, key_bytes, act_bytes, static=bool(g.compile))
     # autocast's bf16 copies of fp32 weights, kept while a forward runs (FSDP2 gathers bf16
     # layers instead: its mixed precision)
     casts = shape.params * 2 if amp is not None and wb == 4 and not fsdp else 0

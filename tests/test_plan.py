@@ -592,3 +592,42 @@ def test_the_plan_counts_the_adapters_peft_places(model_type, targets):
                      target_modules=targets)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trained > 0 and _lora_params(config, 4, targets) == trained
+
+
+@pytest.mark.parametrize("model_type,layout", [
+    ("llama", {}),
+    ("gemma3_text", dict(sliding_window=8, layer_types=["sliding_attention", "sliding_attention",
+                                                       "full_attention"])),
+    ("mistral", dict(sliding_window=8)),
+    ("qwen2", dict(sliding_window=8, use_sliding_window=False)),
+    ("qwen3_next", dict(layer_types=["linear_attention", "linear_attention", "full_attention"],
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32)),
+    ("deepseek_v3", dict(num_key_value_heads=4, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                         n_group=1, topk_group=1, moe_intermediate_size=32, q_lora_rank=32,
+                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                         first_k_dense_replace=1))])
+def test_the_kv_cache_is_planned_as_transformers_lays_it_out(model_type, layout):
+    """The plan's KV cache equals the bytes of the keys and values the model's own cache holds
+    after a forward of 2 rows of 40 tokens: every layer's where they all attend to everything,
+    the window less one in sliding layers (Gemma 3's 2 of 3, Mistral's all; Qwen2's setting off),
+    none in linear-attention layers (Qwen3-Next's recurrent states are left out), DeepSeek's
+    latent attention its compressed keys and values."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_torchrl.plan import kv_cache_bytes, kv_cache_positions
+
+    config = _small(model_type, **layout)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(0, 500, (2, 40)), use_cache=True).past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if isinstance(t, torch.Tensor))
+    assert kv_cache_bytes(config, rows=2, length=40, key_bytes=4, value_bytes=4) == held
+    full = kv_cache_positions(_small("llama"), 40)
+    assert (kv_cache_positions(config, 40) < full) == (model_type in ("gemma3_text", "mistral",
+                                                                      "qwen3_next"))
+    if model_type == "gemma3_text":  # a static cache (generation.compile) holds the whole window
+        assert kv_cache_positions(config, 40, static=True) == 8 + 8 + 40
