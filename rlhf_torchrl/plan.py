@@ -52,6 +52,7 @@ GPUs and on a 2-core CPU (``rlhf-torchrl bench plan_check``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import itertools
@@ -71,6 +72,7 @@ from rlhf_torchrl.modules.shapes import (
     decoder_layers,
     lora_params,
     meta_model,
+    routed_experts,
     training_flops,
 )
 
@@ -379,12 +381,6 @@ def _cache_put(key: str, value):
 # ---- activations, counted on a tiny copy of the model's class ----------------------------------
 
 
-def _experts(config) -> int:
-    """The routed experts of ``config``'s mixture of experts (0: a dense model)."""
-    return next((n for name in ("num_local_experts", "num_experts", "n_routed_experts")
-                 if isinstance(n := getattr(config, name, None), int) and n > 0), 0)
-
-
 def _proxy(config, layers: int, head_dim: int):
     """A random ``layers``-layer model of ``config``'s class whose widths are ``config``'s scaled
     so that a head is ``head_dim`` wide (the same heads, the MLP scaled alike), a 64-token vocab."""
@@ -395,7 +391,7 @@ def _proxy(config, layers: int, head_dim: int):
     scale = head_dim / shape.head_dim
     # a mixture of experts' grouped matmuls need rows of a multiple of 16 bytes: its inner
     # widths are scaled to a multiple of 8 (the published ones are: there this changes nothing)
-    align = 8 if _experts(config) else 1
+    align = 8 if routed_experts(config)[0] else 1
 
     def inner(width: int) -> int:
         return max(2, align, align * round(width * scale / align))
@@ -609,6 +605,7 @@ class _LayerClock:
 
     def __init__(self, *modules: torch.nn.Module, cuda: bool = False):
         self._seconds, self._start, self._cuda, self._spans = 0.0, None, cuda, []
+        self._events, self._used = [], 0  # CUDA events, made once and recorded again
         self._hooks = [hook for module in modules
                        for hook in (module.register_forward_pre_hook(self._enter),
                                     module.register_forward_hook(self._leave))]
@@ -619,11 +616,14 @@ class _LayerClock:
 
     @seconds.setter
     def seconds(self, value: float) -> None:
-        self._seconds, self._spans = value, []
+        self._seconds, self._spans, self._used = value, [], 0
 
     def _now(self):
-        if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
+        if self._cuda:  # (on the current device's stream: timed_phases makes it the copies')
+            if self._used == len(self._events):
+                self._events.append(torch.cuda.Event(enable_timing=True))
+            event = self._events[self._used]
+            self._used += 1
             event.record()
             return event
         return time.perf_counter()
@@ -725,8 +725,9 @@ def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 3,
 
         reuse_freed_memory()
     machine, own, start = machine_cpu_seconds(), sum(os.times()[:2]), time.perf_counter()
-    try:
-        out = _time_phases(config, critic_config, work, repeats, device)
+    try:  # (a CUDA device made current: the events and streams are its own)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            out = _time_phases(config, critic_config, work, repeats, device)
     finally:
         torch.set_num_threads(threads)
         if device.type == "cuda":  # (the copies' memory back to the device)
@@ -740,8 +741,6 @@ def timed_phases(config, work: PhaseWork, critic_config=None, repeats: int = 3,
 
 def _time_phases(config, critic_config, work: PhaseWork, repeats: int,
                  device: torch.device) -> dict:
-    import contextlib
-
     from rlhf_torchrl.functional import entropy_from_logits, log_probs_from_logits
 
     amp = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(work.autocast)
@@ -1124,13 +1123,19 @@ def kv_cache_bytes(config, rows: int, length: int, key_bytes: int, value_bytes: 
     return positions * shape.kv_heads * shape.head_dim * (key_bytes + value_bytes)
 
 
+_ADAPTERS: dict[tuple, int] = {}
+
+
 def _lora_params(config, r: int, targets="all-linear") -> int:
     """The adapters' parameters as PEFT places them on ``config``'s model
-    (:func:`~rlhf_torchrl.modules.shapes.lora_params`); a gated decoder's q, k, v, o and MLP where
-    its class cannot be built."""
+    (:func:`~rlhf_torchrl.modules.shapes.lora_params`, once per config and settings in this
+    process); a gated decoder's q, k, v, o and MLP where its class cannot be built."""
     shape, model = _counted(config)
     if model is not None:
-        return lora_params(model, r, targets)
+        key = (_config_key(config), r, targets if isinstance(targets, str) else tuple(targets))
+        if key not in _ADAPTERS:
+            _ADAPTERS[key] = lora_params(model, r, targets)
+        return _ADAPTERS[key]
     per_layer = (shape.hidden + shape.heads * shape.head_dim  # q
                  + 2 * (shape.hidden + shape.kv_heads * shape.head_dim)  # k, v
                  + shape.heads * shape.head_dim + shape.hidden  # o
@@ -1206,8 +1211,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     if host:  # the process itself, before any weight: the model's class imported as loading will
         _import_model_class(config)
         held["runtime"] = runtime_bytes()
-    targets = cfg.lora.target_modules
-    targets = targets if isinstance(targets, str) else list(targets)
+    targets = cfg.lora.target_modules if cfg.lora.r else None
+    targets = targets if isinstance(targets, str) or targets is None else list(targets)
     trained = _lora_params(config, cfg.lora.r, targets) if cfg.lora.r else shape.params
     held["policy weights"] = shape.params * wb / shard
     if cfg.lora.r:

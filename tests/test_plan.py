@@ -573,17 +573,26 @@ def test_on_a_cpu_each_phase_holds_the_logits_the_others_freed(tmp_path, tiny_ll
 
 @pytest.mark.parametrize("model_type,targets", [
     ("llama", "all-linear"), ("gpt2", "all-linear"), ("gpt_neox", "all-linear"),
-    ("qwen2_moe", "all-linear"), ("llama", ["q_proj", "v_proj"]),
+    ("qwen2_moe", "all-linear"), ("qwen3_moe", "all-linear"), ("mixtral", "all-linear"),
+    ("llama", ["q_proj", "v_proj"]), ("qwen3_moe", ["gate_proj", "up_proj", "down_proj"]),
     ("mixtral", r".*\.self_attn\.(q|k)_proj")])
-def test_the_plan_counts_the_adapters_peft_places(model_type, targets):
-    """LoRA's trained parameters as the plan counts them (on the meta device) equal those PEFT
-    adds to the real model: every linear layer but the head (GPT-2's Conv1D included; a mixture's
-    router and shared expert, not its fused experts), a list of names, a regular expression."""
+@pytest.mark.parametrize("peft", [True, False], ids=["peft", "without-peft"])
+def test_the_plan_counts_the_adapters_peft_places(model_type, targets, peft):
+    """LoRA's trained parameters as the plan counts them (PEFT itself on a meta-device copy)
+    equal those PEFT adds to the real model: every linear layer but the head (GPT-2's Conv1D
+    included), a mixture's fused experts where PEFT adapts them, a list of names, a regular
+    expression. Without PEFT (a plan for a run elsewhere), its rule for linear layers: the same
+    count wherever the targets are linear layers."""
     pytest.importorskip("peft", reason="LoRA needs the [peft] extra")
     from transformers import AutoModelForCausalLM
 
     from rlhf_torchrl.modules.lora import add_lora
+    from rlhf_torchrl.modules.shapes import lora_params, meta_model
     from rlhf_torchrl.plan import _lora_params
+
+    fused = model_type in ("qwen3_moe", "mixtral") and targets != r".*\.self_attn\.(q|k)_proj"
+    if not peft and fused:
+        pytest.skip("PEFT adapts the fused experts: only PEFT itself counts them")
 
     config = _small(model_type, n_embd=64, n_layer=3, n_head=4, num_experts=4,
                     num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -591,7 +600,9 @@ def test_the_plan_counts_the_adapters_peft_places(model_type, targets):
     model = add_lora(AutoModelForCausalLM.from_config(config), r=4, alpha=8, dropout=0.0,
                      target_modules=targets)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert trained > 0 and _lora_params(config, 4, targets) == trained
+    counted = (_lora_params(config, 4, targets) if peft
+               else lora_params(meta_model(config), 4, targets, peft=False))
+    assert trained > 0 and counted == trained
 
 
 @pytest.mark.parametrize("model_type,layout", [

@@ -425,14 +425,17 @@ def main(argv=None) -> dict:
             steps = [tuple(step.split(":", 1)) for step in args.steps]
         for name, variant in steps:
             entry = result["models"].setdefault(name, {})
-            if name not in paths:
+            # a plan of a packaged shape reads its config.json alone: no weights to make
+            shape_only = variant.startswith("plan") and (CONFIGS / f"{name}.json").exists()
+            if name not in paths and not shape_only:
                 paths[name] = model_dir(name, tmp / name, tokenizer)
             if variant == "floor":
                 entry["floor"] = run_floor(paths[name], prompts, tmp / f"{name}.floor.json", args)
                 print(name, "floor:", {k: v for k, v in entry["floor"].items()
                                        if k != "prompt_lengths"}, flush=True)
             elif variant.startswith("plan"):  # plan (the eager run's) or plan-VARIANT
-                entry[variant] = planned(variant.partition("-")[2] or "eager", paths[name],
+                entry[variant] = planned(variant.partition("-")[2] or "eager",
+                                         Path(name) if shape_only else paths[name],
                                          prompts, result["prompt_lengths"],
                                          tmp / f"{name}-{variant}", args)
                 print(name, variant, {k: v for k, v in entry[variant].items() if k != "command"},

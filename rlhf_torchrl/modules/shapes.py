@@ -100,16 +100,16 @@ class ModelShape:
             return shape
         head = model.get_output_embeddings()
         tied = head is None or head.weight is model.get_input_embeddings().weight
-        experts = next((n for name in ("num_local_experts", "num_experts", "n_routed_experts")
-                        if isinstance(n := getattr(config, name, None), int) and n > 0), 0)
-        routed = getattr(config, "num_experts_per_tok", None) or 0
+        experts, routed = routed_experts(config)
         layer, active = 0, 0.0
         for name, param in layers.named_parameters():
             layer += param.numel()
             if param.dim() < 2:  # norms, biases: no matmul
                 continue
-            path = name.split(".")
-            if experts and "experts" in path:  # routed experts: a token visits `routed` of them
+            # routed experts (a module named experts, or weights stacked by expert: JetMoE's):
+            # a token visits `routed` of them
+            if experts and ("experts" in name.split(".")
+                            or (param.dim() == 3 and param.shape[0] == experts)):
                 active += param.numel() * routed / experts
             else:
                 active += param.numel()
@@ -178,6 +178,21 @@ class ModelShape:
         return prefill + rows * (new * per_token + context)
 
 
+def routed_experts(config) -> tuple[int, int]:
+    """(routed experts per mixture-of-experts layer, the experts a token visits) of ``config``;
+    (0, 0) for a dense model.
+
+    Args:
+        config (transformers.PretrainedConfig): the model's config.
+    """
+    def first(*names) -> int:
+        return next((n for name in names
+                     if isinstance(n := getattr(config, name, None), int) and n > 0), 0)
+
+    experts = first("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    return experts, first("num_experts_per_tok", "moe_topk") if experts else 0
+
+
 def meta_model(config):
     """An instance of ``config``'s causal-LM class on the ``meta`` device (shapes, no memory);
     None where transformers cannot build it.
@@ -195,18 +210,31 @@ def meta_model(config):
         return None
 
 
-def lora_params(model, r: int, targets="all-linear") -> int:
-    """Parameters of rank-``r`` LoRA adapters on ``model``'s ``targets``, as PEFT places them: every
-    linear layer but the output head (``"all-linear"``), the modules whose names end with one of a
-    list's (``["q_proj", "v_proj"]``), or those a regular expression matches whole; ``r`` x (inputs
-    + outputs) each.
+def lora_params(model, r: int, targets="all-linear", peft: bool | None = None) -> int:
+    """Parameters of rank-``r`` LoRA adapters on ``model``'s ``targets``: those PEFT itself adds to a
+    copy of ``model`` on the ``meta`` device (a mixture's fused experts included, where PEFT
+    adapts them); without PEFT, PEFT's rule for linear layers: every linear layer but the output
+    head (``"all-linear"``), the modules whose names end with one of a list's
+    (``["q_proj", "v_proj"]``), or those a regular expression matches whole; ``r`` x (inputs +
+    outputs) each.
 
     Args:
-        model: the model (on the ``meta`` device will do).
+        model: the model (on the ``meta`` device: a copy is adapted).
         r: the adapters' rank.
         targets: PEFT's ``target_modules``.
+        peft: count with PEFT itself (None: where it is installed and ``model`` is on ``meta``).
     """
+    import copy
+    import importlib.util
     import re
+
+    if peft is None:
+        peft = importlib.util.find_spec("peft") is not None and _is_meta(model)
+    if peft:
+        from rlhf_torchrl.modules.lora import add_lora
+
+        adapted = add_lora(copy.deepcopy(model), r=r, target_modules=targets)
+        return sum(p.numel() for p in adapted.parameters() if p.requires_grad)
 
     import torch
     from transformers.pytorch_utils import Conv1D
@@ -228,6 +256,10 @@ def lora_params(model, r: int, targets="all-linear") -> int:
             chosen = any(name == t or name.endswith(f".{t}") for t in targets)
         count += r * sizes if chosen else 0
     return count
+
+
+def _is_meta(model) -> bool:
+    return all(p.is_meta for p in model.parameters())
 
 
 def decoder_layers(model, count: int | None = None):
