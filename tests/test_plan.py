@@ -642,3 +642,9 @@ def test_the_kv_cache_is_planned_as_transformers_lays_it_out(model_type, layout)
                                                                       "qwen3_next"))
     if model_type == "gemma3_text":  # a static cache (generation.compile) holds the whole window
         assert kv_cache_positions(config, 40, static=True) == 8 + 8 + 40
+
+
+def test_lora_settings_are_read_only_with_lora_on(tmp_path, tiny_llama_dir):
+    """With LoRA off its other settings are not the plan's business: a null target list plans."""
+    cfg = _cfg(tmp_path, tiny_llama_dir, "lora.r=0", "lora.target_modules=null")
+    assert make_plan(cfg, times=False).peak_gb > 0
