@@ -408,11 +408,25 @@ def _proxy(config, layers: int, head_dim: int):
                         ("vocab_size", 64), ("tie_word_embeddings", False)):
         if hasattr(small, name) and getattr(small, name) is not None:
             setattr(small, name, value)
+    _first_layers(small, layers, shape.layers)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(small, attn_implementation="sdpa").train()
+
+
+def _first_layers(small, layers: int, total: int) -> None:
+    """Make ``small`` (a copy of a config of ``total`` layers, its layer count set to ``layers``)
+    describe its model's typical layers: the per-layer lists cut to ``layers``, and a mixture of
+    experts' few dense layers (DeepSeek's and GLM-MoE's ``first_k_dense_replace``, Qwen-MoE's
+    ``mlp_only_layers``, fewer than half the layers) made expert layers like the rest."""
     for name in ("layer_types", "max_window_layers"):  # per-layer lists follow the layer count
         if isinstance(getattr(small, name, None), list):
             setattr(small, name, getattr(small, name)[:layers])
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(small, attn_implementation="sdpa").train()
+    dense = getattr(small, "first_k_dense_replace", None)
+    if isinstance(dense, int) and 0 < dense < total / 2:
+        small.first_k_dense_replace = 0
+    only = getattr(small, "mlp_only_layers", None)
+    if isinstance(only, list) and 0 < len(only) < total / 2:
+        small.mlp_only_layers = []
 
 
 def _saved_bytes(model, tokens: int, autocast: torch.dtype | None) -> int:
@@ -552,9 +566,7 @@ def _one_layer_copy(config, dtype: torch.dtype, attention: str | None, amp: bool
     for name in ("num_hidden_layers", "n_layer"):
         if getattr(small, name, None) is not None:
             setattr(small, name, 1)
-    for name in ("layer_types", "max_window_layers"):
-        if isinstance(getattr(small, name, None), list):
-            setattr(small, name, getattr(small, name)[:1])
+    _first_layers(small, 1, ModelShape.from_config(config).layers)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(small, attn_implementation=attention or "sdpa",

@@ -648,3 +648,22 @@ def test_lora_settings_are_read_only_with_lora_on(tmp_path, tiny_llama_dir):
     """With LoRA off its other settings are not the plan's business: a null target list plans."""
     cfg = _cfg(tmp_path, tiny_llama_dir, "lora.r=0", "lora.target_modules=null")
     assert make_plan(cfg, times=False).peak_gb > 0
+
+
+@pytest.mark.parametrize("model_type,dense", [
+    ("deepseek_v3", dict(first_k_dense_replace=1)), ("qwen3_moe", dict(mlp_only_layers=[0])),
+    ("deepseek_v3", dict(first_k_dense_replace=3))])
+def test_the_copies_take_a_mixtures_typical_layer(model_type, dense):
+    """A mixture of experts whose first layer is dense (DeepSeek's first_k_dense_replace,
+    Qwen-MoE's mlp_only_layers): the one-layer copy that is timed and the copies whose
+    activations are counted have expert layers, as most of the model's layers are; where most
+    are dense (3 of 4), a dense one."""
+    from rlhf_torchrl.plan import _one_layer_copy, _proxy
+
+    config = _small(model_type, num_hidden_layers=4, n_routed_experts=4, num_experts=4,
+                    num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+                    head_dim=16 if model_type == "qwen3_moe" else 8, **dense)
+    typical = max(dense.get("first_k_dense_replace", 0), len(dense.get("mlp_only_layers", []))) < 2
+    for model in (_one_layer_copy(config, torch.float32, None, False), _proxy(config, 2, 8)):
+        names = [n for n, _ in model.named_parameters()]
+        assert any(".experts." in n for n in names) == typical
