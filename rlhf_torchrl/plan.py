@@ -401,13 +401,22 @@ def _proxy(config, layers: int, head_dim: int):
                         ("head_dim", head_dim),
                         ("intermediate_size", inner(shape.intermediate)),
                         ("n_inner", inner(shape.intermediate)),
-                        # a mixture of experts': each expert's and the shared experts' alike
+                        # a mixture of experts': each expert's and the shared experts' alike;
+                        # latent attention's (DeepSeek's) ranks and head parts alike
                         *((name, inner(getattr(config, name)))
-                          for name in ("moe_intermediate_size", "shared_expert_intermediate_size")
+                          for name in ("moe_intermediate_size", "shared_expert_intermediate_size",
+                                       "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                                       "v_head_dim")
                           if isinstance(getattr(config, name, None), int)),
+                        ("qk_rope_head_dim", head_dim),  # (the head_dim latent attention reads)
                         ("vocab_size", 64), ("tie_word_embeddings", False)):
         if hasattr(small, name) and getattr(small, name) is not None:
             setattr(small, name, value)
+    if isinstance(getattr(small, "qk_head_dim", None), int):  # (a sum its config keeps)
+        small.qk_head_dim = small.qk_nope_head_dim + small.qk_rope_head_dim
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the 64-token vocab
+        if isinstance(getattr(small, name, None), int) and getattr(small, name) >= 64:
+            setattr(small, name, None)
     _first_layers(small, layers, shape.layers)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(small, attn_implementation="sdpa").train()
@@ -461,8 +470,17 @@ def layer_activation_bytes(config, autocast: torch.dtype | None,
     key = _cache_key("activations", _config_key(config), str(autocast), bool(gradient_checkpointing))
     cached = _cache_get(key)
     if cached is None:
-        cached = _cache_put(key, list(_count_layer_activations(config, autocast,
-                                                               gradient_checkpointing)))
+        try:
+            counted = _count_layer_activations(config, autocast, gradient_checkpointing)
+        except Exception as error:  # noqa: BLE001 - a class whose narrow copies do not run
+            from rlhf_torchrl.errors import ConfigError
+
+            raise ConfigError(
+                f"The plan cannot count the activations of {type(config).__name__}'s model: "
+                f"its copies at narrow widths failed ({type(error).__name__}: {error}). The "
+                "PPO command runs such a model without its memory check; "
+                "RLHF_TORCHRL_TRACEBACK=1 shows where the copies failed.") from error
+        cached = _cache_put(key, list(counted))
     return tuple(cached)
 
 

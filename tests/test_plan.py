@@ -116,24 +116,33 @@ def test_the_plan_holds_every_expert_of_a_mixture(tmp_path):
     assert few < 0.6 * every
 
 
-@pytest.mark.parametrize("model", ["llama", "mixtral"])
+@pytest.mark.parametrize("model", ["llama", "mixtral", "deepseek_v3"])
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
 def test_layer_activations_extrapolate_to_the_real_width(autocast, model):
     """The bytes a layer keeps for the backward, counted on 1- and 2-layer copies at head widths 8
     and 16 and extrapolated, equal those of the model's own width counted directly (a mixture of
     experts, whose copies' inner widths are rounded to a multiple of 8 for its grouped matmuls:
-    within 5% at these unaligned widths)."""
+    within 5% at these unaligned widths; DeepSeek's latent attention, its ranks and head parts
+    scaled with the heads)."""
     from transformers import LlamaConfig, MixtralConfig
 
     from rlhf_torchrl.plan import _proxy, _saved_bytes
 
     widths = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=1000)
-    config = (LlamaConfig(intermediate_size=688, **widths) if model == "llama" else
-              MixtralConfig(intermediate_size=344, num_local_experts=4, num_experts_per_tok=2,
-                            **widths))
+    config = {
+        "llama": lambda: LlamaConfig(intermediate_size=688, **widths),
+        "mixtral": lambda: MixtralConfig(intermediate_size=344, num_local_experts=4,
+                                         num_experts_per_tok=2, **widths),
+        "deepseek_v3": lambda: _small(
+            "deepseek_v3", **{**widths, "num_key_value_heads": 4}, intermediate_size=512,
+            moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=128, q_lora_rank=192,
+            qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, n_group=1, topk_group=1,
+            head_dim=32)}[model]()
+    real = ModelShape.from_config(config).head_dim
     per_token, _ = layer_activation_bytes(config, autocast, gradient_checkpointing=False)
-    direct = {layers: _proxy(config, layers, 64) for layers in (1, 2)}  # head width 64 = real
+    direct = {layers: _proxy(config, layers, real) for layers in (1, 2)}  # the real width
     one_layer = {t: _saved_bytes(direct[2], t, autocast) - _saved_bytes(direct[1], t, autocast)
                  for t in (32, 64)}
     measured = (one_layer[64] - one_layer[32]) / 32
@@ -667,3 +676,21 @@ def test_the_copies_take_a_mixtures_typical_layer(model_type, dense):
     for model in (_one_layer_copy(config, torch.float32, None, False), _proxy(config, 2, 8)):
         names = [n for n, _ in model.named_parameters()]
         assert any(".experts." in n for n in names) == typical
+
+
+def test_a_model_whose_copies_fail_gets_one_line(tmp_path, tiny_llama_dir, monkeypatch, caplog):
+    """Where the narrow copies of a model's class fail, the plan says so in one line (the PPO
+    command's check then warns and the run goes on unchecked), not with the copies' traceback."""
+    import rlhf_torchrl.plan as plan
+    from rlhf_torchrl.errors import ConfigError
+
+    def fail(*args):
+        raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
+
+    monkeypatch.setenv("RLHF_TORCHRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(plan, "_count_layer_activations", fail)
+    cfg = _cfg(tmp_path, tiny_llama_dir)
+    with pytest.raises(ConfigError, match="cannot count the activations of LlamaConfig's model: "
+                                          "its copies at narrow widths failed"):
+        make_plan(cfg, times=False)
+    assert check_fits(cfg) is None and "goes on unchecked" in caplog.text

@@ -231,9 +231,13 @@ def lora_params(model, r: int, targets="all-linear", peft: bool | None = None) -
     if peft is None:
         peft = importlib.util.find_spec("peft") is not None and _is_meta(model)
     if peft:
+        import warnings
+
         from rlhf_torchrl.modules.lora import add_lora
 
-        adapted = add_lora(copy.deepcopy(model), r=r, target_modules=targets)
+        with warnings.catch_warnings():  # (PEFT's notes on the copy: patterns it did not use)
+            warnings.simplefilter("ignore")
+            adapted = add_lora(copy.deepcopy(model), r=r, target_modules=targets)
         return sum(p.numel() for p in adapted.parameters() if p.requires_grad)
 
     import torch
