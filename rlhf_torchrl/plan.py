@@ -381,11 +381,14 @@ def _cache_put(key: str, value):
 # ---- activations, counted on a tiny copy of the model's class ----------------------------------
 
 
-def _proxy(config, layers: int, head_dim: int):
+def _proxy(config, layers: int, head_dim: int, attention: str | None = None):
     """A random ``layers``-layer model of ``config``'s class whose widths are ``config``'s scaled
-    so that a head is ``head_dim`` wide (the same heads, the MLP scaled alike), a 64-token vocab."""
+    so that a head is ``head_dim`` wide (the same heads, the MLP scaled alike), a 64-token vocab,
+    with the run's attention implementation ``attention`` (None: transformers' default for the
+    class: SDPA where it has it)."""
     from transformers import AutoModelForCausalLM
 
+    config = _language_model(config)
     small = copy.deepcopy(config)
     shape = ModelShape.from_config(config)
     scale = head_dim / shape.head_dim
@@ -402,24 +405,58 @@ def _proxy(config, layers: int, head_dim: int):
                         ("intermediate_size", inner(shape.intermediate)),
                         ("n_inner", inner(shape.intermediate)),
                         # a mixture of experts': each expert's and the shared experts' alike;
-                        # latent attention's (DeepSeek's) ranks and head parts alike
+                        # latent attention's (DeepSeek's) ranks and head parts alike; the MLP
+                        # widths some classes name otherwise (Falcon's, OPT's)
                         *((name, inner(getattr(config, name)))
                           for name in ("moe_intermediate_size", "shared_expert_intermediate_size",
                                        "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-                                       "v_head_dim")
+                                       "v_head_dim", "ffn_hidden_size", "ffn_dim", "d_ff")
                           if isinstance(getattr(config, name, None), int)),
                         ("qk_rope_head_dim", head_dim),  # (the head_dim latent attention reads)
+                        # the rotary part of a head (GPT-J's, CodeGen's) alike
+                        *((name, max(2, 2 * round(getattr(config, name) * scale / 2)))
+                          for name in ("rotary_dim", "rotary_emb_base_dim")
+                          if isinstance(getattr(config, name, None), int)),
                         ("vocab_size", 64), ("tie_word_embeddings", False)):
         if hasattr(small, name) and getattr(small, name) is not None:
-            setattr(small, name, value)
+            try:
+                setattr(small, name, value)
+            except AttributeError:  # a width derived from the others (Falcon's head_dim)
+                pass
     if isinstance(getattr(small, "qk_head_dim", None), int):  # (a sum its config keeps)
         small.qk_head_dim = small.qk_nope_head_dim + small.qk_rope_head_dim
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the 64-token vocab
         if isinstance(getattr(small, name, None), int) and getattr(small, name) >= 64:
             setattr(small, name, None)
+    experts, routed = routed_experts(config)
+    if experts > _PROXY_EXPERTS:  # a token's activations are its routed experts', however many
+        for name in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
+            if isinstance(getattr(small, name, None), int):
+                setattr(small, name, max(_PROXY_EXPERTS, 2 * routed))
+        for name in ("n_group", "topk_group"):  # (group routing: one group of them)
+            if isinstance(getattr(small, name, None), int):
+                setattr(small, name, 1)
     _first_layers(small, layers, shape.layers)
+    meta = meta_model(small)  # (a width the scaling missed would make a big copy: refused)
+    if meta is not None and sum(p.numel() for p in meta.parameters()) > _PROXY_PARAMS:
+        raise ValueError(f"a narrow copy of {type(config).__name__}'s model would hold "
+                         f"{sum(p.numel() for p in meta.parameters()):,} parameters: some of its "
+                         "widths are not scaled with its heads")
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(small, attn_implementation="sdpa").train()
+    return AutoModelForCausalLM.from_config(small, attn_implementation=attention).train()
+
+
+#: the most parameters a narrow copy may hold (a 64-token vocabulary, heads 8 or 16 wide), and the
+#: most routed experts it keeps (or twice those a token visits)
+_PROXY_PARAMS, _PROXY_EXPERTS = 100_000_000, 8
+
+
+def _language_model(config):
+    """``config``'s language model's config: a multimodal model's text config (the part a text
+    run's tokens go through), else ``config``."""
+    if getattr(config, "hidden_size", None) is None and hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    return config
 
 
 def _first_layers(small, layers: int, total: int) -> None:
@@ -452,26 +489,29 @@ def _saved_bytes(model, tokens: int, autocast: torch.dtype | None) -> int:
     context = (torch.autocast("cpu", dtype=autocast) if autocast is not None
                else torch.autocast("cpu", enabled=False))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
-        model.base_model(ids)  # the trunk: the LM head's logits are counted apart
+        model.base_model(ids, use_cache=False)  # the trunk (the LM head's logits: apart)
     return sum(seen.values())
 
 
-def layer_activation_bytes(config, autocast: torch.dtype | None,
-                           gradient_checkpointing: bool) -> tuple[float, float]:
+def layer_activation_bytes(config, autocast: torch.dtype | None, gradient_checkpointing: bool,
+                           attention: str | None = None) -> tuple[float, float]:
     """(bytes a decoder layer keeps per token for the backward, bytes a forward keeps whatever the
     tokens: the weights' cast copies under autocast), at ``config``'s widths.
 
     Counted on 1- and 2-layer copies at head widths 8 and 16 and 32 and 64 tokens: the difference
     between the layer counts is one layer, between the token counts its per-token part, and both
     grow linearly with the width, which gives them at the real width. The count is kept in
-    :func:`cache_path` per model shape, precision and checkpointing (the next plan of the same
-    shape reads it: no copy is built).
+    :func:`cache_path` per model shape, precision, checkpointing and attention implementation
+    (``model.attn_implementation``; None: the class's default), and the next plan of the same
+    shape reads it: no copy is built.
     """
-    key = _cache_key("activations", _config_key(config), str(autocast), bool(gradient_checkpointing))
+    key = _cache_key("activations", _config_key(config), str(autocast), bool(gradient_checkpointing),
+                     *([attention] if attention else []))
     cached = _cache_get(key)
     if cached is None:
         try:
-            counted = _count_layer_activations(config, autocast, gradient_checkpointing)
+            counted = _count_layer_activations(config, autocast, gradient_checkpointing,
+                                               attention)
         except Exception as error:  # noqa: BLE001 - a class whose narrow copies do not run
             from rlhf_torchrl.errors import ConfigError
 
@@ -484,13 +524,14 @@ def layer_activation_bytes(config, autocast: torch.dtype | None,
     return tuple(cached)
 
 
-def _count_layer_activations(config, autocast, gradient_checkpointing) -> tuple[float, float]:
+def _count_layer_activations(config, autocast, gradient_checkpointing,
+                             attention=None) -> tuple[float, float]:
     shape = ModelShape.from_config(config)
     per_token, fixed = {}, {}
     for width in (8, 16):
         saved = {}
         for layers in (1, 2):
-            model = _proxy(config, layers, width)
+            model = _proxy(config, layers, width, attention)
             if gradient_checkpointing:
                 model.config.use_cache = False
                 enable = (getattr(model, "activation_checkpointing_enable", None)
@@ -580,6 +621,7 @@ def _one_layer_copy(config, dtype: torch.dtype, attention: str | None, amp: bool
 
     from rlhf_torchrl.modules.models import lm_head_in_fp32
 
+    config = _language_model(config)
     small = copy.deepcopy(config)
     for name in ("num_hidden_layers", "n_layer"):
         if getattr(small, name, None) is not None:
@@ -587,7 +629,7 @@ def _one_layer_copy(config, dtype: torch.dtype, attention: str | None, amp: bool
     _first_layers(small, 1, ModelShape.from_config(config).layers)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(small, attn_implementation=attention or "sdpa",
+        model = AutoModelForCausalLM.from_config(small, attn_implementation=attention,
                                                  dtype=dtype)
     return lm_head_in_fp32(model, head) if amp else model
 
@@ -1321,7 +1363,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
     else:
         micro_rows = max(1, rows // p.num_mini_batches // p.gradient_accumulation_steps)
         micro_tokens = micro_rows * T
-    per_token, fixed = layer_activation_bytes(config, amp, m.gradient_checkpointing)
+    per_token, fixed = layer_activation_bytes(config, amp, m.gradient_checkpointing,
+                                              m.attn_implementation)
     fixed = 0.0 if fsdp else fixed
     acts = shape.layers * (per_token * micro_tokens + fixed)
     update = {"policy activations": acts,
@@ -1345,7 +1388,8 @@ def make_plan(cfg, *, world: int | None = None, profile: DeviceProfile | None = 
             operands, (micro_rows * R + shape.hidden) * shape.vocab * 2)
     if cshape is not None:
         c_token, c_fixed = ((per_token, fixed) if critic_name == m.policy else  # the policy's
-                            layer_activation_bytes(cconfig, amp, m.gradient_checkpointing))
+                            layer_activation_bytes(cconfig, amp, m.gradient_checkpointing,
+                                                   m.attn_implementation))
         update["critic activations"] = cshape.layers * (c_token * micro_tokens
                                                         + (0.0 if fsdp else c_fixed))
     if fsdp:  # the layers FSDP2 gathers whole: the running one and the one prefetched

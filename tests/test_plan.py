@@ -694,3 +694,25 @@ def test_a_model_whose_copies_fail_gets_one_line(tmp_path, tiny_llama_dir, monke
                                           "its copies at narrow widths failed"):
         make_plan(cfg, times=False)
     assert check_fits(cfg) is None and "goes on unchecked" in caplog.text
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "falcon", "codegen", "gpt_oss", "deepseek_v3",
+                                        "gemma3", "qwen3_next"])
+def test_published_layouts_plan(tmp_path, model_type):
+    """Classes the narrow copies once failed on, at their default (published-size) widths cut to
+    2 layers: no SDPA (BLOOM; the copies take the class's own attention), a derived head width
+    and a differently named MLP width (Falcon), a partial rotary width (CodeGen), 32 or 256
+    experts (gpt-oss, DeepSeek-V3: the copies keep 8), a multimodal model (Gemma 3: its language
+    model's layers), linear-attention first layers (Qwen3-Next). Each plans, its activations
+    counted, from its config.json alone."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    text = config.get_text_config()
+    text.num_hidden_layers = 2
+    if isinstance(getattr(text, "layer_types", None), list):
+        text.layer_types = text.layer_types[:2]
+    config.save_pretrained(tmp_path / model_type)
+    plan = make_plan(_cfg(tmp_path, tmp_path / model_type, "model.autocast=bfloat16"),
+                     profile=PROFILES["H100"], times=False)
+    assert plan.phases["update"]["held"]["policy activations"] > 0

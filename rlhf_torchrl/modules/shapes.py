@@ -61,8 +61,11 @@ class ModelShape:
         """The shape of a transformers config (Llama, Qwen2/3, Mistral, GPT-2, ...).
 
         Args:
-            config (transformers.PretrainedConfig): the model's config.
+            config (transformers.PretrainedConfig): the model's config (a multimodal model's: its
+                language model's).
         """
+        if getattr(config, "hidden_size", None) is None and hasattr(config, "get_text_config"):
+            config = config.get_text_config()  # (a multimodal model's language model)
         get = lambda *names, default=None: next(  # noqa: E731
             (getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
         hidden = get("hidden_size", "n_embd", "d_model")
