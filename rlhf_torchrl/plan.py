@@ -20,9 +20,10 @@ holds on one device:
 - the old quantities: ``forward_batch_size`` rows' fp32 logits at the response positions;
 - the update: the activations autograd keeps for the largest micro-batch, counted on a 1- and
   2-layer copy of the model's own class at two widths (``torch.autograd.graph.saved_tensors_hooks``
-  on tiny random weights, in the run's precision and gradient checkpointing), and the fp32 logits,
-  their saved softmax and gradient at the response positions; under autocast, the bf16 copies of
-  the weights a forward keeps;
+  on tiny random weights, in the run's precision, gradient checkpointing and attention
+  implementation; a multimodal model's language model, a mixture's typical layer with 8 of its
+  routed experts), and the fp32 logits, their saved softmax and gradient at the response
+  positions; under autocast, the bf16 copies of the weights a forward keeps;
 - with ``model.lm_head_matmul=bf16x3`` on a GPU, where a head call has 1,024 rows or more, the
   LM head's weight in three bf16 parts while its forward runs, or in the backward the logits'
   gradient and the weight in bf16, whichever is larger; its forward's seconds are three bf16
@@ -1576,8 +1577,9 @@ def check_fits(cfg, prompt_tokens: int | None = None) -> Plan | None:
 
     from rlhf_torchrl.errors import ConfigError
 
-    try:
-        plan = make_plan(cfg, prompt_tokens=prompt_tokens, times=False)
+    try:  # (the run's random stream as seeded: building copies of the model draws from it)
+        with torch.random.fork_rng(devices=[]):
+            plan = make_plan(cfg, prompt_tokens=prompt_tokens, times=False)
     except Exception as error:  # noqa: BLE001 - a plan is advice; the run does not need one
         logging.getLogger(__name__).warning("No memory plan for this run (%s: %s); it goes on "
                                             "unchecked.", type(error).__name__, error)

@@ -716,3 +716,24 @@ def test_published_layouts_plan(tmp_path, model_type):
     plan = make_plan(_cfg(tmp_path, tmp_path / model_type, "model.autocast=bfloat16"),
                      profile=PROFILES["H100"], times=False)
     assert plan.phases["update"]["held"]["policy activations"] > 0
+
+
+@pytest.mark.parametrize("lora", ["lora.r=0", "lora.r=4"])
+def test_the_start_up_check_leaves_the_runs_random_stream_alone(tmp_path, tiny_llama_dir,
+                                                                  monkeypatch, lora):
+    """The check runs after the run is seeded and builds copies of the model (a cold cache: the
+    activations counted; LoRA: PEFT on a meta copy): the run's random stream is the seeded one
+    after it all the same, whether the plan's caches were warm or not (a resumed run matches the
+    uninterrupted one)."""
+    if lora != "lora.r=0":
+        pytest.importorskip("peft", reason="LoRA needs the [peft] extra")
+    import rlhf_torchrl.plan as plan
+
+    monkeypatch.setenv("RLHF_TORCHRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(plan, "_SHAPES", {})
+    monkeypatch.setattr(plan, "_ADAPTERS", {})
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    assert check_fits(_cfg(tmp_path, tiny_llama_dir, lora)) is not None
+    assert torch.equal(torch.rand(4), expected)
