@@ -69,8 +69,10 @@ import torch
 
 from rlhf_torchrl.functional.matmul import SPLIT_MIN_ROWS
 from rlhf_torchrl.modules.shapes import (
+    EXPERT_COUNTS,
     ModelShape,
     decoder_layers,
+    language_model_config,
     lora_params,
     meta_model,
     routed_experts,
@@ -389,7 +391,7 @@ def _proxy(config, layers: int, head_dim: int, attention: str | None = None):
     class: SDPA where it has it)."""
     from transformers import AutoModelForCausalLM
 
-    config = _language_model(config)
+    config = language_model_config(config)
     small = copy.deepcopy(config)
     shape = ModelShape.from_config(config)
     scale = head_dim / shape.head_dim
@@ -431,7 +433,7 @@ def _proxy(config, layers: int, head_dim: int, attention: str | None = None):
             setattr(small, name, None)
     experts, routed = routed_experts(config)
     if experts > _PROXY_EXPERTS:  # a token's activations are its routed experts', however many
-        for name in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
+        for name in EXPERT_COUNTS:
             if isinstance(getattr(small, name, None), int):
                 setattr(small, name, max(_PROXY_EXPERTS, 2 * routed))
         for name in ("n_group", "topk_group"):  # (group routing: one group of them)
@@ -439,10 +441,10 @@ def _proxy(config, layers: int, head_dim: int, attention: str | None = None):
                 setattr(small, name, 1)
     _first_layers(small, layers, shape.layers)
     meta = meta_model(small)  # (a width the scaling missed would make a big copy: refused)
-    if meta is not None and sum(p.numel() for p in meta.parameters()) > _PROXY_PARAMS:
+    held = 0 if meta is None else sum(p.numel() for p in meta.parameters())
+    if held > _PROXY_PARAMS:
         raise ValueError(f"a narrow copy of {type(config).__name__}'s model would hold "
-                         f"{sum(p.numel() for p in meta.parameters()):,} parameters: some of its "
-                         "widths are not scaled with its heads")
+                         f"{held:,} parameters: some of its widths are not scaled with its heads")
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(small, attn_implementation=attention).train()
 
@@ -450,14 +452,6 @@ def _proxy(config, layers: int, head_dim: int, attention: str | None = None):
 #: the most parameters a narrow copy may hold (a 64-token vocabulary, heads 8 or 16 wide), and the
 #: most routed experts it keeps (or twice those a token visits)
 _PROXY_PARAMS, _PROXY_EXPERTS = 100_000_000, 8
-
-
-def _language_model(config):
-    """``config``'s language model's config: a multimodal model's text config (the part a text
-    run's tokens go through), else ``config``."""
-    if getattr(config, "hidden_size", None) is None and hasattr(config, "get_text_config"):
-        return config.get_text_config()
-    return config
 
 
 def _first_layers(small, layers: int, total: int) -> None:
@@ -622,7 +616,7 @@ def _one_layer_copy(config, dtype: torch.dtype, attention: str | None, amp: bool
 
     from rlhf_torchrl.modules.models import lm_head_in_fp32
 
-    config = _language_model(config)
+    config = language_model_config(config)
     small = copy.deepcopy(config)
     for name in ("num_hidden_layers", "n_layer"):
         if getattr(small, name, None) is not None:

@@ -64,8 +64,7 @@ class ModelShape:
             config (transformers.PretrainedConfig): the model's config (a multimodal model's: its
                 language model's).
         """
-        if getattr(config, "hidden_size", None) is None and hasattr(config, "get_text_config"):
-            config = config.get_text_config()  # (a multimodal model's language model)
+        config = language_model_config(config)
         get = lambda *names, default=None: next(  # noqa: E731
             (getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
         hidden = get("hidden_size", "n_embd", "d_model")
@@ -181,6 +180,23 @@ class ModelShape:
         return prefill + rows * (new * per_token + context)
 
 
+#: the config keys that name a mixture's routed experts per layer (Mixtral's, Qwen-MoE's,
+#: DeepSeek's, Aria's)
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def language_model_config(config):
+    """``config``'s language model's config: a multimodal model's text config (the part a text
+    run's tokens go through), else ``config``.
+
+    Args:
+        config (transformers.PretrainedConfig): the model's config.
+    """
+    if getattr(config, "hidden_size", None) is None and hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    return config
+
+
 def routed_experts(config) -> tuple[int, int]:
     """(routed experts per mixture-of-experts layer, the experts a token visits) of ``config``;
     (0, 0) for a dense model.
@@ -192,7 +208,7 @@ def routed_experts(config) -> tuple[int, int]:
         return next((n for name in names
                      if isinstance(n := getattr(config, name, None), int) and n > 0), 0)
 
-    experts = first("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    experts = first(*EXPERT_COUNTS)
     return experts, first("num_experts_per_tok", "moe_topk") if experts else 0
 
 
