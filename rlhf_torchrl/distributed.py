@@ -24,6 +24,7 @@ saves; FSDP2 models are saved from a full state dict gathered to rank 0.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from contextlib import contextmanager, nullcontext
@@ -283,8 +284,19 @@ class DataParallel:
         return None
 
     def shutdown(self) -> None:
+        """End the process group. Its handle is kept (in :data:`_ENDED_GROUPS`) until the next
+        group ends or the process exits, so that the DDP wrapper, dropped here, never frees it.
+
+        Freed from the wrapper's reducer, the group's destructor would wait for gloo's worker
+        threads while holding the GIL, and a worker still releasing the tensors of the last
+        collective needs the GIL to do so: the process hangs forever (one job in ten on two busy
+        cores; ``tests/test_distributed.py``). The handle's own destructor releases the GIL first.
+        """
         if self.enabled and torch.distributed.is_initialized():
+            group = torch.distributed.group.WORLD
             torch.distributed.destroy_process_group()
+            _ENDED_GROUPS[:] = [group]
+        self._ddp = None
 
 
 class _LossCall(nn.Module):
@@ -297,6 +309,11 @@ class _LossCall(nn.Module):
     def forward(self, td):
         return self.loss_module(td)
 
+
+#: the process group :meth:`DataParallel.shutdown` ended last; let go at exit, before the
+#: interpreter winds down (a group freed while it finalises may need a GIL no thread can take)
+_ENDED_GROUPS: list = []
+atexit.register(_ENDED_GROUPS.clear)
 
 #: what gloo says when the other end of a collective has gone (its process died or was killed)
 _GLOO_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",

@@ -297,3 +297,62 @@ def test_one_rank_sigkilled_stops_the_job_in_bounded_time_then_resumes_exactly(t
                           for r in rows]
     assert [r["iteration"] for r in resumed] == [0, 1, 2]
     assert strip(resumed) == strip(whole)
+
+
+#: 2 spawned processes, ``cycles`` times over: a gloo group, the loss wrapped in DDP, one backward,
+#: an all-gather of tensors Python holds (as the recipe's metrics and rollout are gathered), then
+#: the group ended and the wrapper dropped: by ``DataParallel.shutdown`` (``ours``), or by
+#: ``destroy_process_group`` and letting go of the wrapper, torch's own way (``torch``)
+_SHUTDOWN_CYCLES = '''
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from rlhf_torchrl.distributed import DataParallel
+
+def cycles(rank, folder, n, way):
+    torch.set_num_threads(1)
+    for i in range(n):
+        dist.init_process_group("gloo", rank=rank, world_size=2,
+                                store=dist.FileStore(os.path.join(folder, f"store{i}"), 2))
+        parallel = DataParallel(rank=rank, world_size=2)
+        parallel.wrap_loss(torch.nn.Linear(4, 1))
+        parallel._ddp(torch.randn(2, 4)).sum().backward()
+        times = torch.ones(3)
+        parts = [torch.empty_like(times) for _ in range(2)]
+        dist.all_gather(parts, times)
+        if way == "ours":
+            parallel.shutdown()
+        else:
+            dist.destroy_process_group()
+            parallel._ddp = None
+
+if __name__ == "__main__":
+    mp.start_processes(cycles, args=(sys.argv[1], int(sys.argv[2]), sys.argv[3]), nprocs=2,
+                       start_method="spawn")
+    print("done")
+'''
+
+
+def _shutdown_cycles(folder: Path, cycles: int, way: str, timeout: float) -> None:
+    script = folder / "cycles.py"
+    script.write_text(_SHUTDOWN_CYCLES)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = run_bounded([sys.executable, "-W", "ignore", str(script), str(folder), str(cycles), way],
+                       timeout=timeout, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stdout + proc.stderr[-3000:]
+
+
+def test_a_process_group_ends_without_hanging_its_process(tmp_path):
+    """``DataParallel.shutdown``, 50 times in 2 processes: every cycle ends. Before the group's
+    handle was kept past the DDP wrapper, this loop hung within its first 10 cycles in each of 4
+    runs, and ``bench balance``'s tiny job about once in ten (CI, stop 58): the next test."""
+    _shutdown_cycles(tmp_path, 50, "ours", timeout=120)
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,  # run_bounded: past its deadline, killed
+                   reason="torch 2.13: DDP's reducer, freed holding the GIL, is the last holder of "
+                          "the gloo group; the group's destructor joins gloo's threads, one of "
+                          "which needs the GIL to release the last collective's tensors")
+def test_torch_own_way_of_ending_a_ddp_process_group_can_hang(tmp_path):
+    """The upstream failure ``DataParallel.shutdown`` works around: ``destroy_process_group()``
+    and the wrapper let go, 100 times in 2 processes, hangs (a strict xfail: when torch frees the
+    group without the GIL, this passes and the workaround can go)."""
+    _shutdown_cycles(tmp_path, 100, "torch", timeout=60)
