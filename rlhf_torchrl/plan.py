@@ -69,7 +69,10 @@ import torch
 
 from rlhf_torchrl.functional.matmul import SPLIT_MIN_ROWS
 from rlhf_torchrl.modules.shapes import (
+    CHUNKED,
     EXPERT_COUNTS,
+    UNATTENDED,
+    WINDOWED,
     ModelShape,
     decoder_layers,
     language_model_config,
@@ -1156,14 +1159,11 @@ def kv_cache_positions(config, length: int, static: bool = False) -> int:
         types, kwargs = get_layer_types_and_kwargs(config)
     except Exception:  # noqa: BLE001 - a transformers without it, a config it cannot read
         return _shape(config).layers * length
-    windowed = ("sliding_attention", "hybrid_sliding", "reference_sliding_attention",
-                "chunked_attention")
-    stateless = ("dummy", "conv", "linear_attention", "mamba", "moe", "mlp")
     positions = 0
     for kind, extra in zip(types, kwargs):
-        if kind in windowed and extra.get("sliding_window"):
+        if kind in WINDOWED + CHUNKED and extra.get("sliding_window"):
             positions += min(length, int(extra["sliding_window"]) - (0 if static else 1))
-        elif kind not in stateless:
+        elif kind not in UNATTENDED + ("dummy",):  # (dummy: reads another layer's cache)
             positions += length
     return positions
 

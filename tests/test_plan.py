@@ -1,6 +1,7 @@
 """rlhf-torchrl plan: model shapes from config.json, activation bytes counted on tiny copies, the
 start-up check refusing a run that cannot fit before any weight loads."""
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -651,6 +652,75 @@ def test_the_kv_cache_is_planned_as_transformers_lays_it_out(model_type, layout)
                                                                       "qwen3_next"))
     if model_type == "gemma3_text":  # a static cache (generation.compile) holds the whole window
         assert kv_cache_positions(config, 40, static=True) == 8 + 8 + 40
+
+
+@pytest.mark.parametrize("model_type,layout,spans", [
+    ("llama", {}, [("full", 0)] * 3),
+    ("gemma3_text", dict(sliding_window=8, layer_types=["sliding_attention", "sliding_attention",
+                                                       "full_attention"]),
+     [("window", 8), ("window", 8), ("full", 0)]),
+    ("mistral", dict(sliding_window=8), [("window", 8)] * 3),
+    ("qwen2", dict(sliding_window=8, use_sliding_window=False), [("full", 0)] * 3),
+    ("llama4_text", dict(attention_chunk_size=8, num_hidden_layers=4),
+     [("chunk", 8)] * 3 + [("full", 0)]),
+    ("qwen3_next", dict(layer_types=["linear_attention", "linear_attention", "full_attention"]),
+     [("none", 0), ("none", 0), ("full", 0)])])
+def test_attention_flops_count_each_layers_span(model_type, layout, spans):
+    """Each layer's attention as transformers masks it (sliding windows, chunks, linear attention:
+    :func:`~rlhf_torchrl.modules.shapes.attention_spans`), and the FLOPs of its two matmuls over
+    the pairs that span keeps, against a full-attention model of the same widths."""
+    from rlhf_torchrl.modules.shapes import attended_pairs, attention_spans, decode_keys
+
+    config = _small(model_type, **layout)
+    assert list(attention_spans(config)) == spans
+    shape = ModelShape.counted(config)
+    full = dataclasses.replace(shape, spans=None)
+    per_pair = 4 * shape.heads * shape.head_dim  # the scores and their values, 2 FLOPs a product
+    for length in (5, 8, 40):
+        saved = sum(attended_pairs(length, "full", 0) - attended_pairs(length, *span)
+                    for span in spans)
+        assert full.forward_flops(2, length, 1) - shape.forward_flops(2, length, 1) \
+            == pytest.approx(2 * per_pair * saved)
+    saved = sum(attended_pairs(30, "full", 0) - attended_pairs(30, *span)  # the prefill
+                + decode_keys(30, 20, "full", 0) - decode_keys(30, 20, *span) for span in spans)
+    assert full.decode_flops(2, 30, 20) - shape.decode_flops(2, 30, 20) == pytest.approx(
+        2 * per_pair * saved)
+
+
+def test_attended_pairs_and_decoding_keys_against_transformers_masks():
+    """The query-key pairs counted per span against a plain loop over transformers' own mask
+    functions (causal, with the sliding-window or the chunk overlay): at or under the mask's
+    count, by no more than its diagonal (the FLOPs' count of full attention, the causal half);
+    and by hand."""
+    from transformers.masking_utils import (
+        causal_mask_function,
+        chunked_overlay,
+        sliding_window_overlay,
+    )
+
+    from rlhf_torchrl.modules.shapes import attended_pairs, decode_keys
+
+    def kept(kind, size):
+        overlay = {"full": lambda *a: True, "window": sliding_window_overlay(size or 1),
+                   "chunk": chunked_overlay(size or 1, torch.zeros(1, dtype=torch.long))}[kind]
+        return lambda q, k: causal_mask_function(0, 0, q, k) and bool(overlay(0, 0, q, k))
+
+    for kind, size in (("full", 0), ("window", 4), ("window", 16), ("chunk", 3), ("chunk", 8)):
+        mask = kept(kind, size)
+        for length in (1, 3, 4, 7, 8, 12, 30):
+            exact = sum(mask(q, k) for q in range(length) for k in range(length))
+            assert exact - length / 2 <= attended_pairs(length, kind, size) <= exact
+        for prompt, new in ((0, 6), (2, 5), (3, 20), (10, 9)):
+            exact = sum(mask(q, k) for q in range(prompt, prompt + new) for k in range(q + 1))
+            assert exact - new / 2 <= decode_keys(prompt, new, kind, size) <= exact
+    assert attended_pairs(10, "window", 4) == 4 * 4 / 2 + 6 * 4
+    assert attended_pairs(10, "chunk", 4) == 2 * 4 * 4 / 2 + 2 * 2 / 2
+    assert attended_pairs(10, "none", 0) == 0 and decode_keys(5, 5, "none", 0) == 0
+    # the keys before step t, t = 0..4, and half the step's own (the area under them): full
+    # attention's 2 + t + 1/2, a window's min(2 + t + 1/2, 4), a chunk's (2 + t) % 4 + 1/2
+    assert decode_keys(2, 5, "full", 0) == 2 + 3 + 4 + 5 + 6 + 5 / 2
+    assert decode_keys(2, 5, "window", 4) == 2 + 3 + 4 + 4 + 4 + 2 / 2
+    assert decode_keys(2, 5, "chunk", 4) == 2 + 3 + 0 + 1 + 2 + 5 / 2
 
 
 def test_lora_settings_are_read_only_with_lora_on(tmp_path, tiny_llama_dir):

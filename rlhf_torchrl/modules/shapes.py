@@ -10,8 +10,11 @@ fallback elsewhere.
 The FLOPs are the matmuls' multiply-adds, 2 FLOPs each (embedding look-ups, norms and
 activations are left out: under 1% at these sizes); a mixture of experts' per token are its
 router's, its shared experts' and ``num_experts_per_tok`` routed experts'. Attention's two matmuls
-are counted over the causal half of the score matrix, the work a causal kernel does. A backward
-pass is counted as twice its forward (the gradients of the inputs and of the weights).
+are counted over the query-key pairs each layer's mask keeps, the work a causal kernel does: the
+causal half of the score matrix in a full-attention layer, the window in a sliding one, the chunk
+in a chunked one, none in a linear-attention, recurrent or convolutional one
+(:func:`attention_spans`). A backward pass is counted as twice its forward (the gradients of the
+inputs and of the weights).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class ModelShape:
         layer: a decoder layer's parameters, counted (the mean over the layers; every expert).
         layer_active: the matmul weights one token goes through in a decoder layer, counted (the
             mean over the layers; of the routed experts, ``num_experts_per_tok``).
+        spans: each layer's attention over positions (:func:`attention_spans`; None: every layer
+            full causal attention).
     """
 
     layers: int
@@ -55,6 +60,7 @@ class ModelShape:
     head: int | None = None
     layer: float | None = None
     layer_active: float | None = None
+    spans: tuple[tuple[str, int], ...] | None = None
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -77,7 +83,8 @@ class ModelShape:
                    vocab=config.vocab_size,
                    tied=bool(getattr(config, "tie_word_embeddings", True)),
                    gated_mlp=not gpt2,
-                   learned_positions=getattr(config, "n_positions", 0) if gpt2 else 0)
+                   learned_positions=getattr(config, "n_positions", 0) if gpt2 else 0,
+                   spans=attention_spans(config))
 
     @classmethod
     def counted(cls, config, model=None) -> ModelShape:
@@ -162,8 +169,16 @@ class ModelShape:
             head_positions: positions per row the output head runs on.
         """
         linear = 2 * self.layers * self.layer_matmul_params * length
-        attention = 2 * self.layers * self.heads * self.head_dim * length * length  # causal half
+        pairs = sum(count * attended_pairs(length, kind, size)
+                    for (kind, size), count in self._span_counts())
+        attention = 4 * self.heads * self.head_dim * pairs  # scores, then their values
         return rows * (linear + attention + 2 * self.hidden * self.vocab * head_positions)
+
+    def _span_counts(self) -> list[tuple[tuple[str, int], int]]:
+        """(span, layers with it), each distinct span once."""
+        if self.spans is None or len(self.spans) != self.layers:  # (a count from the widths)
+            return [(FULL, self.layers)]
+        return [(span, self.spans.count(span)) for span in dict.fromkeys(self.spans)]
 
     def decode_flops(self, rows: int, prompt: int, new: int) -> float:
         """FLOPs of sampling ``new`` tokens after ``prompt`` with a KV cache: the prefill, then one
@@ -176,8 +191,99 @@ class ModelShape:
         """
         prefill = self.forward_flops(rows, prompt, 1)
         per_token = 2 * self.layers * self.layer_matmul_params + 2 * self.hidden * self.vocab
-        context = 4 * self.layers * self.heads * self.head_dim * (new * prompt + new * new / 2)
+        keys = sum(count * decode_keys(prompt, new, kind, size)
+                   for (kind, size), count in self._span_counts())
+        context = 4 * self.heads * self.head_dim * keys
         return prefill + rows * (new * per_token + context)
+
+
+#: a full causal attention layer's span (:func:`attention_spans`)
+FULL = ("full", 0)
+#: transformers' layer types (``config.layer_types``) whose queries see a window of the positions
+#: before them, those that see their chunk's, and those with no attention over positions
+WINDOWED = ("sliding_attention", "hybrid_sliding", "reference_sliding_attention")
+CHUNKED = ("chunked_attention",)
+UNATTENDED = ("linear_attention", "mamba", "conv", "moe", "mlp")
+
+
+def attention_spans(config) -> tuple[tuple[str, int], ...] | None:
+    """Each decoder layer's attention over positions, as transformers masks it
+    (``cache_utils.get_layer_types_and_kwargs`` and ``masking_utils``): ``("full", 0)``, causal
+    attention over every position before; ``("window", w)``, over the ``w`` positions ending at
+    the query's own (``sliding_window``); ``("chunk", c)``, over the positions before it in its
+    chunk of ``c`` (``attention_chunk_size``); ``("none", 0)``, a linear-attention, recurrent,
+    convolutional or MLP-only layer, whose work per token does not grow with the length (a
+    layer reading another's cache still attends: its own type counts). None where transformers
+    cannot say (every layer then counts as full).
+
+    Args:
+        config (transformers.PretrainedConfig): the model's config.
+    """
+    config = language_model_config(config)
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kwargs = get_layer_types_and_kwargs(config)
+    except Exception:  # noqa: BLE001 - a transformers without it, a config it cannot read
+        return None
+    own = getattr(config, "layer_types", None)  # before KV-sharing layers became "dummy"
+    if isinstance(own, (list, tuple)) and len(own) == len(types):
+        types = [o if t == "dummy" else t for t, o in zip(types, own)]
+    spans = []
+    for kind, extra in zip(types, kwargs):
+        size = extra.get("sliding_window")
+        if kind in WINDOWED and size:
+            spans.append(("window", int(size)))
+        elif kind in CHUNKED and size:
+            spans.append(("chunk", int(size)))
+        elif kind in UNATTENDED:
+            spans.append(("none", 0))
+        else:
+            spans.append(FULL)
+    return tuple(spans)
+
+
+def attended_pairs(length: int, kind: str, size: int) -> float:
+    """Query-key pairs a causal mask keeps over ``length`` positions (a layer's
+    :func:`attention_spans` entry, ``kind`` and ``size``), counted as the area under the keys a
+    query sees: ``length**2 / 2`` under full attention (the score matrix's causal half), less in
+    a window or a chunk. Within ``length / 2`` of the mask's own count, at or under it.
+
+    Args:
+        length: positions.
+        kind: ``"full"``, ``"window"``, ``"chunk"`` or ``"none"``.
+        size: the window's or the chunk's positions.
+    """
+    if kind == "none":
+        return 0.0
+    if kind == "window" and length > size:  # the first `size` as full, then `size` a query
+        return size * size / 2 + (length - size) * size
+    if kind == "chunk" and length > size:  # whole chunks, then the last one's part
+        return (length // size) * size * size / 2 + (length % size) ** 2 / 2
+    return length * length / 2
+
+
+def decode_keys(prompt: int, new: int, kind: str, size: int) -> float:
+    """Keys the ``new`` decoding steps after ``prompt`` positions attend to, summed over the steps
+    (one layer's :func:`attention_spans` entry, ``kind`` and ``size``) as the area under them:
+    ``prompt + t`` positions before step ``t`` and half its own under full attention, at most
+    the window in a sliding layer, the current chunk's in a chunked one. Within ``new / 2`` of the
+    mask's own count, at or under it.
+
+    Args:
+        prompt: prompt positions.
+        new: decoding steps.
+        kind: ``"full"``, ``"window"``, ``"chunk"`` or ``"none"``.
+        size: the window's or the chunk's positions.
+    """
+    if kind == "none":
+        return 0.0
+    if kind == "window":  # min(prompt + t, size): growing until the window is full
+        growing = min(new, max(size - prompt, 0))
+        return growing * prompt + growing * growing / 2 + (new - growing) * size
+    if kind == "chunk":
+        return sum((prompt + t) % size for t in range(new)) + new / 2
+    return new * prompt + new * new / 2
 
 
 #: the config keys that name a mixture's routed experts per layer (Mixtral's, Qwen-MoE's,
