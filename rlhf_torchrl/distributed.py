@@ -25,6 +25,7 @@ saves; FSDP2 models are saved from a full state dict gathered to rank 0.
 from __future__ import annotations
 
 import atexit
+import inspect
 import logging
 import os
 from contextlib import contextmanager, nullcontext
@@ -219,8 +220,13 @@ class DataParallel:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # the models' buffers (rotary frequencies) are the same everywhere and never change: no
+        # broadcast before each forward (torch 2.13 renamed the setting; the old name warns)
+        no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers"
+                           in inspect.signature(DistributedDataParallel).parameters
+                           else {"broadcast_buffers": False})
         self._ddp = DistributedDataParallel(_LossCall(loss_module), device_ids=device_ids,
-                                            broadcast_buffers=False)
+                                            **no_forward_sync)
 
     def loss(self, loss_module: nn.Module, td: TensorDictBase) -> TensorDictBase:
         """``loss_module(td)``, through the DDP wrapper when there is one.
@@ -292,7 +298,7 @@ class DataParallel:
         collective needs the GIL to do so: the process hangs forever (one job in ten on two busy
         cores; ``tests/test_distributed.py``). The handle's own destructor releases the GIL first.
         """
-        if self.enabled and torch.distributed.is_initialized():
+        if (self.enabled or self._one_process_group) and torch.distributed.is_initialized():
             group = torch.distributed.group.WORLD
             torch.distributed.destroy_process_group()
             _ENDED_GROUPS[:] = [group]
