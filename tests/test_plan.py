@@ -676,6 +676,7 @@ def test_attention_flops_count_each_layers_span(model_type, layout, spans):
     shape = ModelShape.counted(config)
     full = dataclasses.replace(shape, spans=None)
     per_pair = 4 * shape.heads * shape.head_dim  # the scores and their values, 2 FLOPs a product
+    assert shape.attention_flops_per_pair == per_pair
     for length in (5, 8, 40):
         saved = sum(attended_pairs(length, "full", 0) - attended_pairs(length, *span)
                     for span in spans)
@@ -685,6 +686,37 @@ def test_attention_flops_count_each_layers_span(model_type, layout, spans):
                 + decode_keys(30, 20, "full", 0) - decode_keys(30, 20, *span) for span in spans)
     assert full.decode_flops(2, 30, 20) - shape.decode_flops(2, 30, 20) == pytest.approx(
         2 * per_pair * saved)
+
+
+@pytest.mark.parametrize("model_type,layout", [
+    ("llama", {}), ("qwen2", {}), ("gemma3_text", dict(sliding_window=4)), ("gpt_neox", {}),
+    ("phi", {}), ("opt", dict(ffn_dim=160, word_embed_proj_dim=64)),
+    ("deepseek_v3", dict(num_key_value_heads=4, head_dim=8, n_routed_experts=4,
+                         num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+                         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                         qk_nope_head_dim=16, v_head_dim=16))])
+def test_forward_flops_equal_torchs_count_of_the_models_own_forward(model_type, layout):
+    """The FLOPs of a forward, the LM head at every position, against torch's FlopCounterMode over
+    the model's own forward (eager attention: the whole score matrix, of which the plan counts
+    the causal half): equal for dense models of several families; DeepSeek's latent attention,
+    its scores 24 wide and its values 16 (its ``head_dim`` is 8), by its attention's products
+    (torch does not count its routed experts' grouped products)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    config = _small(model_type, n_embd=64, n_layer=3, n_head=4, **layout)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    rows, length = 2, 10
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(3, 500, (rows, length)))
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    shape = dataclasses.replace(ModelShape.counted(config), spans=None)  # as eager computes it
+    attention = shape.forward_flops(rows, length, 0) - 2 * rows * length * shape.layers \
+        * shape.layer_matmul_params
+    assert counts["aten.bmm"] == 2 * attention  # the whole score matrix, the causal half twice
+    if model_type != "deepseek_v3":
+        assert shape.forward_flops(rows, length, length) == sum(counts.values()) - attention
 
 
 def test_attended_pairs_and_decoding_keys_against_transformers_masks():

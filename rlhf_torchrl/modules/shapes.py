@@ -13,8 +13,9 @@ router's, its shared experts' and ``num_experts_per_tok`` routed experts'. Atten
 are counted over the query-key pairs each layer's mask keeps, the work a causal kernel does: the
 causal half of the score matrix in a full-attention layer, the window in a sliding one, the chunk
 in a chunked one, none in a linear-attention, recurrent or convolutional one
-(:func:`attention_spans`). A backward pass is counted as twice its forward (the gradients of the
-inputs and of the weights).
+(:func:`attention_spans`), at the widths of the scores' and the values' heads. A dense model's
+forward equals torch's own count (``FlopCounterMode``; ``tests/test_plan.py``). A backward pass
+is counted as twice its forward (the gradients of the inputs and of the weights).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class ModelShape:
             mean over the layers; of the routed experts, ``num_experts_per_tok``).
         spans: each layer's attention over positions (:func:`attention_spans`; None: every layer
             full causal attention).
+        qk_head_dim: a head's width in the scores' product where it is not ``head_dim``
+            (DeepSeek's latent attention: its rotary and non-rotary parts).
+        v_head_dim: a head's width in the values' product where it is not ``head_dim``.
     """
 
     layers: int
@@ -61,6 +65,8 @@ class ModelShape:
     layer: float | None = None
     layer_active: float | None = None
     spans: tuple[tuple[str, int], ...] | None = None
+    qk_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -84,7 +90,8 @@ class ModelShape:
                    tied=bool(getattr(config, "tie_word_embeddings", True)),
                    gated_mlp=not gpt2,
                    learned_positions=getattr(config, "n_positions", 0) if gpt2 else 0,
-                   spans=attention_spans(config))
+                   spans=attention_spans(config), qk_head_dim=get("qk_head_dim"),
+                   v_head_dim=get("v_head_dim"))
 
     @classmethod
     def counted(cls, config, model=None) -> ModelShape:
@@ -171,8 +178,15 @@ class ModelShape:
         linear = 2 * self.layers * self.layer_matmul_params * length
         pairs = sum(count * attended_pairs(length, kind, size)
                     for (kind, size), count in self._span_counts())
-        attention = 4 * self.heads * self.head_dim * pairs  # scores, then their values
-        return rows * (linear + attention + 2 * self.hidden * self.vocab * head_positions)
+        return rows * (linear + self.attention_flops_per_pair * pairs
+                       + 2 * self.hidden * self.vocab * head_positions)
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of attention's two matmuls per query-key pair, over all heads: a score (the
+        query and key heads' width) and its share of the values (the value heads' width)."""
+        qk, v = self.qk_head_dim or self.head_dim, self.v_head_dim or self.head_dim
+        return 2 * self.heads * (qk + v)
 
     def _span_counts(self) -> list[tuple[tuple[str, int], int]]:
         """(span, layers with it), each distinct span once."""
@@ -193,7 +207,7 @@ class ModelShape:
         per_token = 2 * self.layers * self.layer_matmul_params + 2 * self.hidden * self.vocab
         keys = sum(count * decode_keys(prompt, new, kind, size)
                    for (kind, size), count in self._span_counts())
-        context = 4 * self.heads * self.head_dim * keys
+        context = self.attention_flops_per_pair * keys
         return prefill + rows * (new * per_token + context)
 
 
