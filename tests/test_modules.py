@@ -642,3 +642,25 @@ def test_the_librarys_loaders_print_no_loading_bars(tiny_llama_dir):
     assert "Loading weights" in theirs  # (the check can fail)
     assert "Loading weights" not in ours and "%|" not in ours
     assert "bars on after: True" in run.stdout
+
+
+@pytest.mark.parametrize("matmul", ["fp32", "bf16x3"])
+def test_a_ray_workers_policy_has_the_runs_lm_head_product(tiny_llama_dir, tmp_path, matmul):
+    """A Ray worker loads a policy of its own (:func:`~rlhf_torchrl.collectors.factory.ray_worker`,
+    called here in this process as the worker's actor calls it): under autocast its LM head
+    computes the logits it samples from as ``model.lm_head_matmul`` names, as the trainer's
+    policy does, not fp32 whatever the setting."""
+    from test_recipe import _cfg
+
+    from rlhf_torchrl.collectors.factory import ray_worker
+    from rlhf_torchrl.config.components import collector_spec
+    from rlhf_torchrl.modules import models
+
+    cfg = _cfg(tmp_path, tiny_llama_dir, "model.autocast=bfloat16",
+               f"model.lm_head_matmul={matmul}", "collection.ray_workers=2")
+    prompts = [f"prompt {i}" for i in range(16)]
+    collector, target = ray_worker(collector_spec(cfg, [2]), prompts, rank=1, world_size=2)
+    head = target.model.get_output_embeddings()
+    assert head.forward.func is {"fp32": models._linear_in_fp32,
+                                 "bf16x3": models._linear_split_bf16}[matmul]
+    collector.shutdown()

@@ -82,6 +82,8 @@ class CollectorSpec:
         overlap: None: synchronous; ``N >= 0``: a background thread samples ``N`` updates ahead.
         record_entropy: the sampler records exact entropies (log-probs are always recorded).
         autocast_dtype: ``bfloat16``/``float16`` generation (None: the model's dtype).
+        lm_head_matmul: the fp32 logits' product under autocast (``model.lm_head_matmul``:
+            ``fp32`` or ``bf16x3``), which Ray workers give their own policy's head.
         policy: the policy's name or path, which Ray workers load their own copy from.
         chat_template: the workers' tokenizer's chat template, as
             :func:`~rlhf_torchrl.modules.load_tokenizer` takes it.
@@ -125,6 +127,7 @@ class CollectorSpec:
     overlap: int | None = None
     record_entropy: bool = False
     autocast_dtype: str | None = None
+    lm_head_matmul: str = "fp32"
     policy: str | None = None
     chat_template: str | None = None
     dtype: str = "float32"
@@ -276,12 +279,15 @@ def ray_worker(spec: CollectorSpec, prompts: list, rank: int, world_size: int,
         start_batch: the first global batch (a resumed run).
     """
     from rlhf_torchrl.modules import load_causal_lm, load_tokenizer
+    from rlhf_torchrl.modules.models import lm_head_in_fp32
 
     spec = replace(spec, ray_workers=0, overlap=None)
     device = resolve_device("cuda" if spec.ray_gpus_per_worker else "cpu")
     tokenizer = load_tokenizer(spec.policy, chat_template=spec.chat_template)
     model = load_causal_lm(spec.policy, tokenizer, dtype=spec.dtype,
                            attn_implementation=spec.attn_implementation).to(device)
+    if spec.autocast_dtype is not None:  # the logits' product the trainer's policy has
+        lm_head_in_fp32(model, spec.lm_head_matmul)
     # the worker's model is only sampled from; weights arrive merged (LoRA) from the trainer
     target = ModelCopy(model, copy_model=False)
     place = DataParallel(rank=rank, world_size=world_size)

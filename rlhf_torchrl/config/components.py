@@ -176,6 +176,7 @@ def collector_spec(cfg: DictConfig, stop_ids) -> CollectorSpec:
         seed=cfg.seed, backend=g.backend, overlap=c.overlap,
         record_entropy=log_probs_from_sampling(cfg) and cfg.logging.exact_entropy,
         autocast_dtype=cfg.model.autocast, policy=cfg.model.policy, dtype=cfg.model.dtype,
+        lm_head_matmul=OmegaConf.select(cfg, "model.lm_head_matmul", default="fp32"),
         chat_template=cfg.data.chat_template, attn_implementation=cfg.model.attn_implementation, ray_workers=c.ray_workers,
         ray_address=c.ray_address, ray_cpus_per_worker=c.ray_cpus_per_worker,
         ray_gpus_per_worker=c.ray_gpus_per_worker, worker_restarts=c.worker_restarts,
