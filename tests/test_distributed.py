@@ -299,15 +299,17 @@ def test_one_rank_sigkilled_stops_the_job_in_bounded_time_then_resumes_exactly(t
     assert strip(resumed) == strip(whole)
 
 
-#: 2 spawned processes, ``cycles`` times over: a gloo group, the loss wrapped in DDP, one backward,
-#: an all-gather of tensors Python holds (as the recipe's metrics and rollout are gathered), then
-#: the group ended and the wrapper dropped: by ``DataParallel.shutdown`` (``ours``), or by
-#: ``destroy_process_group`` and letting go of the wrapper, torch's own way (``torch``)
-_SHUTDOWN_CYCLES = '''
-import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+#: 2 spawned processes: a gloo group, the loss wrapped in DDP, one backward, an all-gather of
+#: tensors Python holds (as the recipe's metrics and rollout are gathered), then the group ended and
+#: the wrapper dropped, by ``DataParallel.shutdown`` (``ours``) or by ``destroy_process_group`` and
+#: letting go of the wrapper, torch's own way (``torch``). ``cycles`` times over; or once with the
+#: all-gather still pending in gloo's thread (``pending``: process 1 joins it 2 s late), which
+#: then holds the tensors' last references
+_SHUTDOWN = '''
+import os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 from rlhf_torchrl.distributed import DataParallel
 
-def cycles(rank, folder, n, way):
+def cycles(rank, folder, n, way, pending):
     torch.set_num_threads(1)
     for i in range(n):
         dist.init_process_group("gloo", rank=rank, world_size=2,
@@ -317,7 +319,12 @@ def cycles(rank, folder, n, way):
         parallel._ddp(torch.randn(2, 4)).sum().backward()
         times = torch.ones(3)
         parts = [torch.empty_like(times) for _ in range(2)]
-        dist.all_gather(parts, times)
+        if pending and rank == 1:
+            time.sleep(2)
+        work = dist.all_gather(parts, times, async_op=True)
+        if not pending or rank == 1:
+            work.wait()
+        del work, parts, times
         if way == "ours":
             parallel.shutdown()
         else:
@@ -325,26 +332,30 @@ def cycles(rank, folder, n, way):
             parallel._ddp = None
 
 if __name__ == "__main__":
-    mp.start_processes(cycles, args=(sys.argv[1], int(sys.argv[2]), sys.argv[3]), nprocs=2,
-                       start_method="spawn")
+    n, way, pending = int(sys.argv[2]), sys.argv[3], sys.argv[4] == "pending"
+    mp.start_processes(cycles, args=(sys.argv[1], n, way, pending), nprocs=2, start_method="spawn")
     print("done")
 '''
 
 
-def _shutdown_cycles(folder: Path, cycles: int, way: str, timeout: float) -> None:
-    script = folder / "cycles.py"
-    script.write_text(_SHUTDOWN_CYCLES)
+def _shutdown(folder: Path, way: str, cycles: int = 1, pending: bool = False,
+              timeout: float = 60) -> None:
+    script = folder / "shutdown.py"
+    script.write_text(_SHUTDOWN)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = run_bounded([sys.executable, "-W", "ignore", str(script), str(folder), str(cycles), way],
-                       timeout=timeout, env=env)
+    proc = run_bounded([sys.executable, "-W", "ignore", str(script), str(folder), str(cycles), way,
+                        "pending" if pending else "done"], timeout=timeout, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stdout + proc.stderr[-3000:]
 
 
 def test_a_process_group_ends_without_hanging_its_process(tmp_path):
-    """``DataParallel.shutdown``, 50 times in 2 processes: every cycle ends. Before the group's
-    handle was kept past the DDP wrapper, this loop hung within its first 10 cycles in each of 4
-    runs, and ``bench balance``'s tiny job about once in ten (CI, stop 58): the next test."""
-    _shutdown_cycles(tmp_path, 50, "ours", timeout=120)
+    """``DataParallel.shutdown`` 50 times in 2 processes, then once while gloo's thread still holds
+    a pending all-gather's tensors: every process ends. Before the group's handle was kept past
+    the DDP wrapper, the 50 hung within their first 10 in each of 4 runs, the pending one every
+    time, and ``bench balance``'s tiny job about once in ten (CI, stop 58): the next test."""
+    (tmp_path / "cycles").mkdir()
+    _shutdown(tmp_path / "cycles", "ours", cycles=50, timeout=120)
+    _shutdown(tmp_path, "ours", pending=True)
 
 
 @pytest.mark.xfail(strict=True, raises=RuntimeError,  # run_bounded: past its deadline, killed
@@ -353,6 +364,7 @@ def test_a_process_group_ends_without_hanging_its_process(tmp_path):
                           "which needs the GIL to release the last collective's tensors")
 def test_torch_own_way_of_ending_a_ddp_process_group_can_hang(tmp_path):
     """The upstream failure ``DataParallel.shutdown`` works around: ``destroy_process_group()``
-    and the wrapper let go, 100 times in 2 processes, hangs (a strict xfail: when torch frees the
-    group without the GIL, this passes and the workaround can go)."""
-    _shutdown_cycles(tmp_path, 100, "torch", timeout=60)
+    and the wrapper let go while gloo's thread holds a pending all-gather's tensors hangs, every
+    time (a strict xfail: when torch frees the group without the GIL, this passes and the
+    workaround can go)."""
+    _shutdown(tmp_path, "torch", pending=True, timeout=30)
