@@ -28,6 +28,7 @@ import atexit
 import inspect
 import logging
 import os
+import weakref
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -220,8 +221,9 @@ class DataParallel:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        # the models' buffers (rotary frequencies) are the same everywhere and never change: no
-        # broadcast before each forward (torch 2.13 renamed the setting; the old name warns)
+        # the models' buffers (rotary frequencies) are the same everywhere and never change:
+        # broadcast once as the wrapper is built, never before a forward (torch 2.13's setting;
+        # broadcast_buffers=False, which also skipped the first, warns there)
         no_forward_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers"
                            in inspect.signature(DistributedDataParallel).parameters
                            else {"broadcast_buffers": False})
@@ -290,19 +292,24 @@ class DataParallel:
         return None
 
     def shutdown(self) -> None:
-        """End the process group. Its handle is kept (in :data:`_ENDED_GROUPS`) until the next
-        group ends or the process exits, so that the DDP wrapper, dropped here, never frees it.
+        """Drop the DDP wrapper, then end the process group and free it here, with the GIL
+        released.
 
-        Freed from the wrapper's reducer, the group's destructor would wait for gloo's worker
-        threads while holding the GIL, and a worker still releasing the tensors of the last
-        collective needs the GIL to do so: the process hangs forever (one job in ten on two busy
-        cores; ``tests/test_distributed.py``). The handle's own destructor releases the GIL first.
+        DDP's reducer must not be what frees the group: it is freed holding the GIL, and the
+        group's destructor waits for gloo's threads, one of which may still need the GIL to
+        release the last collective's tensors; the process then hangs forever (one torchrun job
+        in ten on two busy cores; ``tests/test_distributed.py``). The group's own Python handle
+        releases the GIL as it frees it. Where the wrapper outlives this (a traceback holding
+        it), the handle is kept in :data:`_ENDED_GROUPS` until the next group ends or the
+        process exits.
         """
+        wrapper = None if self._ddp is None else weakref.ref(self._ddp)
+        self._ddp = None
         if (self.enabled or self._one_process_group) and torch.distributed.is_initialized():
             group = torch.distributed.group.WORLD
             torch.distributed.destroy_process_group()
-            _ENDED_GROUPS[:] = [group]
-        self._ddp = None
+            _ENDED_GROUPS[:] = [group] if wrapper is not None and wrapper() is not None else []
+            del group  # freed here unless kept: its destructor releases the GIL
 
 
 class _LossCall(nn.Module):
@@ -316,9 +323,10 @@ class _LossCall(nn.Module):
         return self.loss_module(td)
 
 
-#: the process group :meth:`DataParallel.shutdown` ended last; let go at exit, before the
-#: interpreter winds down (a group freed while it finalises may need a GIL no thread can take)
-_ENDED_GROUPS: list = []
+#: a process group :meth:`DataParallel.shutdown` ended while its DDP wrapper lived on; let go at
+#: exit, before the interpreter winds down (a group freed while it finalises may need a GIL no
+#: thread can take)
+_ENDED_GROUPS: list[torch.distributed.ProcessGroup] = []
 atexit.register(_ENDED_GROUPS.clear)
 
 #: what gloo says when the other end of a collective has gone (its process died or was killed)

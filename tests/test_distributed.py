@@ -304,7 +304,8 @@ def test_one_rank_sigkilled_stops_the_job_in_bounded_time_then_resumes_exactly(t
 #: the wrapper dropped, by ``DataParallel.shutdown`` (``ours``) or by ``destroy_process_group`` and
 #: letting go of the wrapper, torch's own way (``torch``). ``cycles`` times over; or once with the
 #: all-gather still pending in gloo's thread (``pending``: process 1 joins it 2 s late), which
-#: then holds the tensors' last references
+#: then holds the tensors' last references. ``env``: ``shutdown`` with each cycle's group joined
+#: through ``MASTER_ADDR``/``MASTER_PORT``, process 0 late (a new store on the same port)
 _SHUTDOWN = '''
 import os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 from rlhf_torchrl.distributed import DataParallel
@@ -312,11 +313,16 @@ from rlhf_torchrl.distributed import DataParallel
 def cycles(rank, folder, n, way, pending):
     torch.set_num_threads(1)
     for i in range(n):
-        dist.init_process_group("gloo", rank=rank, world_size=2,
-                                store=dist.FileStore(os.path.join(folder, f"store{i}"), 2))
+        if way == "env":  # MASTER_ADDR and MASTER_PORT: the same port every cycle, process 0 late
+            time.sleep(1.5 * (rank == 0))
+            dist.init_process_group("gloo", rank=rank, world_size=2)
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=2,
+                                    store=dist.FileStore(os.path.join(folder, f"store{i}"), 2))
         parallel = DataParallel(rank=rank, world_size=2)
-        parallel.wrap_loss(torch.nn.Linear(4, 1))
-        parallel._ddp(torch.randn(2, 4)).sum().backward()
+        loss = torch.nn.Linear(4, 1)
+        parallel.wrap_loss(loss)
+        parallel.loss(loss, torch.randn(2, 4)).sum().backward()
         times = torch.ones(3)
         parts = [torch.empty_like(times) for _ in range(2)]
         if pending and rank == 1:
@@ -325,11 +331,11 @@ def cycles(rank, folder, n, way, pending):
         if not pending or rank == 1:
             work.wait()
         del work, parts, times
-        if way == "ours":
-            parallel.shutdown()
-        else:
+        if way == "torch":
             dist.destroy_process_group()
             parallel._ddp = None
+        else:
+            parallel.shutdown()
 
 if __name__ == "__main__":
     n, way, pending = int(sys.argv[2]), sys.argv[3], sys.argv[4] == "pending"
@@ -340,9 +346,15 @@ if __name__ == "__main__":
 
 def _shutdown(folder: Path, way: str, cycles: int = 1, pending: bool = False,
               timeout: float = 60) -> None:
+    import socket
+
     script = folder / "shutdown.py"
     script.write_text(_SHUTDOWN)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
     proc = run_bounded([sys.executable, "-W", "ignore", str(script), str(folder), str(cycles), way,
                         "pending" if pending else "done"], timeout=timeout, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stdout + proc.stderr[-3000:]
@@ -350,12 +362,17 @@ def _shutdown(folder: Path, way: str, cycles: int = 1, pending: bool = False,
 
 def test_a_process_group_ends_without_hanging_its_process(tmp_path):
     """``DataParallel.shutdown`` 50 times in 2 processes, then once while gloo's thread still holds
-    a pending all-gather's tensors: every process ends. Before the group's handle was kept past
-    the DDP wrapper, the 50 hung within their first 10 in each of 4 runs, the pending one every
-    time, and ``bench balance``'s tiny job about once in ten (CI, stop 58): the next test."""
-    (tmp_path / "cycles").mkdir()
+    a pending all-gather's tensors: every process ends. Before the group was freed by its own
+    handle rather than the DDP wrapper's reducer, the 50 hung within their first 10 in each of 4
+    runs, the pending one every time, and ``bench balance``'s tiny job about once in ten (CI,
+    stop 58): the next test. And 3 groups in a row on one ``MASTER_PORT``, process 0 arriving
+    late: each group is gone when the next starts (a group kept past its end kept its store's
+    port, and the next group read the old one's keys and hung)."""
+    for name in ("cycles", "pending", "env"):
+        (tmp_path / name).mkdir()
     _shutdown(tmp_path / "cycles", "ours", cycles=50, timeout=120)
-    _shutdown(tmp_path, "ours", pending=True)
+    _shutdown(tmp_path / "pending", "ours", pending=True)
+    _shutdown(tmp_path / "env", "env", cycles=3)
 
 
 @pytest.mark.xfail(strict=True, raises=RuntimeError,  # run_bounded: past its deadline, killed

@@ -660,7 +660,9 @@ def test_a_ray_workers_policy_has_the_runs_lm_head_product(tiny_llama_dir, tmp_p
                f"model.lm_head_matmul={matmul}", "collection.ray_workers=2")
     prompts = [f"prompt {i}" for i in range(16)]
     collector, target = ray_worker(collector_spec(cfg, [2]), prompts, rank=1, world_size=2)
-    head = target.model.get_output_embeddings()
-    assert head.forward.func is {"fp32": models._linear_in_fp32,
-                                 "bf16x3": models._linear_split_bf16}[matmul]
-    collector.shutdown()
+    try:
+        head = target.model.get_output_embeddings()
+        assert head.forward.func is {"fp32": models._linear_in_fp32,
+                                     "bf16x3": models._linear_split_bf16}[matmul]
+    finally:
+        collector.shutdown()

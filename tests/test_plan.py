@@ -664,7 +664,13 @@ def test_the_kv_cache_is_planned_as_transformers_lays_it_out(model_type, layout)
     ("llama4_text", dict(attention_chunk_size=8, num_hidden_layers=4),
      [("chunk", 8)] * 3 + [("full", 0)]),
     ("qwen3_next", dict(layer_types=["linear_attention", "linear_attention", "full_attention"]),
-     [("none", 0), ("none", 0), ("full", 0)])])
+     [("none", 0), ("none", 0), ("full", 0)]),
+    # Gemma 3n: the last two layers read others' KV caches and still attend, over their windows
+    ("gemma3n_text", dict(num_hidden_layers=5, num_kv_shared_layers=2, sliding_window=8,
+                          layer_types=["sliding_attention", "full_attention"] * 2
+                          + ["sliding_attention"], hidden_size_per_layer_input=8,
+                          laurel_rank=8, altup_num_inputs=2, vocab_size_per_layer_input=500),
+     [("window", 8), ("full", 0), ("window", 8), ("full", 0), ("window", 8)])])
 def test_attention_flops_count_each_layers_span(model_type, layout, spans):
     """Each layer's attention as transformers masks it (sliding windows, chunks, linear attention:
     :func:`~rlhf_torchrl.modules.shapes.attention_spans`), and the FLOPs of its two matmuls over

@@ -145,7 +145,7 @@ def floor(path: str, prompts: str, args) -> dict:
     device = args.device
     tok = load_tokenizer(path)
     policy = load_causal_lm(path, tok).to(device)
-    shape = ModelShape.from_config(AutoConfig.from_pretrained(path))
+    shape = ModelShape.counted(AutoConfig.from_pretrained(path))  # (a mixture: the experts used)
     suffix = " Let's think step by step and output the final answer after \"####\"."
     texts = [json.loads(x)["question"] + suffix for x in open(prompts)][:args.batch_size]
     R, out = args.response_length, {}

@@ -14,8 +14,9 @@ are counted over the query-key pairs each layer's mask keeps, the work a causal 
 causal half of the score matrix in a full-attention layer, the window in a sliding one, the chunk
 in a chunked one, none in a linear-attention, recurrent or convolutional one
 (:func:`attention_spans`), at the widths of the scores' and the values' heads. A dense model's
-forward equals torch's own count (``FlopCounterMode``; ``tests/test_plan.py``). A backward pass
-is counted as twice its forward (the gradients of the inputs and of the weights).
+forward equals torch's own count of its eager forward (``FlopCounterMode``; ``tests/test_plan.py``)
+with attention's products taken over the causal half. A backward pass is counted as twice its
+forward (the gradients of the inputs and of the weights).
 """
 
 from __future__ import annotations
@@ -189,8 +190,9 @@ class ModelShape:
         return 2 * self.heads * (qk + v)
 
     def _span_counts(self) -> list[tuple[tuple[str, int], int]]:
-        """(span, layers with it), each distinct span once."""
-        if self.spans is None or len(self.spans) != self.layers:  # (a count from the widths)
+        """(span, layers with it), each distinct span once; every layer full attention where
+        the spans are unknown or do not name every layer."""
+        if self.spans is None or len(self.spans) != self.layers:
             return [(FULL, self.layers)]
         return [(span, self.spans.count(span)) for span in dict.fromkeys(self.spans)]
 
@@ -241,11 +243,14 @@ def attention_spans(config) -> tuple[tuple[str, int], ...] | None:
     except Exception:  # noqa: BLE001 - a transformers without it, a config it cannot read
         return None
     own = getattr(config, "layer_types", None)  # before KV-sharing layers became "dummy"
-    if isinstance(own, (list, tuple)) and len(own) == len(types):
-        types = [o if t == "dummy" else t for t, o in zip(types, own)]
     spans = []
-    for kind, extra in zip(types, kwargs):
+    for i, (kind, extra) in enumerate(zip(types, kwargs)):
         size = extra.get("sliding_window")
+        if kind == "dummy" and isinstance(own, (list, tuple)) and len(own) == len(types):
+            kind = own[i]  # (its window: the layer's own config's, the cache gives it none)
+            layer = config.per_layer_config[i]
+            size = getattr(layer, "attention_chunk_size" if kind in CHUNKED else "sliding_window",
+                           None)
         if kind in WINDOWED and size:
             spans.append(("window", int(size)))
         elif kind in CHUNKED and size:
