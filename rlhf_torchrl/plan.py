@@ -69,11 +69,9 @@ import torch
 
 from rlhf_torchrl.functional.matmul import SPLIT_MIN_ROWS
 from rlhf_torchrl.modules.shapes import (
-    CHUNKED,
     EXPERT_COUNTS,
-    UNATTENDED,
-    WINDOWED,
     ModelShape,
+    attention_spans,
     decoder_layers,
     language_model_config,
     lora_params,
@@ -1153,19 +1151,11 @@ def kv_cache_positions(config, length: int, static: bool = False) -> int:
         length: tokens seen (prompt and response).
         static: a static cache (``generation.compile``).
     """
-    try:
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
-        types, kwargs = get_layer_types_and_kwargs(config)
-    except Exception:  # noqa: BLE001 - a transformers without it, a config it cannot read
+    spans = attention_spans(config, cache=True)
+    if spans is None:
         return _shape(config).layers * length
-    positions = 0
-    for kind, extra in zip(types, kwargs):
-        if kind in WINDOWED + CHUNKED and extra.get("sliding_window"):
-            positions += min(length, int(extra["sliding_window"]) - (0 if static else 1))
-        elif kind not in UNATTENDED + ("dummy",):  # (dummy: reads another layer's cache)
-            positions += length
-    return positions
+    return sum(0 if kind == "none" else length if kind == "full"
+               else min(length, size - (0 if static else 1)) for kind, size in spans)
 
 
 def kv_cache_bytes(config, rows: int, length: int, key_bytes: int, value_bytes: int,

@@ -222,18 +222,19 @@ CHUNKED = ("chunked_attention",)
 UNATTENDED = ("linear_attention", "mamba", "conv", "moe", "mlp")
 
 
-def attention_spans(config) -> tuple[tuple[str, int], ...] | None:
+def attention_spans(config, cache: bool = False) -> tuple[tuple[str, int], ...] | None:
     """Each decoder layer's attention over positions, as transformers masks it
     (``cache_utils.get_layer_types_and_kwargs`` and ``masking_utils``): ``("full", 0)``, causal
     attention over every position before; ``("window", w)``, over the ``w`` positions ending at
     the query's own (``sliding_window``); ``("chunk", c)``, over the positions before it in its
     chunk of ``c`` (``attention_chunk_size``); ``("none", 0)``, a linear-attention, recurrent,
-    convolutional or MLP-only layer, whose work per token does not grow with the length (a
-    layer reading another's cache still attends: its own type counts). None where transformers
-    cannot say (every layer then counts as full).
+    convolutional or MLP-only layer, whose work per token does not grow with the length. None
+    where transformers cannot say (every layer then counts as full).
 
     Args:
         config (transformers.PretrainedConfig): the model's config.
+        cache: the spans of the KV cache instead: a layer that reads another's cache (Gemma 3n's
+            last ones) holds none, ``("none", 0)``, where it still attends over its own span.
     """
     config = language_model_config(config)
     try:
@@ -246,7 +247,8 @@ def attention_spans(config) -> tuple[tuple[str, int], ...] | None:
     spans = []
     for i, (kind, extra) in enumerate(zip(types, kwargs)):
         size = extra.get("sliding_window")
-        if kind == "dummy" and isinstance(own, (list, tuple)) and len(own) == len(types):
+        if kind == "dummy" and not cache and isinstance(own, (list, tuple)) \
+                and len(own) == len(types):
             kind = own[i]  # (its window: the layer's own config's, the cache gives it none)
             layer = config.per_layer_config[i]
             size = getattr(layer, "attention_chunk_size" if kind in CHUNKED else "sliding_window",
@@ -255,7 +257,7 @@ def attention_spans(config) -> tuple[tuple[str, int], ...] | None:
             spans.append(("window", int(size)))
         elif kind in CHUNKED and size:
             spans.append(("chunk", int(size)))
-        elif kind in UNATTENDED:
+        elif kind in UNATTENDED or (kind == "dummy" and cache):
             spans.append(("none", 0))
         else:
             spans.append(FULL)
